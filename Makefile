@@ -1,0 +1,44 @@
+# Two entry points for a fresh machine: `make demo` (the main job) and `make test` (every test).
+# Both create .venv, install what they need into it, and build the Rust extension in release mode.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+RUST_SOURCES := $(shell find src -name '*.rs') Cargo.toml pyproject.toml
+PY_DEPS := maturin numpy pytest hypothesis safetensors tokenizers prometheus-client rich matplotlib
+
+.PHONY: demo test test-rust test-loom test-python bench develop clean
+
+demo: $(VENV)/.built
+	$(PY) -m pagedkv demo
+
+test: test-rust test-loom test-python
+
+test-rust:
+	cargo test --release
+
+# The lock-free free list under loom's model checker (its own target dir: different cfg).
+test-loom:
+	RUSTFLAGS="--cfg loom" CARGO_TARGET_DIR=target/loom cargo test --release --test loom_free_list
+
+test-python: $(VENV)/.built
+	$(PY) -m pytest tests
+
+bench: $(VENV)/.built
+	cargo bench
+	$(PY) -m pagedkv bench all
+
+develop: $(VENV)/.built
+
+$(VENV)/.deps:
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet $(PY_DEPS)
+	touch $@
+
+$(VENV)/.built: $(VENV)/.deps $(RUST_SOURCES)
+	VIRTUAL_ENV=$(abspath $(VENV)) PATH=$(abspath $(VENV))/bin:$$PATH maturin develop --release --quiet
+	touch $@
+
+clean:
+	rm -rf $(VENV) target

@@ -1,0 +1,29 @@
+"""pagedkv: a paged KV cache (PagedAttention) and continuous batching for LLM inference.
+
+The memory manager, attention kernel and scheduler are Rust (``pagedkv._core``); this package
+re-exports them with the Python-side engine, model and tools.
+"""
+
+from __future__ import annotations
+
+from pagedkv._core import BlockManager, KVCache, __version__
+from pagedkv.errors import (
+    DuplicateSequenceError,
+    InvalidArgumentError,
+    OutOfBlocksError,
+    PagedKVError,
+    ShapeError,
+    UnknownSequenceError,
+)
+
+__all__ = [
+    "BlockManager",
+    "KVCache",
+    "PagedKVError",
+    "OutOfBlocksError",
+    "UnknownSequenceError",
+    "DuplicateSequenceError",
+    "InvalidArgumentError",
+    "ShapeError",
+    "__version__",
+]

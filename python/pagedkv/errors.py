@@ -1,0 +1,44 @@
+"""Exceptions raised by pagedkv.
+
+Every error derives from :class:`PagedKVError` and also from the standard exception a caller would
+naturally catch: unknown ids are ``KeyError``, bad arguments ``ValueError``, exhaustion
+``RuntimeError``. An operation that raises has changed no state.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "PagedKVError",
+    "OutOfBlocksError",
+    "UnknownSequenceError",
+    "DuplicateSequenceError",
+    "InvalidArgumentError",
+    "ShapeError",
+]
+
+
+class PagedKVError(Exception):
+    """Base class of every pagedkv error."""
+
+
+class OutOfBlocksError(PagedKVError, RuntimeError):
+    """The KV block pool cannot supply the blocks an operation needs, even after eviction."""
+
+
+class UnknownSequenceError(PagedKVError, KeyError):
+    """No sequence or request has this id."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return str(self.args[0]) if self.args else ""
+
+
+class DuplicateSequenceError(PagedKVError, ValueError):
+    """A sequence or request with this id already exists."""
+
+
+class InvalidArgumentError(PagedKVError, ValueError):
+    """An argument is out of range or malformed (zero sizes, NaN, bad ids, impossible limits)."""
+
+
+class ShapeError(InvalidArgumentError):
+    """An array has the wrong shape or dtype."""

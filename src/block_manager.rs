@@ -1,0 +1,336 @@
+//! The block manager of one model: a block pool, the prefix cache, and a block table per sequence.
+//!
+//! Every public method either succeeds or returns an error having changed nothing: capacity is
+//! checked (counting evictable prefix hits as used capacity) before any block moves. After every
+//! call, for each block, its ref count equals the number of tables that hold it, and no table holds
+//! a block twice (`check_invariants` verifies both plus the pool's own invariants).
+
+use std::collections::HashMap;
+
+use crate::block_pool::BlockPool;
+use crate::block_table::BlockTable;
+use crate::error::{ensure, Error, Result};
+use crate::prefix_cache::{block_hashes, chain_hash, root_hash, BlockHash};
+use crate::{BlockId, SeqId, TokenId};
+
+/// A K/V copy the model runner must perform before the next attention call: the whole block `src`
+/// into block `dst` (copy-on-write of a shared partial block).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CopyOp {
+    pub src: BlockId,
+    pub dst: BlockId,
+}
+
+/// The cached prefix found for a prompt: read-only, it reserves nothing.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PrefixMatch {
+    /// Chain root of the prompt (from its cache salt).
+    pub root: BlockHash,
+    /// Hashes of the prompt's leading full blocks that are cached, one per block in `blocks`.
+    pub hashes: Vec<BlockHash>,
+    /// The cached blocks, in order.
+    pub blocks: Vec<BlockId>,
+    /// Tokens the lookup covered (the whole prompt).
+    pub num_queried_tokens: usize,
+}
+
+impl PrefixMatch {
+    /// Tokens the cached blocks cover.
+    pub fn num_cached_tokens(&self, block_size: usize) -> usize {
+        self.blocks.len() * block_size
+    }
+}
+
+/// Occupancy and activity figures of a block manager.
+#[derive(Debug, Default, Clone, Copy, PartialEq)]
+pub struct BlockStats {
+    pub num_blocks: usize,
+    pub free_blocks: usize,
+    pub cached_blocks: usize,
+    pub used_blocks: usize,
+    /// `used_blocks / num_blocks`.
+    pub usage: f64,
+    /// Prompt tokens looked up in the prefix cache at admission.
+    pub prefix_queried_tokens: u64,
+    /// Of those, tokens found cached.
+    pub prefix_hit_tokens: u64,
+    pub allocations: u64,
+    pub evictions: u64,
+    pub cow_copies: u64,
+}
+
+/// Block pool + prefix cache + block tables.
+pub struct BlockManager {
+    pool: BlockPool,
+    tables: HashMap<SeqId, BlockTable>,
+    block_size: usize,
+    enable_prefix_caching: bool,
+    prefix_queried_tokens: u64,
+    prefix_hit_tokens: u64,
+    cow_copies: u64,
+}
+
+impl BlockManager {
+    /// A manager of `num_blocks` blocks of `block_size` tokens each.
+    pub fn new(num_blocks: usize, block_size: usize, enable_prefix_caching: bool) -> Result<Self> {
+        ensure(num_blocks > 0, || "num_blocks must be positive".into())?;
+        ensure(num_blocks < u32::MAX as usize, || format!("num_blocks {num_blocks} exceeds u32 ids"))?;
+        ensure(block_size > 0, || "block_size must be positive".into())?;
+        Ok(BlockManager {
+            pool: BlockPool::new(num_blocks),
+            tables: HashMap::new(),
+            block_size,
+            enable_prefix_caching,
+            prefix_queried_tokens: 0,
+            prefix_hit_tokens: 0,
+            cow_copies: 0,
+        })
+    }
+
+    /// Tokens per block.
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// Total blocks.
+    pub fn num_blocks(&self) -> usize {
+        self.pool.num_blocks()
+    }
+
+    /// Blocks an allocation could obtain now (clean + evictable cached).
+    pub fn num_available_blocks(&self) -> usize {
+        self.pool.num_available()
+    }
+
+    /// Whether prefix caching is on.
+    pub fn prefix_caching_enabled(&self) -> bool {
+        self.enable_prefix_caching
+    }
+
+    /// Number of live sequences.
+    pub fn num_sequences(&self) -> usize {
+        self.tables.len()
+    }
+
+    /// Whether `seq` is live.
+    pub fn contains(&self, seq: SeqId) -> bool {
+        self.tables.contains_key(&seq)
+    }
+
+    /// The longest cached prefix of `prompt` in whole blocks, always leaving at least the last
+    /// token uncached so the model has logits to sample from. Changes nothing.
+    pub fn match_prefix(&self, prompt: &[TokenId], salt: Option<&[u8]>) -> PrefixMatch {
+        let root = root_hash(salt);
+        let mut found = PrefixMatch { root, num_queried_tokens: prompt.len(), ..Default::default() };
+        if !self.enable_prefix_caching || prompt.is_empty() {
+            return found;
+        }
+        let cacheable = &prompt[..(prompt.len() - 1) / self.block_size * self.block_size];
+        for hash in block_hashes(root, cacheable, self.block_size) {
+            match self.pool.lookup(hash) {
+                Some(block) => {
+                    found.hashes.push(hash);
+                    found.blocks.push(block);
+                }
+                None => break,
+            }
+        }
+        found
+    }
+
+    /// Available blocks that admitting `num_tokens` tokens over `found` would use up: new blocks
+    /// plus cached hits that must be revived from the evictable set.
+    pub fn blocks_to_admit(&self, found: &PrefixMatch, num_tokens: usize) -> usize {
+        let revived = found.blocks.iter().filter(|&&b| self.pool.is_evictable(b)).count();
+        num_tokens.div_ceil(self.block_size).saturating_sub(found.blocks.len()) + revived
+    }
+
+    /// Creates sequence `seq` holding `tokens` (the prompt, or its first chunk), reusing the
+    /// blocks of `found`, which must come from `match_prefix` on this state with `tokens` as a
+    /// prefix of the looked-up prompt. Returns the number of tokens served from the cache.
+    pub fn admit(&mut self, seq: SeqId, tokens: &[TokenId], found: PrefixMatch) -> Result<usize> {
+        if self.tables.contains_key(&seq) {
+            return Err(Error::DuplicateSequence(seq.to_string()));
+        }
+        let cached = found.num_cached_tokens(self.block_size);
+        ensure(tokens.len() > cached, || {
+            format!("{} tokens do not extend the {cached} cached ones", tokens.len())
+        })?;
+        let stale = found.blocks.iter().zip(&found.hashes).any(|(&b, &h)| self.pool.hash_of(b) != Some(h));
+        ensure(!stale, || "prefix match is stale: the cache changed since match_prefix".into())?;
+        let needed = self.blocks_to_admit(&found, tokens.len());
+        self.ensure_available(needed)?;
+
+        for &block in &found.blocks {
+            self.pool.retain(block);
+        }
+        let mut table = BlockTable {
+            blocks: found.blocks,
+            tokens: tokens[..cached].to_vec(),
+            hashes: found.hashes,
+            root: found.root,
+        };
+        self.grow(&mut table, &tokens[cached..]);
+        self.tables.insert(seq, table);
+        self.prefix_queried_tokens += found.num_queried_tokens as u64;
+        self.prefix_hit_tokens += cached as u64;
+        Ok(cached)
+    }
+
+    /// `match_prefix` then `admit` of the whole prompt: creates `seq` holding all of `prompt`.
+    /// Returns the number of prompt tokens served from the cache.
+    pub fn allocate(&mut self, seq: SeqId, prompt: &[TokenId], salt: Option<&[u8]>) -> Result<usize> {
+        ensure(!prompt.is_empty(), || "a sequence needs at least one token".into())?;
+        let found = self.match_prefix(prompt, salt);
+        self.admit(seq, prompt, found)
+    }
+
+    /// Gives `tokens` slots at the end of `seq`, allocating blocks as the tail fills. If the tail
+    /// block is shared (after a fork), it is first copied to a private block and the copy is returned.
+    pub fn append(&mut self, seq: SeqId, tokens: &[TokenId]) -> Result<Option<CopyOp>> {
+        let table = self.tables.get(&seq).ok_or_else(|| Error::UnknownSequence(seq.to_string()))?;
+        if tokens.is_empty() {
+            return Ok(None);
+        }
+        let shared_tail = table.partial_tail(self.block_size).filter(|&b| self.pool.ref_count(b) > 1);
+        let needed = table.blocks_to_grow(tokens.len(), self.block_size) + usize::from(shared_tail.is_some());
+        self.ensure_available(needed)?;
+
+        let mut table = self.tables.remove(&seq).expect("checked above");
+        let copy = shared_tail.map(|src| {
+            let dst = self.pool.allocate().expect("capacity checked");
+            self.pool.release(src);
+            *table.blocks.last_mut().expect("a tail exists") = dst;
+            self.cow_copies += 1;
+            CopyOp { src, dst }
+        });
+        self.grow(&mut table, tokens);
+        self.tables.insert(seq, table);
+        Ok(copy)
+    }
+
+    /// Makes `child` share every block of `parent`, the partial tail included.
+    pub fn fork(&mut self, parent: SeqId, child: SeqId) -> Result<()> {
+        if self.tables.contains_key(&child) {
+            return Err(Error::DuplicateSequence(child.to_string()));
+        }
+        let table = self.tables.get(&parent).ok_or_else(|| Error::UnknownSequence(parent.to_string()))?.clone();
+        for &block in &table.blocks {
+            self.pool.retain(block);
+        }
+        self.tables.insert(child, table);
+        Ok(())
+    }
+
+    /// Drops `seq`, releasing its blocks tail first so its prefix outlives its tail in the cache.
+    pub fn free(&mut self, seq: SeqId) -> Result<()> {
+        let table = self.tables.remove(&seq).ok_or_else(|| Error::UnknownSequence(seq.to_string()))?;
+        for &block in table.blocks.iter().rev() {
+            self.pool.release(block);
+        }
+        Ok(())
+    }
+
+    /// The block table of `seq`.
+    pub fn table(&self, seq: SeqId) -> Result<&BlockTable> {
+        self.tables.get(&seq).ok_or_else(|| Error::UnknownSequence(seq.to_string()))
+    }
+
+    /// Writes the block tables of `seqs` as rows of a `[seqs.len(), width]` matrix into `out`,
+    /// padded with -1; `width` is the longest table (or `min_width` if larger). Returns `width`.
+    pub fn batch_block_tables(&self, seqs: &[SeqId], min_width: usize, out: &mut Vec<i32>) -> Result<usize> {
+        let tables = seqs.iter().map(|&s| self.table(s)).collect::<Result<Vec<_>>>()?;
+        let width = tables.iter().map(|t| t.blocks.len()).max().unwrap_or(0).max(min_width);
+        out.clear();
+        out.resize(seqs.len() * width, -1);
+        for (row, table) in out.chunks_exact_mut(width.max(1)).zip(&tables) {
+            for (cell, &block) in row.iter_mut().zip(&table.blocks) {
+                *cell = block as i32;
+            }
+        }
+        Ok(width)
+    }
+
+    /// Occupancy and activity figures.
+    pub fn stats(&self) -> BlockStats {
+        let counters = self.pool.counters();
+        BlockStats {
+            num_blocks: self.pool.num_blocks(),
+            free_blocks: self.pool.num_clean(),
+            cached_blocks: self.pool.num_cached(),
+            used_blocks: self.pool.num_in_use(),
+            usage: self.pool.num_in_use() as f64 / self.pool.num_blocks() as f64,
+            prefix_queried_tokens: self.prefix_queried_tokens,
+            prefix_hit_tokens: self.prefix_hit_tokens,
+            allocations: counters.allocations,
+            evictions: counters.evictions,
+            cow_copies: self.cow_copies,
+        }
+    }
+
+    /// Verifies every invariant of this module and of the pool; `Err` names the first broken one.
+    pub fn check_invariants(&self) -> std::result::Result<(), String> {
+        self.pool.check_invariants()?;
+        let mut holders = vec![0u32; self.pool.num_blocks()];
+        for (seq, table) in &self.tables {
+            let mut seen = std::collections::HashSet::new();
+            for &block in &table.blocks {
+                if !seen.insert(block) {
+                    return Err(format!("sequence {seq} holds block {block} twice"));
+                }
+                holders[block as usize] += 1;
+            }
+            if table.blocks.len() != table.tokens.len().div_ceil(self.block_size)
+                || table.hashes.len() != table.tokens.len() / self.block_size
+            {
+                return Err(format!("sequence {seq}: table shape does not match its tokens"));
+            }
+        }
+        for (block, &count) in holders.iter().enumerate() {
+            if count != self.pool.ref_count(block as BlockId) {
+                return Err(format!(
+                    "block {block}: ref count {} but held by {count} tables",
+                    self.pool.ref_count(block as BlockId)
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    fn ensure_available(&self, needed: usize) -> Result<()> {
+        let available = self.pool.num_available();
+        if needed > available {
+            return Err(Error::OutOfBlocks { needed, available });
+        }
+        Ok(())
+    }
+
+    /// Appends `tokens` to `table`, hashing and registering each block as it fills and taking new
+    /// blocks as needed. The caller has checked capacity.
+    fn grow(&mut self, table: &mut BlockTable, tokens: &[TokenId]) {
+        let bs = self.block_size;
+        for chunk in split_at_block_boundaries(table.tokens.len(), tokens, bs) {
+            if table.tokens.len() % bs == 0 {
+                table.blocks.push(self.pool.allocate().expect("capacity checked"));
+            }
+            table.tokens.extend_from_slice(chunk);
+            if table.tokens.len() % bs == 0 {
+                let full = table.hashes.len();
+                let parent = table.hashes.last().copied().unwrap_or(table.root);
+                let hash = chain_hash(parent, &table.tokens[full * bs..]);
+                table.hashes.push(hash);
+                if self.enable_prefix_caching {
+                    self.pool.register(table.blocks[full], hash);
+                }
+            }
+        }
+    }
+}
+
+/// Splits `tokens`, to be appended after `filled` tokens, into pieces that each end at a block
+/// boundary (the last piece may end inside a block).
+fn split_at_block_boundaries(filled: usize, tokens: &[TokenId], block_size: usize) -> impl Iterator<Item = &[TokenId]> {
+    let first = (block_size - filled % block_size).min(tokens.len());
+    let (head, rest) = tokens.split_at(first);
+    std::iter::once(head).filter(|h| !h.is_empty()).chain(rest.chunks(block_size))
+}

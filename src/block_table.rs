@@ -1,0 +1,56 @@
+//! One sequence's block table: logical block i → physical block id, plus what is needed to keep
+//! hashing its blocks as they fill.
+//!
+//! Invariants: `blocks.len() == ceil(tokens.len() / block_size)` (no empty trailing block);
+//! `hashes.len() == tokens.len() / block_size` (one hash per full block, chained from `root`);
+//! token `p` lives at slot `blocks[p / block_size] * block_size + p % block_size`.
+
+use crate::prefix_cache::BlockHash;
+use crate::{BlockId, TokenId};
+
+/// The blocks, tokens and full-block hashes of one sequence.
+#[derive(Debug, Clone, Default)]
+pub struct BlockTable {
+    pub(crate) blocks: Vec<BlockId>,
+    pub(crate) tokens: Vec<TokenId>,
+    pub(crate) hashes: Vec<BlockHash>,
+    pub(crate) root: BlockHash,
+}
+
+impl BlockTable {
+    /// Physical block ids in logical order.
+    pub fn blocks(&self) -> &[BlockId] {
+        &self.blocks
+    }
+
+    /// Token ids whose K/V this table holds (or will hold once the step that wrote them runs).
+    pub fn tokens(&self) -> &[TokenId] {
+        &self.tokens
+    }
+
+    /// Number of tokens with a slot.
+    pub fn num_tokens(&self) -> usize {
+        self.tokens.len()
+    }
+
+    /// Blocks to add so that `extra` more tokens have slots.
+    pub fn blocks_to_grow(&self, extra: usize, block_size: usize) -> usize {
+        (self.tokens.len() + extra).div_ceil(block_size) - self.blocks.len()
+    }
+
+    /// The last block if it is partly filled (the only block a later append writes into).
+    pub fn partial_tail(&self, block_size: usize) -> Option<BlockId> {
+        (self.tokens.len() % block_size != 0).then(|| *self.blocks.last().expect("tokens imply blocks"))
+    }
+
+    /// Cache slot of token position `position` (which must be below `num_tokens`).
+    pub fn slot(&self, position: usize, block_size: usize) -> i64 {
+        let block = self.blocks[position / block_size] as i64;
+        block * block_size as i64 + (position % block_size) as i64
+    }
+
+    /// Appends the slots of token positions `start..end` to `out`.
+    pub fn extend_slots(&self, start: usize, end: usize, block_size: usize, out: &mut Vec<i64>) {
+        out.extend((start..end).map(|p| self.slot(p, block_size)));
+    }
+}

@@ -1,0 +1,113 @@
+//! Content addressing of full blocks for prefix sharing.
+//!
+//! A full block's hash chains its parent's: `H(parent, tokens)`, with the chain's root derived from
+//! an optional cache salt (so tenants or adapters never share blocks). Equal hashes therefore mean
+//! equal whole prefixes, not just equal blocks. The hash is 128-bit xxh3: with at most 2^32 blocks
+//! ever registered the chance of any collision is below 2^-64, which is the guard against a wrong
+//! hit (the alternative, comparing stored tokens on every hit, costs a copy of every cached block's
+//! tokens).
+//!
+//! Invariant: the map holds at most one block per hash, and a block is in the map iff the pool has
+//! recorded that hash for it.
+
+use std::collections::HashMap;
+
+use crate::{BlockId, TokenId};
+
+/// 128-bit content hash of a whole prefix ending at a block boundary.
+pub type BlockHash = u128;
+
+/// The root of a hash chain: the salt's hash, or a fixed value without salt.
+pub fn root_hash(salt: Option<&[u8]>) -> BlockHash {
+    match salt {
+        None => 0,
+        Some(bytes) => xxhash_rust::xxh3::xxh3_128_with_seed(bytes, 0x5a17),
+    }
+}
+
+/// Hash of a full block given its parent's hash.
+pub fn chain_hash(parent: BlockHash, tokens: &[TokenId]) -> BlockHash {
+    let mut bytes = Vec::with_capacity(16 + 4 * tokens.len());
+    bytes.extend_from_slice(&parent.to_le_bytes());
+    for token in tokens {
+        bytes.extend_from_slice(&token.to_le_bytes());
+    }
+    xxhash_rust::xxh3::xxh3_128(&bytes)
+}
+
+/// Hashes of every full block of `tokens`, in order.
+pub fn block_hashes(root: BlockHash, tokens: &[TokenId], block_size: usize) -> Vec<BlockHash> {
+    let mut parent = root;
+    tokens
+        .chunks_exact(block_size)
+        .map(|block| {
+            parent = chain_hash(parent, block);
+            parent
+        })
+        .collect()
+}
+
+/// Map from prefix hash to the block holding that prefix's last block of K/V.
+#[derive(Debug, Default, Clone)]
+pub struct PrefixCache {
+    blocks: HashMap<BlockHash, BlockId>,
+}
+
+impl PrefixCache {
+    /// The block registered for `hash`, if any.
+    pub fn get(&self, hash: BlockHash) -> Option<BlockId> {
+        self.blocks.get(&hash).copied()
+    }
+
+    /// Registers `block` for `hash` unless another block already holds it; returns whether it did.
+    pub fn insert(&mut self, hash: BlockHash, block: BlockId) -> bool {
+        match self.blocks.entry(hash) {
+            std::collections::hash_map::Entry::Occupied(_) => false,
+            std::collections::hash_map::Entry::Vacant(slot) => {
+                slot.insert(block);
+                true
+            }
+        }
+    }
+
+    /// Forgets `hash`.
+    pub fn remove(&mut self, hash: BlockHash) {
+        self.blocks.remove(&hash);
+    }
+
+    /// Number of registered blocks.
+    pub fn len(&self) -> usize {
+        self.blocks.len()
+    }
+
+    /// Whether nothing is registered.
+    pub fn is_empty(&self) -> bool {
+        self.blocks.is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hash_depends_on_the_whole_prefix_and_the_salt() {
+        let a = block_hashes(root_hash(None), &[1, 2, 3, 4, 5, 6, 7, 8], 4);
+        let b = block_hashes(root_hash(None), &[9, 2, 3, 4, 5, 6, 7, 8], 4);
+        assert_eq!(a.len(), 2);
+        assert_ne!(a[1], b[1], "same second block after different first blocks must differ");
+        let salted = block_hashes(root_hash(Some(b"tenant")), &[1, 2, 3, 4], 4);
+        assert_ne!(a[0], salted[0]);
+        assert_eq!(block_hashes(root_hash(None), &[1, 2, 3], 4), vec![]);
+    }
+
+    #[test]
+    fn first_registration_wins() {
+        let mut cache = PrefixCache::default();
+        assert!(cache.insert(7, 1));
+        assert!(!cache.insert(7, 2));
+        assert_eq!(cache.get(7), Some(1));
+        cache.remove(7);
+        assert!(cache.is_empty());
+    }
+}

@@ -1,0 +1,146 @@
+//! `pagedkv.KVCache`: K/V storage of every layer, in `[num_blocks, num_kv_heads, block_size,
+//! head_dim]` tiles, f32/f16/bf16.
+
+use std::sync::RwLock;
+
+use numpy::ndarray::{Ix1, Ix3};
+use numpy::{PyArray1, PyArrayMethods, PyUntypedArrayMethods};
+use pyo3::prelude::*;
+
+use super::args::{c_order, expect_shape, non_negative, positive, typed_array};
+use super::errors::IntoPyResult;
+use crate::{CopyOp, KvCache, KvDtype, KvShape};
+
+/// Paged K/V storage for all layers of a model, owned by Rust. Token slot `s` is row
+/// `s % block_size` of block `s // block_size`. Thread-safe.
+#[pyclass(name = "KVCache", module = "pagedkv", frozen)]
+pub struct PyKVCache {
+    pub(crate) inner: RwLock<KvCache>,
+    shape: KvShape,
+}
+
+type F32Array<'py, D> = numpy::PyReadonlyArray<'py, f32, D>;
+
+impl PyKVCache {
+    pub(crate) fn read<T: Send>(&self, py: Python<'_>, f: impl FnOnce(&KvCache) -> T + Send) -> T {
+        py.detach(|| f(&self.inner.read().unwrap_or_else(|poisoned| poisoned.into_inner())))
+    }
+
+    fn write_lock<T: Send>(&self, py: Python<'_>, f: impl FnOnce(&mut KvCache) -> T + Send) -> T {
+        py.detach(|| f(&mut self.inner.write().unwrap_or_else(|poisoned| poisoned.into_inner())))
+    }
+
+    fn to_array<'py>(&self, py: Python<'py>, data: Vec<f32>, rows: usize) -> PyResult<Bound<'py, PyAny>> {
+        let s = self.shape;
+        Ok(PyArray1::from_vec(py, data).reshape([rows, s.num_kv_heads, s.head_dim])?.into_any())
+    }
+}
+
+#[pymethods]
+impl PyKVCache {
+    /// Allocates zeroed K and V storage for `num_layers` layers.
+    #[new]
+    #[pyo3(signature = (num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype="float32"))]
+    fn new(num_layers: i64, num_blocks: i64, block_size: i64, num_kv_heads: i64, head_dim: i64, dtype: &str) -> PyResult<Self> {
+        let shape = KvShape {
+            num_layers: positive(num_layers, "num_layers")?,
+            num_blocks: positive(num_blocks, "num_blocks")?,
+            block_size: positive(block_size, "block_size")?,
+            num_kv_heads: positive(num_kv_heads, "num_kv_heads")?,
+            head_dim: positive(head_dim, "head_dim")?,
+        };
+        let dtype: KvDtype = dtype.parse().py_err()?;
+        let cache = KvCache::new(shape, dtype).py_err()?;
+        Ok(PyKVCache { inner: RwLock::new(cache), shape })
+    }
+
+    /// Stores `keys[i]` and `values[i]` (float32 `[n, num_kv_heads, head_dim]`) at
+    /// `slot_mapping[i]` (int64 `[n]`) of `layer`, converting to the cache dtype.
+    fn write(&self, py: Python<'_>, layer: i64, keys: &Bound<'_, PyAny>, values: &Bound<'_, PyAny>, slot_mapping: &Bound<'_, PyAny>) -> PyResult<()> {
+        let layer = non_negative(layer, "layer")? as usize;
+        let keys: F32Array<'_, Ix3> = typed_array(keys, "keys", "float32")?;
+        let values: F32Array<'_, Ix3> = typed_array(values, "values", "float32")?;
+        let slots: numpy::PyReadonlyArray<'_, i64, Ix1> = typed_array(slot_mapping, "slot_mapping", "int64")?;
+        let row = [Some(slots.as_array().len()), Some(self.shape.num_kv_heads), Some(self.shape.head_dim)];
+        expect_shape(keys.shape(), &row, "keys")?;
+        expect_shape(values.shape(), &row, "values")?;
+        let (keys, values, slots) = (c_order(&keys), c_order(&values), c_order(&slots));
+        self.write_lock(py, |c| c.write(layer, &keys, &values, &slots)).py_err()
+    }
+
+    /// Copies whole blocks `src → dst` in every layer, in order: apply a step's copy-on-write ops
+    /// before its attention runs.
+    fn copy_blocks(&self, py: Python<'_>, ops: Vec<(i64, i64)>) -> PyResult<()> {
+        let ops = ops
+            .into_iter()
+            .map(|(src, dst)| -> PyResult<CopyOp> {
+                let id = |v: i64, name: &str| non_negative(v, name).map(|v| v.min(u32::MAX as u64) as u32);
+                Ok(CopyOp { src: id(src, "src")?, dst: id(dst, "dst")? })
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        self.write_lock(py, |c| c.copy_blocks(&ops)).py_err()
+    }
+
+    /// Reads the first `num_tokens` K and V rows of a sequence through `block_table`, as float32
+    /// arrays `[num_tokens, num_kv_heads, head_dim]`.
+    fn gather<'py>(&self, py: Python<'py>, layer: i64, block_table: Vec<i64>, num_tokens: i64) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
+        let layer = non_negative(layer, "layer")? as usize;
+        let n = non_negative(num_tokens, "num_tokens")? as usize;
+        let table = block_table
+            .into_iter()
+            .map(|b| non_negative(b, "block id").map(|b| b.min(u32::MAX as u64) as u32))
+            .collect::<PyResult<Vec<_>>>()?;
+        let (k, v) = self.read(py, |c| c.gather(layer, &table, n)).py_err()?;
+        Ok((self.to_array(py, k, n)?, self.to_array(py, v, n)?))
+    }
+
+    /// Layers.
+    #[getter]
+    fn num_layers(&self) -> usize {
+        self.shape.num_layers
+    }
+
+    /// Blocks per layer.
+    #[getter]
+    fn num_blocks(&self) -> usize {
+        self.shape.num_blocks
+    }
+
+    /// Tokens per block.
+    #[getter]
+    fn block_size(&self) -> usize {
+        self.shape.block_size
+    }
+
+    /// K/V heads.
+    #[getter]
+    fn num_kv_heads(&self) -> usize {
+        self.shape.num_kv_heads
+    }
+
+    /// Elements per head.
+    #[getter]
+    fn head_dim(&self) -> usize {
+        self.shape.head_dim
+    }
+
+    /// Storage dtype name: "float32", "float16" or "bfloat16".
+    #[getter]
+    fn dtype(&self, py: Python<'_>) -> &'static str {
+        self.read(py, |c| c.dtype().name())
+    }
+
+    /// Bytes of K and V storage.
+    #[getter]
+    fn nbytes(&self, py: Python<'_>) -> usize {
+        self.read(py, |c| c.nbytes())
+    }
+
+    fn __repr__(&self, py: Python<'_>) -> String {
+        let s = self.shape;
+        format!(
+            "KVCache(num_layers={}, num_blocks={}, block_size={}, num_kv_heads={}, head_dim={}, dtype={:?})",
+            s.num_layers, s.num_blocks, s.block_size, s.num_kv_heads, s.head_dim, self.dtype(py)
+        )
+    }
+}

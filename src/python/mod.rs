@@ -1,0 +1,18 @@
+//! The Python binding, `pagedkv._core`: thin `#[pyclass]` shells over core types. Each method
+//! converts its arguments, releases the GIL for the work, and maps core errors to the classes of
+//! `pagedkv.errors`. No scheduling or memory logic lives here.
+
+mod args;
+mod block_manager;
+mod errors;
+mod kv_cache;
+
+use pyo3::prelude::*;
+
+#[pymodule]
+fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    m.add_class::<block_manager::PyBlockManager>()?;
+    m.add_class::<kv_cache::PyKVCache>()?;
+    Ok(())
+}
