@@ -5,7 +5,7 @@
 //! - free and cached: ref count 0, hashed, in the prefix map and on the LRU (evictable);
 //! - in use: ref count >= 1, held by that many block tables; hashed only if full.
 //!
-//! So `free_list.len() + lru.len() + in_use == num_blocks` always. Allocation takes a clean block
+//! So `clean + lru.len() + in_use == num_blocks` always (`clean` counts the free list). Allocation takes a clean block
 //! first and evicts the least recently used cached block only when none is clean; a released block
 //! with a hash goes to the back of the LRU, one without goes back to the free list.
 
@@ -30,6 +30,7 @@ pub struct BlockPool {
     ref_counts: Vec<u32>,
     hashes: Vec<Option<BlockHash>>,
     prefix: PrefixCache,
+    clean: usize,
     in_use: usize,
     counters: PoolCounters,
 }
@@ -43,6 +44,7 @@ impl BlockPool {
             ref_counts: vec![0; num_blocks],
             hashes: vec![None; num_blocks],
             prefix: PrefixCache::default(),
+            clean: num_blocks,
             in_use: 0,
             counters: PoolCounters::default(),
         }
@@ -55,7 +57,7 @@ impl BlockPool {
 
     /// Blocks that are free and clean.
     pub fn num_clean(&self) -> usize {
-        self.free.len()
+        self.clean
     }
 
     /// Blocks that are free but still hold a cached prefix.
@@ -70,7 +72,7 @@ impl BlockPool {
 
     /// Blocks an allocation can obtain: clean plus evictable.
     pub fn num_available(&self) -> usize {
-        self.free.len() + self.lru.len()
+        self.clean + self.lru.len()
     }
 
     /// Reference count of `block`.
@@ -101,7 +103,10 @@ impl BlockPool {
     /// Takes a block with ref count 1: a clean one if any, else the least recently used cached one.
     pub fn allocate(&mut self) -> Option<BlockId> {
         let block = match self.free.pop() {
-            Some(block) => block,
+            Some(block) => {
+                self.clean -= 1;
+                block
+            }
             None => {
                 let block = self.lru.pop_front()?;
                 let hash = self.hashes[block as usize]
@@ -140,6 +145,7 @@ impl BlockPool {
                 self.lru.push_back(block);
             } else {
                 self.free.push(block);
+                self.clean += 1;
             }
         }
     }
@@ -155,10 +161,10 @@ impl BlockPool {
     /// Checks the state invariants of the module doc; `Err` names the first one broken.
     pub fn check_invariants(&self) -> Result<(), String> {
         let total = self.num_blocks();
-        if self.free.len() + self.lru.len() + self.in_use != total {
+        if self.clean + self.lru.len() + self.in_use != total {
             return Err(format!(
                 "free {} + cached {} + in use {} != total {}",
-                self.free.len(),
+                self.clean,
                 self.lru.len(),
                 self.in_use,
                 total

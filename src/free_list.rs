@@ -17,7 +17,6 @@ const NIL: u32 = u32::MAX;
 pub struct FreeList {
     head: AtomicU64,
     next: Box<[AtomicU32]>,
-    len: AtomicU32,
 }
 
 fn pack(tag: u32, id: u32) -> u64 {
@@ -52,7 +51,6 @@ impl FreeList {
         FreeList {
             head: AtomicU64::new(pack(0, top)),
             next,
-            len: AtomicU32::new(capacity as u32),
         }
     }
 
@@ -61,14 +59,11 @@ impl FreeList {
         self.next.len()
     }
 
-    /// How many ids are on the list now (exact when no other thread is pushing or popping).
-    pub fn len(&self) -> usize {
-        self.len.load(Ordering::Relaxed) as usize
-    }
-
-    /// Whether the list holds no id (same caveat as [`FreeList::len`]).
+    /// Whether the list holds no id (a snapshot: other threads may push or pop right after).
+    /// There is no `len`: keeping a shared count would double the atomic operations per call, so
+    /// owners that need one (the block pool) count on their side.
     pub fn is_empty(&self) -> bool {
-        self.len() == 0
+        unpack(self.head.load(Ordering::Acquire)).1 == NIL
     }
 
     /// Takes an id off the list, or `None` if it is empty.
@@ -88,10 +83,7 @@ impl FreeList {
                 Ordering::AcqRel,
                 Ordering::Acquire,
             ) {
-                Ok(_) => {
-                    self.len.fetch_sub(1, Ordering::Relaxed);
-                    return Some(top);
-                }
+                Ok(_) => return Some(top),
                 Err(actual) => current = actual,
             }
         }
@@ -113,10 +105,7 @@ impl FreeList {
                 Ordering::Release,
                 Ordering::Relaxed,
             ) {
-                Ok(_) => {
-                    self.len.fetch_add(1, Ordering::Relaxed);
-                    return;
-                }
+                Ok(_) => return,
                 Err(actual) => current = actual,
             }
         }
@@ -144,7 +133,6 @@ mod tests {
         let b = list.pop().unwrap();
         list.push(a);
         list.push(b);
-        assert_eq!(list.len(), 3);
         assert_eq!(list.pop(), Some(b));
         assert_eq!(list.pop(), Some(a));
     }
@@ -194,9 +182,10 @@ mod tests {
                 });
             }
         });
-        assert_eq!(list.len(), CAPACITY);
-        let ids: HashSet<u32> = std::iter::from_fn(|| list.pop()).collect();
+        let ids: Vec<u32> = std::iter::from_fn(|| list.pop()).collect();
         assert_eq!(ids.len(), CAPACITY);
+        let ids: HashSet<u32> = ids.into_iter().collect();
+        assert_eq!(ids.len(), CAPACITY, "an id is on the list twice");
         assert!(ids.iter().all(|&id| (id as usize) < CAPACITY));
     }
 }

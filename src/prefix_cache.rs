@@ -11,6 +11,7 @@
 //! recorded that hash for it.
 
 use std::collections::HashMap;
+use std::hash::{BuildHasherDefault, Hasher};
 
 use crate::{BlockId, TokenId};
 
@@ -25,14 +26,13 @@ pub fn root_hash(salt: Option<&[u8]>) -> BlockHash {
     }
 }
 
-/// Hash of a full block given its parent's hash.
+/// Hash of a full block given its parent's hash. Hashes are compared only within one process,
+/// so the tokens' native byte order is fine.
 pub fn chain_hash(parent: BlockHash, tokens: &[TokenId]) -> BlockHash {
-    let mut bytes = Vec::with_capacity(16 + 4 * tokens.len());
-    bytes.extend_from_slice(&parent.to_le_bytes());
-    for token in tokens {
-        bytes.extend_from_slice(&token.to_le_bytes());
-    }
-    xxhash_rust::xxh3::xxh3_128(&bytes)
+    let mut hasher = xxhash_rust::xxh3::Xxh3Default::new();
+    hasher.update(&parent.to_ne_bytes());
+    hasher.update(bytemuck::cast_slice(tokens));
+    hasher.digest128()
 }
 
 /// Hashes of every full block of `tokens`, in order.
@@ -47,10 +47,31 @@ pub fn block_hashes(root: BlockHash, tokens: &[TokenId], block_size: usize) -> V
         .collect()
 }
 
+/// Keys are already uniform 128-bit hashes: the map uses their low 64 bits as is instead of
+/// hashing them again.
+#[derive(Debug, Default, Clone, Copy)]
+struct PrehashedKey(u64);
+
+impl Hasher for PrehashedKey {
+    fn write(&mut self, bytes: &[u8]) {
+        for &byte in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(byte);
+        }
+    }
+
+    fn write_u128(&mut self, key: u128) {
+        self.0 = key as u64;
+    }
+
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
 /// Map from prefix hash to the block holding that prefix's last block of K/V.
 #[derive(Debug, Default, Clone)]
 pub struct PrefixCache {
-    blocks: HashMap<BlockHash, BlockId>,
+    blocks: HashMap<BlockHash, BlockId, BuildHasherDefault<PrehashedKey>>,
 }
 
 impl PrefixCache {

@@ -1,0 +1,93 @@
+"""Prometheus metrics of an engine, named after the field's conventions with a ``pagedkv:`` prefix
+(vLLM exports the same quantities as ``vllm:...``).
+
+Each :class:`EngineMetrics` owns its own registry, so several engines in one process (tests,
+benchmarks) never collide; :meth:`EngineMetrics.serve` exposes it at ``/metrics`` over HTTP.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
+
+__all__ = ["EngineMetrics"]
+
+# Latency buckets (seconds) spanning a tiny CPU model's milliseconds to a loaded server's minutes.
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_TOKEN_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class EngineMetrics:
+    """Gauges, counters and histograms of one engine."""
+
+    def __init__(self, model_name: str = "pagedkv") -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = ["model_name"]
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"pagedkv:{name}", doc, labels, registry=self.registry).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"pagedkv:{name}", doc, labels, registry=self.registry).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(f"pagedkv:{name}", doc, labels, buckets=buckets, registry=self.registry).labels(model_name)
+
+        self.num_requests_running = gauge("num_requests_running", "Requests in the running batch.")
+        self.num_requests_waiting = gauge("num_requests_waiting", "Requests waiting to be admitted.")
+        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (0 to 1).")
+        self.prefix_cache_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_cache_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.")
+        self.num_preemptions = counter("num_preemptions", "Sequences preempted (recomputed later).")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens computed (prefill).")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.request_success = counter("request_success", "Requests finished (any reason but an error).")
+        self.time_to_first_token_seconds = histogram(
+            "time_to_first_token_seconds", "Time from arrival to the first generated token.", _LATENCY_BUCKETS
+        )
+        self.time_per_output_token_seconds = histogram(
+            "time_per_output_token_seconds", "Mean time between generated tokens of a request.", _TOKEN_LATENCY_BUCKETS
+        )
+        self.e2e_request_latency_seconds = histogram(
+            "e2e_request_latency_seconds", "Time from arrival to the last token.", _LATENCY_BUCKETS
+        )
+        self._last_totals: dict[str, int] = {}
+
+    def record_scheduler(self, stats: Mapping[str, float]) -> None:
+        """Updates gauges and counters from a scheduler's cumulative stats dict (keys
+        ``num_running``, ``num_waiting``, ``kv_usage``, ``prefix_queried_tokens``,
+        ``prefix_hit_tokens``, ``num_preemptions``, ``prompt_tokens``, ``generation_tokens``)."""
+        self.num_requests_running.set(stats["num_running"])
+        self.num_requests_waiting.set(stats["num_waiting"])
+        self.kv_cache_usage_perc.set(stats["kv_usage"])
+        for key, counter in (
+            ("prefix_queried_tokens", self.prefix_cache_queries),
+            ("prefix_hit_tokens", self.prefix_cache_hits),
+            ("num_preemptions", self.num_preemptions),
+            ("prompt_tokens", self.prompt_tokens),
+            ("generation_tokens", self.generation_tokens),
+        ):
+            total = int(stats[key])
+            counter.inc(total - self._last_totals.get(key, 0))
+            self._last_totals[key] = total
+
+    def record_finished(self, ttft_s: float | None, tpot_s: float | None, e2e_s: float) -> None:
+        """Records one finished request's latencies (TTFT/TPOT are None when it produced no token,
+        or, for TPOT, only one)."""
+        self.request_success.inc()
+        if ttft_s is not None:
+            self.time_to_first_token_seconds.observe(ttft_s)
+        if tpot_s is not None:
+            self.time_per_output_token_seconds.observe(tpot_s)
+        self.e2e_request_latency_seconds.observe(e2e_s)
+
+    def serve(self, port: int, addr: str = "127.0.0.1") -> int:
+        """Starts a background HTTP server exposing ``/metrics``; returns the bound port (pass 0
+        for any free one)."""
+        server, _thread = start_http_server(port, addr=addr, registry=self.registry)
+        return int(server.server_address[1])
+
+    def text(self) -> str:
+        """The exposition text, as ``/metrics`` serves it."""
+        return generate_latest(self.registry).decode()
