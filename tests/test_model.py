@@ -97,7 +97,7 @@ class Step:
 Work = tuple[int, Sequence[int], int, int]  # (seq_id, all tokens, start, end)
 
 
-def build_step(manager: BlockManager, work: list[Work], copy_ops: Sequence[tuple[int, int]] = ()) -> Step:
+def build_step(manager: BlockManager, work: Sequence[Work], copy_ops: Sequence[tuple[int, int]] = ()) -> Step:
     """The step running ``tokens[start:end]`` of each work item; logits wanted for every row."""
     tables = manager.block_tables([seq for seq, *_ in work])
     ids: list[int] = []
@@ -130,7 +130,7 @@ class Harness:
         self.manager = BlockManager(num_blocks, BLOCK_SIZE, enable_prefix_caching)
         self.cache = NumpyAttentionCache(self.model.new_kv_cache(num_blocks, BLOCK_SIZE))
 
-    def run(self, work: list[Work], copy_ops: Sequence[tuple[int, int]] = ()) -> list[np.ndarray]:
+    def run(self, work: Sequence[Work], copy_ops: Sequence[tuple[int, int]] = ()) -> list[np.ndarray]:
         """Runs one step; checks every row against the reference; returns each item's logits."""
         step = build_step(self.manager, work, copy_ops)
         logits = self.model.forward(step, self.cache)
@@ -412,7 +412,7 @@ def test_seeded_sampling_is_reproducible_and_independent_of_the_batch() -> None:
 
     def run(batch_rows: int, params: SamplingParams) -> list[int]:
         generator = params.make_generator()
-        out = []
+        out: list[int] = []
         for _ in range(40):
             logits = rng_logits[len(out)]
             others = rng.standard_normal((batch_rows, 64))

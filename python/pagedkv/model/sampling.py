@@ -104,7 +104,7 @@ def sample(
 
     if plain.any():
         probs = _softmax(logits[plain] / temperature[plain, None])
-        tokens[plain] = _draw(probs, [generators[i] for i in np.flatnonzero(plain)])
+        tokens[plain] = _draw(probs, [generators[i] for i in np.flatnonzero(plain).tolist()])
     if truncated.any():
         scaled = logits[truncated] / temperature[truncated, None]
         order = np.argsort(-scaled, axis=1, kind="stable")  # most likely first
@@ -114,7 +114,7 @@ def sample(
         probs = _softmax(ranked)
         mass_before = np.cumsum(probs, axis=1) - probs
         probs[mass_before >= top_p[truncated, None]] = 0.0  # the most likely token always stays
-        picked = _draw(probs, [generators[i] for i in np.flatnonzero(truncated)])
+        picked = _draw(probs, [generators[i] for i in np.flatnonzero(truncated).tolist()])
         tokens[truncated] = order[np.arange(len(picked)), picked]
     return tokens
 

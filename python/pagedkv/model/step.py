@@ -7,7 +7,7 @@ of ``input_ids``, ``positions`` and ``slot_mapping``.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Iterable, Protocol, Union
 
 import numpy as np
 
@@ -28,11 +28,26 @@ class ModelStep(Protocol):
     - ``logits_indices`` int ``[num_samples]``: the token rows whose logits are wanted.
     """
 
-    input_ids: np.ndarray
-    positions: np.ndarray
-    slot_mapping: np.ndarray
-    query_start_loc: np.ndarray
-    context_lens: np.ndarray
-    block_tables: np.ndarray
-    copy_ops: object
-    logits_indices: np.ndarray
+    @property
+    def input_ids(self) -> np.ndarray: ...
+
+    @property
+    def positions(self) -> np.ndarray: ...
+
+    @property
+    def slot_mapping(self) -> np.ndarray: ...
+
+    @property
+    def query_start_loc(self) -> np.ndarray: ...
+
+    @property
+    def context_lens(self) -> np.ndarray: ...
+
+    @property
+    def block_tables(self) -> np.ndarray: ...
+
+    @property
+    def copy_ops(self) -> Union[np.ndarray, Iterable[tuple[int, int]]]: ...
+
+    @property
+    def logits_indices(self) -> np.ndarray: ...

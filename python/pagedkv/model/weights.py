@@ -26,7 +26,7 @@ INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
 
 # On-disk dtype names of the safetensors header -> how to read them.
-_DISK_DTYPES = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
+_DISK_DTYPES: dict[str, np.dtype] = {"F32": np.dtype("<f4"), "F16": np.dtype("<f2"), "BF16": np.dtype("<u2")}
 # Dtypes save_checkpoint can write -> safetensors TensorSpec dtype name.
 _SAVE_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
 
@@ -130,7 +130,7 @@ class LlamaWeights:
 def _expected_shapes(c: LlamaConfig) -> dict[str, tuple[int, ...]]:
     """Hugging Face tensor name -> shape implied by the config (``lm_head`` only when untied)."""
     q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    per_layer = {
+    per_layer: dict[str, tuple[int, ...]] = {
         "input_layernorm.weight": (c.hidden_size,),
         "self_attn.q_proj.weight": (q_dim, c.hidden_size),
         "self_attn.k_proj.weight": (kv_dim, c.hidden_size),
@@ -141,7 +141,7 @@ def _expected_shapes(c: LlamaConfig) -> dict[str, tuple[int, ...]]:
         "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
         "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size),
     }
-    shapes = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size)}
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size)}
     for i in range(c.num_layers):
         shapes.update({f"model.layers.{i}.{suffix}": shape for suffix, shape in per_layer.items()})
     shapes["model.norm.weight"] = (c.hidden_size,)
@@ -271,7 +271,7 @@ def _read_safetensors(path: Path, wanted: Container[str]) -> Iterator[tuple[str,
         raise CheckpointError(path, f"cannot read: {error}") from error
     except SafetensorError as error:
         raise CheckpointError(path, f"not a valid safetensors file: {error}") from error
-    for name, entry in entries:
+    for name, entry in entries:  # entry: {"dtype": "F32", "shape": [...], "data": bytes}
         if name not in wanted:
             continue
         disk_dtype = _DISK_DTYPES.get(entry["dtype"])
