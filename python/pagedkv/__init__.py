@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pagedkv._core import BlockManager, KVCache, __version__
 from pagedkv.errors import (
+    CheckpointError,
     DuplicateSequenceError,
     InvalidArgumentError,
     OutOfBlocksError,
@@ -15,6 +16,7 @@ from pagedkv.errors import (
     ShapeError,
     UnknownSequenceError,
 )
+from pagedkv.model import LlamaConfig, LlamaModel, SamplingParams, SimulatedModel
 
 __all__ = [
     "BlockManager",
@@ -25,5 +27,10 @@ __all__ = [
     "DuplicateSequenceError",
     "InvalidArgumentError",
     "ShapeError",
+    "CheckpointError",
+    "LlamaConfig",
+    "LlamaModel",
+    "SamplingParams",
+    "SimulatedModel",
     "__version__",
 ]

@@ -14,6 +14,7 @@ __all__ = [
     "DuplicateSequenceError",
     "InvalidArgumentError",
     "ShapeError",
+    "CheckpointError",
 ]
 
 
@@ -42,3 +43,16 @@ class InvalidArgumentError(PagedKVError, ValueError):
 
 class ShapeError(InvalidArgumentError):
     """An array has the wrong shape or dtype."""
+
+
+class CheckpointError(PagedKVError, OSError):
+    """A model checkpoint cannot be loaded: a file is missing, unreadable or malformed, or its
+    tensors do not match its ``config.json``. The message names the offending file; ``path`` holds it.
+    """
+
+    def __init__(self, path: object, message: str) -> None:
+        super().__init__(f"{path}: {message}")
+        self.path = str(path)
+
+    def __str__(self) -> str:  # OSError would format (errno, strerror) pairs
+        return str(self.args[0])

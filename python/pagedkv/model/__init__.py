@@ -1,0 +1,38 @@
+"""The model side of pagedkv: a Llama decoder running on the paged KV cache, its checkpoints,
+sampling, tokenizers, a dense reference (the test oracle) and a simulated model for large runs.
+
+One concept per module: :mod:`~pagedkv.model.config`, :mod:`~pagedkv.model.weights`,
+:mod:`~pagedkv.model.step`, :mod:`~pagedkv.model.llama`, :mod:`~pagedkv.model.reference`,
+:mod:`~pagedkv.model.sampling`, :mod:`~pagedkv.model.tokenizer`, :mod:`~pagedkv.model.simulated`.
+"""
+
+from __future__ import annotations
+
+from pagedkv.model.config import LlamaConfig
+from pagedkv.model.llama import LlamaModel
+from pagedkv.model.reference import DenseReference
+from pagedkv.model.sampling import SamplingParams, sample
+from pagedkv.model.simulated import SimulatedModel, StepCostModel
+from pagedkv.model.step import ModelStep
+from pagedkv.model.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
+from pagedkv.model.weights import LayerWeights, LlamaWeights, load_checkpoint, load_config, save_checkpoint
+
+__all__ = [
+    "LlamaConfig",
+    "LlamaWeights",
+    "LayerWeights",
+    "load_config",
+    "load_checkpoint",
+    "save_checkpoint",
+    "ModelStep",
+    "LlamaModel",
+    "DenseReference",
+    "SamplingParams",
+    "sample",
+    "Tokenizer",
+    "ByteTokenizer",
+    "HFTokenizer",
+    "load_tokenizer",
+    "SimulatedModel",
+    "StepCostModel",
+]
