@@ -15,6 +15,7 @@ from typing import Callable, Protocol, Sequence
 import numpy as np
 
 from pagedkv._core import KVCache, Scheduler
+from pagedkv.errors import InvalidArgumentError
 from pagedkv.model.sampling import SamplingParams, sample
 from pagedkv.model.simulated import SimulatedModel
 from pagedkv.model.step import ModelStep
@@ -218,8 +219,6 @@ class EngineCore:
         arrival = self.clock() if arrival_time is None else arrival_time
         out_of_vocab = [t for t in prompt_token_ids if not 0 <= int(t) < self.runner.vocab_size]
         if out_of_vocab:
-            from pagedkv.errors import InvalidArgumentError
-
             raise InvalidArgumentError(f"prompt token ids {out_of_vocab[:5]} outside the vocabulary of {self.runner.vocab_size}")
         self.scheduler.add_request(
             request_id,
