@@ -37,14 +37,24 @@ pub fn chain_hash(parent: BlockHash, tokens: &[TokenId]) -> BlockHash {
 
 /// Hashes of every full block of `tokens`, in order.
 pub fn block_hashes(root: BlockHash, tokens: &[TokenId], block_size: usize) -> Vec<BlockHash> {
-    let mut parent = root;
-    tokens
-        .chunks_exact(block_size)
-        .map(|block| {
-            parent = chain_hash(parent, block);
-            parent
-        })
-        .collect()
+    let mut hashes = Vec::with_capacity(tokens.len() / block_size);
+    extend_block_hashes(root, &mut hashes, tokens, block_size);
+    hashes
+}
+
+/// Extends `hashes`, the hashes of the leading full blocks of `tokens`, to every full block of
+/// `tokens` (hashing only the blocks not yet covered).
+pub fn extend_block_hashes(
+    root: BlockHash,
+    hashes: &mut Vec<BlockHash>,
+    tokens: &[TokenId],
+    block_size: usize,
+) {
+    let mut parent = hashes.last().copied().unwrap_or(root);
+    for block in tokens.chunks_exact(block_size).skip(hashes.len()) {
+        parent = chain_hash(parent, block);
+        hashes.push(parent);
+    }
 }
 
 /// Map from prefix hash to the block holding that prefix's last block of K/V.
@@ -95,10 +105,22 @@ mod tests {
         let a = block_hashes(root_hash(None), &[1, 2, 3, 4, 5, 6, 7, 8], 4);
         let b = block_hashes(root_hash(None), &[9, 2, 3, 4, 5, 6, 7, 8], 4);
         assert_eq!(a.len(), 2);
-        assert_ne!(a[1], b[1], "same second block after different first blocks must differ");
+        assert_ne!(
+            a[1], b[1],
+            "same second block after different first blocks must differ"
+        );
         let salted = block_hashes(root_hash(Some(b"tenant")), &[1, 2, 3, 4], 4);
         assert_ne!(a[0], salted[0]);
         assert_eq!(block_hashes(root_hash(None), &[1, 2, 3], 4), vec![]);
+    }
+
+    #[test]
+    fn extending_hashes_matches_hashing_at_once() {
+        let tokens: Vec<TokenId> = (0..23).collect();
+        let mut hashes = block_hashes(7, &tokens[..9], 4);
+        assert_eq!(hashes.len(), 2);
+        extend_block_hashes(7, &mut hashes, &tokens, 4);
+        assert_eq!(hashes, block_hashes(7, &tokens, 4));
     }
 
     #[test]
