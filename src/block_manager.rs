@@ -74,7 +74,9 @@ impl BlockManager {
     /// A manager of `num_blocks` blocks of `block_size` tokens each.
     pub fn new(num_blocks: usize, block_size: usize, enable_prefix_caching: bool) -> Result<Self> {
         ensure(num_blocks > 0, || "num_blocks must be positive".into())?;
-        ensure(num_blocks < u32::MAX as usize, || format!("num_blocks {num_blocks} exceeds u32 ids"))?;
+        ensure(num_blocks < u32::MAX as usize, || {
+            format!("num_blocks {num_blocks} exceeds u32 ids")
+        })?;
         ensure(block_size > 0, || "block_size must be positive".into())?;
         Ok(BlockManager {
             pool: BlockPool::new(num_blocks),
@@ -122,17 +124,34 @@ impl BlockManager {
     pub fn match_prefix(&self, prompt: &[TokenId], salt: Option<&[u8]>) -> PrefixMatch {
         let root = root_hash(salt);
         if !self.enable_prefix_caching || prompt.is_empty() {
-            return PrefixMatch { root, num_queried_tokens: prompt.len(), ..Default::default() };
+            return PrefixMatch {
+                root,
+                num_queried_tokens: prompt.len(),
+                ..Default::default()
+            };
         }
         let cacheable = &prompt[..(prompt.len() - 1) / self.block_size * self.block_size];
-        self.match_prefix_hashes(root, &block_hashes(root, cacheable, self.block_size), prompt.len())
+        self.match_prefix_hashes(
+            root,
+            &block_hashes(root, cacheable, self.block_size),
+            prompt.len(),
+        )
     }
 
     /// `match_prefix` for a prompt of `num_tokens` tokens whose leading full-block hashes (chained
     /// from `root`) the caller already has, so a prompt retried at every step is hashed once.
     /// Only the hashes of blocks before the last token are used. Changes nothing.
-    pub fn match_prefix_hashes(&self, root: BlockHash, hashes: &[BlockHash], num_tokens: usize) -> PrefixMatch {
-        let mut found = PrefixMatch { root, num_queried_tokens: num_tokens, ..Default::default() };
+    pub fn match_prefix_hashes(
+        &self,
+        root: BlockHash,
+        hashes: &[BlockHash],
+        num_tokens: usize,
+    ) -> PrefixMatch {
+        let mut found = PrefixMatch {
+            root,
+            num_queried_tokens: num_tokens,
+            ..Default::default()
+        };
         if !self.enable_prefix_caching || num_tokens == 0 {
             return found;
         }
@@ -152,8 +171,15 @@ impl BlockManager {
     /// Available blocks that admitting `num_tokens` tokens over `found` would use up: new blocks
     /// plus cached hits that must be revived from the evictable set.
     pub fn blocks_to_admit(&self, found: &PrefixMatch, num_tokens: usize) -> usize {
-        let revived = found.blocks.iter().filter(|&&b| self.pool.is_evictable(b)).count();
-        num_tokens.div_ceil(self.block_size).saturating_sub(found.blocks.len()) + revived
+        let revived = found
+            .blocks
+            .iter()
+            .filter(|&&b| self.pool.is_evictable(b))
+            .count();
+        num_tokens
+            .div_ceil(self.block_size)
+            .saturating_sub(found.blocks.len())
+            + revived
     }
 
     /// Creates sequence `seq` holding `tokens` (the prompt, or its first chunk), reusing the
@@ -165,10 +191,19 @@ impl BlockManager {
         }
         let cached = found.num_cached_tokens(self.block_size);
         ensure(tokens.len() > cached, || {
-            format!("{} tokens do not extend the {cached} cached ones", tokens.len())
+            format!(
+                "{} tokens do not extend the {cached} cached ones",
+                tokens.len()
+            )
         })?;
-        let stale = found.blocks.iter().zip(&found.hashes).any(|(&b, &h)| self.pool.hash_of(b) != Some(h));
-        ensure(!stale, || "prefix match is stale: the cache changed since match_prefix".into())?;
+        let stale = found
+            .blocks
+            .iter()
+            .zip(&found.hashes)
+            .any(|(&b, &h)| self.pool.hash_of(b) != Some(h));
+        ensure(!stale, || {
+            "prefix match is stale: the cache changed since match_prefix".into()
+        })?;
         let needed = self.blocks_to_admit(&found, tokens.len());
         self.ensure_available(needed)?;
 
@@ -190,8 +225,15 @@ impl BlockManager {
 
     /// `match_prefix` then `admit` of the whole prompt: creates `seq` holding all of `prompt`.
     /// Returns the number of prompt tokens served from the cache.
-    pub fn allocate(&mut self, seq: SeqId, prompt: &[TokenId], salt: Option<&[u8]>) -> Result<usize> {
-        ensure(!prompt.is_empty(), || "a sequence needs at least one token".into())?;
+    pub fn allocate(
+        &mut self,
+        seq: SeqId,
+        prompt: &[TokenId],
+        salt: Option<&[u8]>,
+    ) -> Result<usize> {
+        ensure(!prompt.is_empty(), || {
+            "a sequence needs at least one token".into()
+        })?;
         let found = self.match_prefix(prompt, salt);
         self.admit(seq, prompt, found)
     }
@@ -199,12 +241,18 @@ impl BlockManager {
     /// Gives `tokens` slots at the end of `seq`, allocating blocks as the tail fills. If the tail
     /// block is shared (after a fork), it is first copied to a private block and the copy is returned.
     pub fn append(&mut self, seq: SeqId, tokens: &[TokenId]) -> Result<Option<CopyOp>> {
-        let table = self.tables.get(&seq).ok_or_else(|| Error::UnknownSequence(seq.to_string()))?;
+        let table = self
+            .tables
+            .get(&seq)
+            .ok_or_else(|| Error::UnknownSequence(seq.to_string()))?;
         if tokens.is_empty() {
             return Ok(None);
         }
-        let shared_tail = table.partial_tail(self.block_size).filter(|&b| self.pool.ref_count(b) > 1);
-        let needed = table.blocks_to_grow(tokens.len(), self.block_size) + usize::from(shared_tail.is_some());
+        let shared_tail = table
+            .partial_tail(self.block_size)
+            .filter(|&b| self.pool.ref_count(b) > 1);
+        let needed = table.blocks_to_grow(tokens.len(), self.block_size)
+            + usize::from(shared_tail.is_some());
         self.ensure_available(needed)?;
 
         let mut table = self.tables.remove(&seq).expect("checked above");
@@ -225,7 +273,11 @@ impl BlockManager {
         if self.tables.contains_key(&child) {
             return Err(Error::DuplicateSequence(child.to_string()));
         }
-        let table = self.tables.get(&parent).ok_or_else(|| Error::UnknownSequence(parent.to_string()))?.clone();
+        let table = self
+            .tables
+            .get(&parent)
+            .ok_or_else(|| Error::UnknownSequence(parent.to_string()))?
+            .clone();
         for &block in &table.blocks {
             self.pool.retain(block);
         }
@@ -235,7 +287,10 @@ impl BlockManager {
 
     /// Drops `seq`, releasing its blocks tail first so its prefix outlives its tail in the cache.
     pub fn free(&mut self, seq: SeqId) -> Result<()> {
-        let table = self.tables.remove(&seq).ok_or_else(|| Error::UnknownSequence(seq.to_string()))?;
+        let table = self
+            .tables
+            .remove(&seq)
+            .ok_or_else(|| Error::UnknownSequence(seq.to_string()))?;
         for &block in table.blocks.iter().rev() {
             self.pool.release(block);
         }
@@ -244,14 +299,29 @@ impl BlockManager {
 
     /// The block table of `seq`.
     pub fn table(&self, seq: SeqId) -> Result<&BlockTable> {
-        self.tables.get(&seq).ok_or_else(|| Error::UnknownSequence(seq.to_string()))
+        self.tables
+            .get(&seq)
+            .ok_or_else(|| Error::UnknownSequence(seq.to_string()))
     }
 
     /// Writes the block tables of `seqs` as rows of a `[seqs.len(), width]` matrix into `out`,
     /// padded with -1; `width` is the longest table (or `min_width` if larger). Returns `width`.
-    pub fn batch_block_tables(&self, seqs: &[SeqId], min_width: usize, out: &mut Vec<i32>) -> Result<usize> {
-        let tables = seqs.iter().map(|&s| self.table(s)).collect::<Result<Vec<_>>>()?;
-        let width = tables.iter().map(|t| t.blocks.len()).max().unwrap_or(0).max(min_width);
+    pub fn batch_block_tables(
+        &self,
+        seqs: &[SeqId],
+        min_width: usize,
+        out: &mut Vec<i32>,
+    ) -> Result<usize> {
+        let tables = seqs
+            .iter()
+            .map(|&s| self.table(s))
+            .collect::<Result<Vec<_>>>()?;
+        let width = tables
+            .iter()
+            .map(|t| t.blocks.len())
+            .max()
+            .unwrap_or(0)
+            .max(min_width);
         out.clear();
         out.resize(seqs.len() * width, -1);
         for (row, table) in out.chunks_exact_mut(width.max(1)).zip(&tables) {
@@ -294,7 +364,9 @@ impl BlockManager {
             if table.blocks.len() != table.tokens.len().div_ceil(self.block_size)
                 || table.hashes.len() != table.tokens.len() / self.block_size
             {
-                return Err(format!("sequence {seq}: table shape does not match its tokens"));
+                return Err(format!(
+                    "sequence {seq}: table shape does not match its tokens"
+                ));
             }
         }
         for (block, &count) in holders.iter().enumerate() {
@@ -322,7 +394,9 @@ impl BlockManager {
         let bs = self.block_size;
         for chunk in split_at_block_boundaries(table.tokens.len(), tokens, bs) {
             if table.tokens.len() % bs == 0 {
-                table.blocks.push(self.pool.allocate().expect("capacity checked"));
+                table
+                    .blocks
+                    .push(self.pool.allocate().expect("capacity checked"));
             }
             table.tokens.extend_from_slice(chunk);
             if table.tokens.len() % bs == 0 {
@@ -340,8 +414,180 @@ impl BlockManager {
 
 /// Splits `tokens`, to be appended after `filled` tokens, into pieces that each end at a block
 /// boundary (the last piece may end inside a block).
-fn split_at_block_boundaries(filled: usize, tokens: &[TokenId], block_size: usize) -> impl Iterator<Item = &[TokenId]> {
+fn split_at_block_boundaries(
+    filled: usize,
+    tokens: &[TokenId],
+    block_size: usize,
+) -> impl Iterator<Item = &[TokenId]> {
     let first = (block_size - filled % block_size).min(tokens.len());
     let (head, rest) = tokens.split_at(first);
-    std::iter::once(head).filter(|h| !h.is_empty()).chain(rest.chunks(block_size))
+    std::iter::once(head)
+        .filter(|h| !h.is_empty())
+        .chain(rest.chunks(block_size))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn manager(num_blocks: usize) -> BlockManager {
+        BlockManager::new(num_blocks, 4, true).unwrap()
+    }
+
+    #[test]
+    fn shared_prefix_reuses_full_blocks_and_leaves_the_last_token() {
+        let mut m = manager(16);
+        let prompt: Vec<u32> = (0..10).collect(); // 2 full blocks + 2 tokens
+        assert_eq!(m.allocate(1, &prompt, None).unwrap(), 0);
+        let mut other = prompt[..8].to_vec();
+        other.extend([50, 51, 52]);
+        assert_eq!(m.allocate(2, &other, None).unwrap(), 8);
+        assert_eq!(
+            m.table(1).unwrap().blocks()[..2],
+            m.table(2).unwrap().blocks()[..2]
+        );
+        // An identical 8-token prompt only gets 4 tokens: the last token must be computed.
+        assert_eq!(m.allocate(3, &prompt[..8], None).unwrap(), 4);
+        // A different salt shares nothing.
+        assert_eq!(m.allocate(4, &prompt, Some(b"other tenant")).unwrap(), 0);
+        let s = m.stats();
+        assert_eq!(
+            (s.prefix_queried_tokens, s.prefix_hit_tokens),
+            (10 + 11 + 8 + 10, 12)
+        );
+        m.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn prefix_shorter_than_a_block_gives_no_hit() {
+        let mut m = manager(8);
+        m.allocate(1, &[1, 2, 3, 9, 9], None).unwrap();
+        assert_eq!(m.allocate(2, &[1, 2, 3, 7, 7], None).unwrap(), 0);
+    }
+
+    #[test]
+    fn freed_blocks_stay_cached_and_are_evicted_tail_first() {
+        let mut m = manager(4);
+        let prompt: Vec<u32> = (0..13).collect(); // 3 full blocks + 1 partial
+        m.allocate(1, &prompt, None).unwrap();
+        let blocks = m.table(1).unwrap().blocks().to_vec();
+        m.free(1).unwrap();
+        let s = m.stats();
+        assert_eq!((s.free_blocks, s.cached_blocks, s.used_blocks), (1, 3, 0));
+        // Needs 2 blocks: the clean one, then the evictable block holding the prompt's tail.
+        m.allocate(2, &[100, 101, 102, 103, 104], None).unwrap();
+        assert_eq!(m.stats().evictions, 1);
+        assert!(!m.table(2).unwrap().blocks().contains(&blocks[0]));
+        assert!(!m.table(2).unwrap().blocks().contains(&blocks[1]));
+        // The first two blocks of the old prompt are still there.
+        m.free(2).unwrap();
+        assert_eq!(m.allocate(3, &prompt, None).unwrap(), 8);
+        m.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn fork_shares_the_partial_tail_until_a_write_copies_it() {
+        let mut m = manager(8);
+        m.allocate(1, &[1, 2, 3, 4, 5, 6], None).unwrap();
+        m.fork(1, 2).unwrap();
+        assert_eq!(m.table(1).unwrap().blocks(), m.table(2).unwrap().blocks());
+        let shared_tail = m.table(1).unwrap().blocks()[1];
+        let copy = m
+            .append(2, &[7])
+            .unwrap()
+            .expect("the shared tail is copied");
+        assert_eq!(copy.src, shared_tail);
+        assert_eq!(m.table(2).unwrap().blocks()[1], copy.dst);
+        // The parent now owns the tail alone: no copy.
+        assert_eq!(m.append(1, &[8]).unwrap(), None);
+        assert_eq!(m.table(1).unwrap().blocks()[1], shared_tail);
+        assert_eq!(m.stats().cow_copies, 1);
+        m.free(1).unwrap();
+        m.free(2).unwrap();
+        assert_eq!(m.stats().used_blocks, 0);
+        m.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn refusals_change_nothing() {
+        let mut m = manager(3);
+        m.allocate(1, &[1; 9], None).unwrap(); // 3 blocks
+        let before = m.stats();
+        assert!(matches!(
+            m.allocate(2, &[5], None),
+            Err(Error::OutOfBlocks {
+                needed: 1,
+                available: 0
+            })
+        ));
+        assert!(matches!(
+            m.append(1, &[1; 4]),
+            Err(Error::OutOfBlocks { .. })
+        ));
+        assert!(matches!(
+            m.allocate(1, &[5], None),
+            Err(Error::DuplicateSequence(_))
+        ));
+        assert!(matches!(m.append(9, &[5]), Err(Error::UnknownSequence(_))));
+        assert!(matches!(m.fork(9, 10), Err(Error::UnknownSequence(_))));
+        assert!(matches!(m.fork(1, 1), Err(Error::DuplicateSequence(_))));
+        assert!(matches!(m.free(9), Err(Error::UnknownSequence(_))));
+        assert!(matches!(
+            m.allocate(3, &[], None),
+            Err(Error::InvalidArgument(_))
+        ));
+        assert_eq!(m.stats(), before);
+        assert_eq!(m.table(1).unwrap().num_tokens(), 9);
+        m.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn admission_counts_evictable_hits_against_capacity() {
+        let mut m = manager(3);
+        m.allocate(1, &[1, 2, 3, 4, 5, 6, 7, 8, 9], None).unwrap();
+        m.free(1).unwrap(); // 2 cached + 1 clean
+                            // Reviving 2 cached blocks and adding 2 new needs 4 > 3 available: refused untouched.
+        let prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13];
+        let found = m.match_prefix(&prompt, None);
+        assert_eq!(found.blocks.len(), 2);
+        assert_eq!(m.blocks_to_admit(&found, prompt.len()), 4);
+        assert!(matches!(
+            m.admit(2, &prompt, found),
+            Err(Error::OutOfBlocks {
+                needed: 4,
+                available: 3
+            })
+        ));
+        assert_eq!(m.stats().cached_blocks, 2);
+        // Admitting only the first chunk fits.
+        let found = m.match_prefix(&prompt, None);
+        assert_eq!(m.admit(2, &prompt[..12], found).unwrap(), 8);
+        m.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn slots_follow_the_block_table() {
+        let mut m = manager(8);
+        m.allocate(1, &[1, 2, 3, 4, 5, 6], None).unwrap();
+        let table = m.table(1).unwrap();
+        let mut slots = Vec::new();
+        table.extend_slots(0, 6, 4, &mut slots);
+        let b = table.blocks().to_vec();
+        let expected: Vec<i64> = (0..6)
+            .map(|p| b[p / 4] as i64 * 4 + (p % 4) as i64)
+            .collect();
+        assert_eq!(slots, expected);
+        let mut out = Vec::new();
+        m.allocate(2, &[9], None).unwrap();
+        assert_eq!(m.batch_block_tables(&[1, 2], 0, &mut out).unwrap(), 2);
+        assert_eq!(
+            out,
+            vec![
+                b[0] as i32,
+                b[1] as i32,
+                m.table(2).unwrap().blocks()[0] as i32,
+                -1
+            ]
+        );
+    }
 }

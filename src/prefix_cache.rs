@@ -44,7 +44,12 @@ pub fn block_hashes(root: BlockHash, tokens: &[TokenId], block_size: usize) -> V
 
 /// Extends `hashes`, the hashes of the leading full blocks of `tokens`, to every full block of
 /// `tokens` (hashing only the blocks not yet covered).
-pub fn extend_block_hashes(root: BlockHash, hashes: &mut Vec<BlockHash>, tokens: &[TokenId], block_size: usize) {
+pub fn extend_block_hashes(
+    root: BlockHash,
+    hashes: &mut Vec<BlockHash>,
+    tokens: &[TokenId],
+    block_size: usize,
+) {
     let mut parent = hashes.last().copied().unwrap_or(root);
     for block in tokens.chunks_exact(block_size).skip(hashes.len()) {
         parent = chain_hash(parent, block);
@@ -100,7 +105,10 @@ mod tests {
         let a = block_hashes(root_hash(None), &[1, 2, 3, 4, 5, 6, 7, 8], 4);
         let b = block_hashes(root_hash(None), &[9, 2, 3, 4, 5, 6, 7, 8], 4);
         assert_eq!(a.len(), 2);
-        assert_ne!(a[1], b[1], "same second block after different first blocks must differ");
+        assert_ne!(
+            a[1], b[1],
+            "same second block after different first blocks must differ"
+        );
         let salted = block_hashes(root_hash(Some(b"tenant")), &[1, 2, 3, 4], 4);
         assert_ne!(a[0], salted[0]);
         assert_eq!(block_hashes(root_hash(None), &[1, 2, 3], 4), vec![]);
