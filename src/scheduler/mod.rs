@@ -403,6 +403,22 @@ impl Scheduler {
         Ok(&self.update_output)
     }
 
+    /// The step awaiting `update`, if any.
+    pub fn pending_step(&self) -> Option<u64> {
+        self.awaiting_update.then(|| self.step - 1)
+    }
+
+    /// Moves the last step's arrays out (for a caller that keeps them past the next step); the
+    /// next step then allocates fresh buffers.
+    pub fn take_step_output(&mut self) -> StepOutput {
+        std::mem::take(&mut self.output)
+    }
+
+    /// Moves the last update's outputs out, like `take_step_output`.
+    pub fn take_update_output(&mut self) -> UpdateOutput {
+        std::mem::take(&mut self.update_output)
+    }
+
     /// Whether any request is waiting or running.
     pub fn has_unfinished(&self) -> bool {
         !self.requests.is_empty()
