@@ -6,8 +6,9 @@
 use std::sync::{Arc, Mutex};
 
 use numpy::ndarray::Array2;
-use numpy::{IntoPyArray, PyArray1, PyArray2};
+use numpy::{IntoPyArray, PyArray1};
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyList, PyTuple};
 
 use super::args::{invalid, non_negative, positive, token_ids};
@@ -151,7 +152,7 @@ impl PyScheduler {
                 Ok(s.take_step_output())
             })
             .py_err()?;
-        PySchedulerOutput::new(py, out)
+        Ok(PySchedulerOutput::new(out))
     }
 
     /// Appends `sampled_token_ids[k]` (one per sample, i.e. per `output.logits_indices[k]`) and
@@ -282,96 +283,159 @@ impl PyScheduler {
 pub struct PySchedulerOutput {
     #[pyo3(get)]
     step: u64,
-    #[pyo3(get)]
-    input_ids: Py<PyArray1<i64>>,
-    #[pyo3(get)]
-    positions: Py<PyArray1<i64>>,
-    #[pyo3(get)]
-    slot_mapping: Py<PyArray1<i64>>,
-    #[pyo3(get)]
-    query_start_loc: Py<PyArray1<i32>>,
-    #[pyo3(get)]
-    context_lens: Py<PyArray1<i32>>,
-    #[pyo3(get)]
-    block_tables: Py<PyArray2<i32>>,
-    #[pyo3(get)]
-    copy_ops: Py<PyArray2<i64>>,
-    #[pyo3(get)]
-    logits_indices: Py<PyArray1<i64>>,
-    #[pyo3(get)]
-    seq_indices: Py<PyArray1<u32>>,
-    #[pyo3(get)]
-    sample_seq_indices: Py<PyArray1<u32>>,
-    row_request_ids: Vec<Arc<str>>,
-    sample_ids: Vec<Arc<str>>,
+    num_seqs: usize,
+    num_samples: usize,
+    block_table_width: usize,
     stats: crate::scheduler::StepStats,
-}
-
-fn matrix<T: numpy::Element>(
-    py: Python<'_>,
-    data: Vec<T>,
-    cols: usize,
-) -> PyResult<Py<PyArray2<T>>> {
-    let rows = if cols == 0 { 0 } else { data.len() / cols };
-    let array = Array2::from_shape_vec((rows, cols), data).map_err(|e| invalid(e.to_string()))?;
-    Ok(array.into_pyarray(py).unbind())
+    /// The step's buffers; each moves into its numpy array the first time it is read, so a
+    /// caller pays only for the arrays it uses (and never for a copy).
+    data: Mutex<StepOutput>,
+    arrays: [PyOnceLock<Py<PyAny>>; 10],
 }
 
 impl PySchedulerOutput {
-    fn new(py: Python<'_>, out: StepOutput) -> PyResult<Self> {
-        let rows = out.num_seqs();
-        let width = out.block_table_width;
-        let block_tables = if rows == 0 {
-            Vec::new()
-        } else {
-            out.block_tables
-        };
-        Ok(PySchedulerOutput {
+    fn new(out: StepOutput) -> Self {
+        PySchedulerOutput {
             step: out.step,
-            input_ids: PyArray1::from_vec(py, out.input_ids).unbind(),
-            positions: PyArray1::from_vec(py, out.positions).unbind(),
-            slot_mapping: PyArray1::from_vec(py, out.slot_mapping).unbind(),
-            query_start_loc: PyArray1::from_vec(py, out.query_start_loc).unbind(),
-            context_lens: PyArray1::from_vec(py, out.context_lens).unbind(),
-            block_tables: Array2::from_shape_vec((rows, width), block_tables)
-                .map_err(|e| invalid(e.to_string()))?
-                .into_pyarray(py)
-                .unbind(),
-            copy_ops: matrix(py, out.copy_ops, 2)?,
-            logits_indices: PyArray1::from_vec(py, out.logits_indices).unbind(),
-            seq_indices: PyArray1::from_vec(py, out.seq_indices).unbind(),
-            sample_seq_indices: PyArray1::from_vec(py, out.sample_seq_indices).unbind(),
-            row_request_ids: out.request_ids,
-            sample_ids: out.sample_request_ids,
+            num_seqs: out.num_seqs(),
+            num_samples: out.num_samples(),
+            block_table_width: out.block_table_width,
             stats: out.stats,
-        })
+            data: Mutex::new(out),
+            arrays: std::array::from_fn(|_| PyOnceLock::new()),
+        }
     }
+
+    fn data(&self) -> std::sync::MutexGuard<'_, StepOutput> {
+        self.data
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+
+    /// The array in slot `slot`, made on first use from the buffer `take` moves out.
+    fn array<'py>(
+        &self,
+        py: Python<'py>,
+        slot: usize,
+        take: impl FnOnce(Python<'py>, &mut StepOutput) -> PyResult<Bound<'py, PyAny>>,
+    ) -> PyResult<Py<PyAny>> {
+        if let Some(array) = self.arrays[slot].get(py) {
+            return Ok(array.clone_ref(py));
+        }
+        let array = take(py, &mut self.data())?.unbind();
+        Ok(self.arrays[slot].get_or_init(py, || array).clone_ref(py))
+    }
+}
+
+fn vector<'py, T: numpy::Element>(
+    py: Python<'py>,
+    data: &mut Vec<T>,
+) -> PyResult<Bound<'py, PyAny>> {
+    Ok(PyArray1::from_vec(py, std::mem::take(data)).into_any())
+}
+
+fn matrix<'py, T: numpy::Element>(
+    py: Python<'py>,
+    data: &mut Vec<T>,
+    cols: usize,
+) -> PyResult<Bound<'py, PyAny>> {
+    let data = std::mem::take(data);
+    let rows = if cols == 0 { 0 } else { data.len() / cols };
+    let array = Array2::from_shape_vec((rows, cols), data).map_err(|e| invalid(e.to_string()))?;
+    Ok(array.into_pyarray(py).into_any())
 }
 
 #[pymethods]
 impl PySchedulerOutput {
+    /// Token ids to run, int64 [T].
+    #[getter]
+    fn input_ids(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        self.array(py, 0, |py, d| vector(py, &mut d.input_ids))
+    }
+
+    /// Position of each token in its sequence, int64 [T].
+    #[getter]
+    fn positions(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        self.array(py, 1, |py, d| vector(py, &mut d.positions))
+    }
+
+    /// Cache slot (block * block_size + offset) to write each token's K/V to, int64 [T].
+    #[getter]
+    fn slot_mapping(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        self.array(py, 2, |py, d| vector(py, &mut d.slot_mapping))
+    }
+
+    /// Row i's tokens are query_start_loc[i]..query_start_loc[i+1], int32 [S+1].
+    #[getter]
+    fn query_start_loc(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        self.array(py, 3, |py, d| vector(py, &mut d.query_start_loc))
+    }
+
+    /// Tokens in the cache per row, including this step's, int32 [S].
+    #[getter]
+    fn context_lens(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        self.array(py, 4, |py, d| vector(py, &mut d.context_lens))
+    }
+
+    /// Block table of each row, int32 [S, W], padded with -1.
+    #[getter]
+    fn block_tables(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        let width = self.block_table_width;
+        let rows = self.num_seqs;
+        self.array(py, 5, |py, d| {
+            let data = std::mem::take(&mut d.block_tables);
+            let array =
+                Array2::from_shape_vec((rows, width), data).map_err(|e| invalid(e.to_string()))?;
+            Ok(array.into_pyarray(py).into_any())
+        })
+    }
+
+    /// Copy-on-write block copies (src, dst) to apply before attention, int64 [C, 2].
+    #[getter]
+    fn copy_ops(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        self.array(py, 6, |py, d| matrix(py, &mut d.copy_ops, 2))
+    }
+
+    /// Token row whose logits give each sample, int64 [K].
+    #[getter]
+    fn logits_indices(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        self.array(py, 7, |py, d| vector(py, &mut d.logits_indices))
+    }
+
+    /// Sample index (0..n) of each row's sequence, uint32 [S].
+    #[getter]
+    fn seq_indices(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        self.array(py, 8, |py, d| vector(py, &mut d.seq_indices))
+    }
+
+    /// Sample index (0..n) of each sample's sequence, uint32 [K].
+    #[getter]
+    fn sample_seq_indices(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
+        self.array(py, 9, |py, d| vector(py, &mut d.sample_seq_indices))
+    }
+
     /// Request id of each row (scheduled sequence).
     #[getter]
     fn request_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        strings(py, &self.row_request_ids)
+        strings(py, &self.data().request_ids)
     }
 
     /// Request id of each sample (parallel samples repeat their request).
     #[getter]
     fn sample_request_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        strings(py, &self.sample_ids)
+        strings(py, &self.data().sample_request_ids)
     }
 
     /// Rows (sequences) in the batch.
     #[getter]
     fn num_seqs(&self) -> usize {
-        self.row_request_ids.len()
+        self.num_seqs
     }
 
     /// Tokens `update` expects.
     #[getter]
     fn num_samples(&self) -> usize {
-        self.sample_ids.len()
+        self.num_samples
     }
 
     /// Tokens scheduled (prefill + decode).
@@ -401,10 +465,7 @@ impl PySchedulerOutput {
     fn __repr__(&self) -> String {
         format!(
             "SchedulerOutput(step={}, num_seqs={}, num_tokens={}, num_samples={})",
-            self.step,
-            self.row_request_ids.len(),
-            self.stats.num_scheduled_tokens,
-            self.sample_ids.len()
+            self.step, self.num_seqs, self.stats.num_scheduled_tokens, self.num_samples
         )
     }
 }
