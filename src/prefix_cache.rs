@@ -10,7 +10,7 @@
 //! Invariant: the map holds at most one block per hash, and a block is in the map iff the pool has
 //! recorded that hash for it.
 
-use std::collections::HashMap;
+use rustc_hash::FxHashMap;
 
 use crate::{BlockId, TokenId};
 
@@ -60,7 +60,8 @@ pub fn extend_block_hashes(
 /// Map from prefix hash to the block holding that prefix's last block of K/V.
 #[derive(Debug, Default, Clone)]
 pub struct PrefixCache {
-    blocks: HashMap<BlockHash, BlockId>,
+    /// The keys are already uniform 128-bit hashes: a cheap multiplicative hash is enough.
+    blocks: FxHashMap<BlockHash, BlockId>,
 }
 
 impl PrefixCache {

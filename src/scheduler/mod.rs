@@ -706,7 +706,9 @@ impl Scheduler {
             .map(|r| (r.start + r.len).div_ceil(block_size))
             .max()
             .unwrap_or(0);
+        let num_tokens = self.rows.iter().map(|r| r.len).sum();
         let out = &mut self.output;
+        out.reserve(self.rows.len(), num_tokens);
         out.block_table_width = width;
         out.block_tables.resize(self.rows.len() * width, -1);
         out.query_start_loc.push(0);

@@ -60,6 +60,21 @@ impl StepOutput {
         self.logits_indices.len()
     }
 
+    /// Makes room for `rows` rows and `tokens` tokens at once: after the buffers were moved out
+    /// (to Python), they start empty, and growing them by doubling would cost several copies.
+    pub(crate) fn reserve(&mut self, rows: usize, tokens: usize) {
+        self.input_ids.reserve(tokens);
+        self.positions.reserve(tokens);
+        self.slot_mapping.reserve(tokens);
+        self.query_start_loc.reserve(rows + 1);
+        self.context_lens.reserve(rows);
+        self.request_ids.reserve(rows);
+        self.seq_indices.reserve(rows);
+        self.logits_indices.reserve(rows);
+        self.sample_request_ids.reserve(rows);
+        self.sample_seq_indices.reserve(rows);
+    }
+
     pub(crate) fn clear(&mut self) {
         self.input_ids.clear();
         self.positions.clear();
