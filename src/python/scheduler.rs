@@ -334,14 +334,11 @@ fn vector<'py, T: numpy::Element>(
     Ok(PyArray1::from_vec(py, std::mem::take(data)).into_any())
 }
 
-fn matrix<'py, T: numpy::Element>(
-    py: Python<'py>,
-    data: &mut Vec<T>,
-    cols: usize,
-) -> PyResult<Bound<'py, PyAny>> {
+/// A flat buffer of `(src, dst)` pairs as a `[C, 2]` array.
+fn pairs<'py>(py: Python<'py>, data: &mut Vec<i64>) -> PyResult<Bound<'py, PyAny>> {
     let data = std::mem::take(data);
-    let rows = if cols == 0 { 0 } else { data.len() / cols };
-    let array = Array2::from_shape_vec((rows, cols), data).map_err(|e| invalid(e.to_string()))?;
+    let array =
+        Array2::from_shape_vec((data.len() / 2, 2), data).map_err(|e| invalid(e.to_string()))?;
     Ok(array.into_pyarray(py).into_any())
 }
 
@@ -393,7 +390,7 @@ impl PySchedulerOutput {
     /// Copy-on-write block copies (src, dst) to apply before attention, int64 [C, 2].
     #[getter]
     fn copy_ops(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        self.array(py, 6, |py, d| matrix(py, &mut d.copy_ops, 2))
+        self.array(py, 6, |py, d| pairs(py, &mut d.copy_ops))
     }
 
     /// Token row whose logits give each sample, int64 [K].
