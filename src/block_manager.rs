@@ -74,7 +74,9 @@ impl BlockManager {
     /// A manager of `num_blocks` blocks of `block_size` tokens each.
     pub fn new(num_blocks: usize, block_size: usize, enable_prefix_caching: bool) -> Result<Self> {
         ensure(num_blocks > 0, || "num_blocks must be positive".into())?;
-        ensure(num_blocks < u32::MAX as usize, || format!("num_blocks {num_blocks} exceeds u32 ids"))?;
+        ensure(num_blocks < u32::MAX as usize, || {
+            format!("num_blocks {num_blocks} exceeds u32 ids")
+        })?;
         ensure(block_size > 0, || "block_size must be positive".into())?;
         Ok(BlockManager {
             pool: BlockPool::new(num_blocks),
@@ -121,7 +123,11 @@ impl BlockManager {
     /// token uncached so the model has logits to sample from. Changes nothing.
     pub fn match_prefix(&self, prompt: &[TokenId], salt: Option<&[u8]>) -> PrefixMatch {
         let root = root_hash(salt);
-        let mut found = PrefixMatch { root, num_queried_tokens: prompt.len(), ..Default::default() };
+        let mut found = PrefixMatch {
+            root,
+            num_queried_tokens: prompt.len(),
+            ..Default::default()
+        };
         if !self.enable_prefix_caching || prompt.is_empty() {
             return found;
         }
@@ -141,8 +147,15 @@ impl BlockManager {
     /// Available blocks that admitting `num_tokens` tokens over `found` would use up: new blocks
     /// plus cached hits that must be revived from the evictable set.
     pub fn blocks_to_admit(&self, found: &PrefixMatch, num_tokens: usize) -> usize {
-        let revived = found.blocks.iter().filter(|&&b| self.pool.is_evictable(b)).count();
-        num_tokens.div_ceil(self.block_size).saturating_sub(found.blocks.len()) + revived
+        let revived = found
+            .blocks
+            .iter()
+            .filter(|&&b| self.pool.is_evictable(b))
+            .count();
+        num_tokens
+            .div_ceil(self.block_size)
+            .saturating_sub(found.blocks.len())
+            + revived
     }
 
     /// Creates sequence `seq` holding `tokens` (the prompt, or its first chunk), reusing the
@@ -154,10 +167,19 @@ impl BlockManager {
         }
         let cached = found.num_cached_tokens(self.block_size);
         ensure(tokens.len() > cached, || {
-            format!("{} tokens do not extend the {cached} cached ones", tokens.len())
+            format!(
+                "{} tokens do not extend the {cached} cached ones",
+                tokens.len()
+            )
         })?;
-        let stale = found.blocks.iter().zip(&found.hashes).any(|(&b, &h)| self.pool.hash_of(b) != Some(h));
-        ensure(!stale, || "prefix match is stale: the cache changed since match_prefix".into())?;
+        let stale = found
+            .blocks
+            .iter()
+            .zip(&found.hashes)
+            .any(|(&b, &h)| self.pool.hash_of(b) != Some(h));
+        ensure(!stale, || {
+            "prefix match is stale: the cache changed since match_prefix".into()
+        })?;
         let needed = self.blocks_to_admit(&found, tokens.len());
         self.ensure_available(needed)?;
 
@@ -179,8 +201,15 @@ impl BlockManager {
 
     /// `match_prefix` then `admit` of the whole prompt: creates `seq` holding all of `prompt`.
     /// Returns the number of prompt tokens served from the cache.
-    pub fn allocate(&mut self, seq: SeqId, prompt: &[TokenId], salt: Option<&[u8]>) -> Result<usize> {
-        ensure(!prompt.is_empty(), || "a sequence needs at least one token".into())?;
+    pub fn allocate(
+        &mut self,
+        seq: SeqId,
+        prompt: &[TokenId],
+        salt: Option<&[u8]>,
+    ) -> Result<usize> {
+        ensure(!prompt.is_empty(), || {
+            "a sequence needs at least one token".into()
+        })?;
         let found = self.match_prefix(prompt, salt);
         self.admit(seq, prompt, found)
     }
@@ -188,12 +217,18 @@ impl BlockManager {
     /// Gives `tokens` slots at the end of `seq`, allocating blocks as the tail fills. If the tail
     /// block is shared (after a fork), it is first copied to a private block and the copy is returned.
     pub fn append(&mut self, seq: SeqId, tokens: &[TokenId]) -> Result<Option<CopyOp>> {
-        let table = self.tables.get(&seq).ok_or_else(|| Error::UnknownSequence(seq.to_string()))?;
+        let table = self
+            .tables
+            .get(&seq)
+            .ok_or_else(|| Error::UnknownSequence(seq.to_string()))?;
         if tokens.is_empty() {
             return Ok(None);
         }
-        let shared_tail = table.partial_tail(self.block_size).filter(|&b| self.pool.ref_count(b) > 1);
-        let needed = table.blocks_to_grow(tokens.len(), self.block_size) + usize::from(shared_tail.is_some());
+        let shared_tail = table
+            .partial_tail(self.block_size)
+            .filter(|&b| self.pool.ref_count(b) > 1);
+        let needed = table.blocks_to_grow(tokens.len(), self.block_size)
+            + usize::from(shared_tail.is_some());
         self.ensure_available(needed)?;
 
         let mut table = self.tables.remove(&seq).expect("checked above");
@@ -214,7 +249,11 @@ impl BlockManager {
         if self.tables.contains_key(&child) {
             return Err(Error::DuplicateSequence(child.to_string()));
         }
-        let table = self.tables.get(&parent).ok_or_else(|| Error::UnknownSequence(parent.to_string()))?.clone();
+        let table = self
+            .tables
+            .get(&parent)
+            .ok_or_else(|| Error::UnknownSequence(parent.to_string()))?
+            .clone();
         for &block in &table.blocks {
             self.pool.retain(block);
         }
@@ -224,7 +263,10 @@ impl BlockManager {
 
     /// Drops `seq`, releasing its blocks tail first so its prefix outlives its tail in the cache.
     pub fn free(&mut self, seq: SeqId) -> Result<()> {
-        let table = self.tables.remove(&seq).ok_or_else(|| Error::UnknownSequence(seq.to_string()))?;
+        let table = self
+            .tables
+            .remove(&seq)
+            .ok_or_else(|| Error::UnknownSequence(seq.to_string()))?;
         for &block in table.blocks.iter().rev() {
             self.pool.release(block);
         }
@@ -233,14 +275,29 @@ impl BlockManager {
 
     /// The block table of `seq`.
     pub fn table(&self, seq: SeqId) -> Result<&BlockTable> {
-        self.tables.get(&seq).ok_or_else(|| Error::UnknownSequence(seq.to_string()))
+        self.tables
+            .get(&seq)
+            .ok_or_else(|| Error::UnknownSequence(seq.to_string()))
     }
 
     /// Writes the block tables of `seqs` as rows of a `[seqs.len(), width]` matrix into `out`,
     /// padded with -1; `width` is the longest table (or `min_width` if larger). Returns `width`.
-    pub fn batch_block_tables(&self, seqs: &[SeqId], min_width: usize, out: &mut Vec<i32>) -> Result<usize> {
-        let tables = seqs.iter().map(|&s| self.table(s)).collect::<Result<Vec<_>>>()?;
-        let width = tables.iter().map(|t| t.blocks.len()).max().unwrap_or(0).max(min_width);
+    pub fn batch_block_tables(
+        &self,
+        seqs: &[SeqId],
+        min_width: usize,
+        out: &mut Vec<i32>,
+    ) -> Result<usize> {
+        let tables = seqs
+            .iter()
+            .map(|&s| self.table(s))
+            .collect::<Result<Vec<_>>>()?;
+        let width = tables
+            .iter()
+            .map(|t| t.blocks.len())
+            .max()
+            .unwrap_or(0)
+            .max(min_width);
         out.clear();
         out.resize(seqs.len() * width, -1);
         for (row, table) in out.chunks_exact_mut(width.max(1)).zip(&tables) {
@@ -283,7 +340,9 @@ impl BlockManager {
             if table.blocks.len() != table.tokens.len().div_ceil(self.block_size)
                 || table.hashes.len() != table.tokens.len() / self.block_size
             {
-                return Err(format!("sequence {seq}: table shape does not match its tokens"));
+                return Err(format!(
+                    "sequence {seq}: table shape does not match its tokens"
+                ));
             }
         }
         for (block, &count) in holders.iter().enumerate() {
@@ -311,7 +370,9 @@ impl BlockManager {
         let bs = self.block_size;
         for chunk in split_at_block_boundaries(table.tokens.len(), tokens, bs) {
             if table.tokens.len() % bs == 0 {
-                table.blocks.push(self.pool.allocate().expect("capacity checked"));
+                table
+                    .blocks
+                    .push(self.pool.allocate().expect("capacity checked"));
             }
             table.tokens.extend_from_slice(chunk);
             if table.tokens.len() % bs == 0 {
@@ -329,8 +390,14 @@ impl BlockManager {
 
 /// Splits `tokens`, to be appended after `filled` tokens, into pieces that each end at a block
 /// boundary (the last piece may end inside a block).
-fn split_at_block_boundaries(filled: usize, tokens: &[TokenId], block_size: usize) -> impl Iterator<Item = &[TokenId]> {
+fn split_at_block_boundaries(
+    filled: usize,
+    tokens: &[TokenId],
+    block_size: usize,
+) -> impl Iterator<Item = &[TokenId]> {
     let first = (block_size - filled % block_size).min(tokens.len());
     let (head, rest) = tokens.split_at(first);
-    std::iter::once(head).filter(|h| !h.is_empty()).chain(rest.chunks(block_size))
+    std::iter::once(head)
+        .filter(|h| !h.is_empty())
+        .chain(rest.chunks(block_size))
 }

@@ -104,7 +104,9 @@ impl BlockPool {
             Some(block) => block,
             None => {
                 let block = self.lru.pop_front()?;
-                let hash = self.hashes[block as usize].take().expect("cached block has a hash");
+                let hash = self.hashes[block as usize]
+                    .take()
+                    .expect("cached block has a hash");
                 self.prefix.remove(hash);
                 self.counters.evictions += 1;
                 block
@@ -164,7 +166,10 @@ impl BlockPool {
         }
         let counted_in_use = self.ref_counts.iter().filter(|&&c| c > 0).count();
         if counted_in_use != self.in_use {
-            return Err(format!("{counted_in_use} blocks referenced, in_use says {}", self.in_use));
+            return Err(format!(
+                "{counted_in_use} blocks referenced, in_use says {}",
+                self.in_use
+            ));
         }
         for block in 0..total as BlockId {
             let (refs, hash) = (self.ref_counts[block as usize], self.hashes[block as usize]);
@@ -172,17 +177,24 @@ impl BlockPool {
                 return Err(format!("block {block} is referenced and on the LRU"));
             }
             if refs == 0 && self.lru.contains(block) != hash.is_some() {
-                return Err(format!("unreferenced block {block}: on LRU iff hashed is broken"));
+                return Err(format!(
+                    "unreferenced block {block}: on LRU iff hashed is broken"
+                ));
             }
             if let Some(hash) = hash {
                 if self.prefix.get(hash) != Some(block) {
-                    return Err(format!("block {block} has a hash the prefix map does not point back to"));
+                    return Err(format!(
+                        "block {block} has a hash the prefix map does not point back to"
+                    ));
                 }
             }
         }
         let hashed = self.hashes.iter().filter(|h| h.is_some()).count();
         if hashed != self.prefix.len() {
-            return Err(format!("{hashed} hashed blocks but {} prefix entries", self.prefix.len()));
+            return Err(format!(
+                "{hashed} hashed blocks but {} prefix entries",
+                self.prefix.len()
+            ));
         }
         Ok(())
     }
@@ -202,10 +214,21 @@ mod tests {
         pool.release(blocks[1]); // cached, older
         pool.release(blocks[0]); // cached, newer
         pool.release(blocks[2]); // clean
-        assert_eq!((pool.num_clean(), pool.num_cached(), pool.num_in_use()), (1, 2, 0));
+        assert_eq!(
+            (pool.num_clean(), pool.num_cached(), pool.num_in_use()),
+            (1, 2, 0)
+        );
         assert_eq!(pool.allocate(), Some(blocks[2]), "clean block first");
-        assert_eq!(pool.allocate(), Some(blocks[1]), "then the least recently used cached block");
-        assert_eq!(pool.lookup(101), None, "an evicted block leaves the prefix map");
+        assert_eq!(
+            pool.allocate(),
+            Some(blocks[1]),
+            "then the least recently used cached block"
+        );
+        assert_eq!(
+            pool.lookup(101),
+            None,
+            "an evicted block leaves the prefix map"
+        );
         assert_eq!(pool.lookup(100), Some(blocks[0]));
         assert_eq!(pool.counters().evictions, 1);
         pool.check_invariants().unwrap();
@@ -219,7 +242,10 @@ mod tests {
         pool.release(block);
         assert!(pool.is_evictable(block));
         pool.retain(block);
-        assert_eq!((pool.ref_count(block), pool.num_cached(), pool.num_in_use()), (1, 0, 1));
+        assert_eq!(
+            (pool.ref_count(block), pool.num_cached(), pool.num_in_use()),
+            (1, 0, 1)
+        );
         pool.retain(block);
         pool.release(block);
         assert_eq!(pool.ref_count(block), 1);
@@ -234,7 +260,11 @@ mod tests {
         pool.register(b, 9);
         assert_eq!(pool.hash_of(b), None);
         pool.release(b);
-        assert_eq!(pool.num_clean(), 1, "an unregistered duplicate goes back clean");
+        assert_eq!(
+            pool.num_clean(),
+            1,
+            "an unregistered duplicate goes back clean"
+        );
         pool.check_invariants().unwrap();
     }
 }

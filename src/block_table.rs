@@ -40,7 +40,8 @@ impl BlockTable {
 
     /// The last block if it is partly filled (the only block a later append writes into).
     pub fn partial_tail(&self, block_size: usize) -> Option<BlockId> {
-        (self.tokens.len() % block_size != 0).then(|| *self.blocks.last().expect("tokens imply blocks"))
+        (self.tokens.len() % block_size != 0)
+            .then(|| *self.blocks.last().expect("tokens imply blocks"))
     }
 
     /// Cache slot of token position `position` (which must be below `num_tokens`).

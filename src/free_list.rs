@@ -34,10 +34,17 @@ impl FreeList {
     /// # Panics
     /// If `capacity` does not fit below `u32::MAX` (ids are 32-bit).
     pub fn full(capacity: usize) -> Self {
-        assert!(capacity < NIL as usize, "free list capacity {capacity} exceeds u32 ids");
+        assert!(
+            capacity < NIL as usize,
+            "free list capacity {capacity} exceeds u32 ids"
+        );
         let next = (0..capacity)
             .map(|id| {
-                let successor = if id + 1 < capacity { id as u32 + 1 } else { NIL };
+                let successor = if id + 1 < capacity {
+                    id as u32 + 1
+                } else {
+                    NIL
+                };
                 AtomicU32::new(successor)
             })
             .collect();
@@ -92,7 +99,10 @@ impl FreeList {
 
     /// Puts `id` back on the list. The caller must hold `id` (it must not be on the list already).
     pub fn push(&self, id: u32) {
-        debug_assert!((id as usize) < self.capacity(), "block id {id} out of range");
+        debug_assert!(
+            (id as usize) < self.capacity(),
+            "block id {id} out of range"
+        );
         let mut current = self.head.load(Ordering::Relaxed);
         loop {
             let (tag, top) = unpack(current);
@@ -154,8 +164,9 @@ mod tests {
         const THREADS: usize = 4;
         const ROUNDS: usize = 150_000; // 4 threads x 150k x (pop + push) = 1.2M operations
         let list = FreeList::full(CAPACITY);
-        let held: Vec<std::sync::atomic::AtomicBool> =
-            (0..CAPACITY).map(|_| std::sync::atomic::AtomicBool::new(false)).collect();
+        let held: Vec<std::sync::atomic::AtomicBool> = (0..CAPACITY)
+            .map(|_| std::sync::atomic::AtomicBool::new(false))
+            .collect();
         std::thread::scope(|scope| {
             for thread in 0..THREADS {
                 let (list, held) = (&list, &held);
@@ -165,7 +176,8 @@ mod tests {
                         // Hold a varying number of ids to vary the interleavings.
                         if mine.len() < 1 + (round + thread) % 4 {
                             if let Some(id) = list.pop() {
-                                let was_held = held[id as usize].swap(true, std::sync::atomic::Ordering::SeqCst);
+                                let was_held = held[id as usize]
+                                    .swap(true, std::sync::atomic::Ordering::SeqCst);
                                 assert!(!was_held, "id {id} handed out twice");
                                 mine.push(id);
                             }

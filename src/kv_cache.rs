@@ -40,8 +40,16 @@ impl KvShape {
     }
 
     fn validate(&self) -> Result<()> {
-        let dims = [self.num_layers, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim];
-        ensure(dims.iter().all(|&d| d > 0), || format!("every KV cache dimension must be positive: {self:?}"))
+        let dims = [
+            self.num_layers,
+            self.num_blocks,
+            self.block_size,
+            self.num_kv_heads,
+            self.head_dim,
+        ];
+        ensure(dims.iter().all(|&d| d > 0), || {
+            format!("every KV cache dimension must be positive: {self:?}")
+        })
     }
 }
 
@@ -100,8 +108,17 @@ impl KvCache {
             .num_blocks
             .checked_mul(shape.block_elems())
             .ok_or_else(|| Error::InvalidArgument(format!("KV cache of {shape:?} overflows")))?;
-        let make = || (0..shape.num_layers).map(|_| KvBuffer::zeroed(dtype, len)).collect();
-        Ok(KvCache { shape, dtype, keys: make(), values: make() })
+        let make = || {
+            (0..shape.num_layers)
+                .map(|_| KvBuffer::zeroed(dtype, len))
+                .collect()
+        };
+        Ok(KvCache {
+            shape,
+            dtype,
+            keys: make(),
+            values: make(),
+        })
     }
 
     /// Dimensions.
@@ -116,7 +133,10 @@ impl KvCache {
 
     /// Bytes of K and V storage in all.
     pub fn nbytes(&self) -> usize {
-        2 * self.shape.num_layers * self.shape.num_blocks * self.shape.block_elems() * self.dtype.size_of()
+        2 * self.shape.num_layers
+            * self.shape.num_blocks
+            * self.shape.block_elems()
+            * self.dtype.size_of()
     }
 
     /// The K and V buffers of `layer`.
@@ -127,7 +147,13 @@ impl KvCache {
 
     /// Stores rows `keys[i]`, `values[i]` (each `[num_kv_heads, head_dim]`, f32, finite) at
     /// `slots[i]` of `layer`. Nothing is written unless every argument is valid.
-    pub fn write(&mut self, layer: usize, keys: &[f32], values: &[f32], slots: &[i64]) -> Result<()> {
+    pub fn write(
+        &mut self,
+        layer: usize,
+        keys: &[f32],
+        values: &[f32],
+        slots: &[i64],
+    ) -> Result<()> {
         self.check_layer(layer)?;
         let row = self.shape.row_elems();
         let expected = slots.len() * row;
@@ -141,11 +167,18 @@ impl KvCache {
         }
         let num_slots = (self.shape.num_blocks * self.shape.block_size) as i64;
         if let Some(bad) = slots.iter().find(|&&s| s < 0 || s >= num_slots) {
-            return Err(Error::InvalidArgument(format!("slot {bad} outside 0..{num_slots}")));
+            return Err(Error::InvalidArgument(format!(
+                "slot {bad} outside 0..{num_slots}"
+            )));
         }
-        ensure(keys.iter().chain(values).all(|x| x.is_finite()), || "keys or values contain NaN or infinity".into())?;
+        ensure(keys.iter().chain(values).all(|x| x.is_finite()), || {
+            "keys or values contain NaN or infinity".into()
+        })?;
         let shape = self.shape;
-        for (buffer, source) in [(&mut self.keys[layer], keys), (&mut self.values[layer], values)] {
+        for (buffer, source) in [
+            (&mut self.keys[layer], keys),
+            (&mut self.values[layer], values),
+        ] {
             with_kv_buffer!(buffer, buf => scatter_rows(buf, source, slots, &shape));
         }
         Ok(())
@@ -155,7 +188,10 @@ impl KvCache {
     pub fn copy_blocks(&mut self, ops: &[CopyOp]) -> Result<()> {
         let n = self.shape.num_blocks as u32;
         if let Some(op) = ops.iter().find(|op| op.src >= n || op.dst >= n) {
-            return Err(Error::InvalidArgument(format!("copy {} -> {} outside 0..{n}", op.src, op.dst)));
+            return Err(Error::InvalidArgument(format!(
+                "copy {} -> {} outside 0..{n}",
+                op.src, op.dst
+            )));
         }
         let block = self.shape.block_elems();
         for buffer in self.keys.iter_mut().chain(self.values.iter_mut()) {
@@ -169,23 +205,38 @@ impl KvCache {
 
     /// Reads back the first `num_tokens` K and V rows of a sequence through its block table, as
     /// f32 `[num_tokens, num_kv_heads, head_dim]` each.
-    pub fn gather(&self, layer: usize, block_table: &[u32], num_tokens: usize) -> Result<(Vec<f32>, Vec<f32>)> {
+    pub fn gather(
+        &self,
+        layer: usize,
+        block_table: &[u32],
+        num_tokens: usize,
+    ) -> Result<(Vec<f32>, Vec<f32>)> {
         self.check_layer(layer)?;
         let bs = self.shape.block_size;
         ensure(num_tokens <= block_table.len() * bs, || {
-            format!("{num_tokens} tokens do not fit {} blocks of {bs}", block_table.len())
+            format!(
+                "{num_tokens} tokens do not fit {} blocks of {bs}",
+                block_table.len()
+            )
         })?;
         let used = &block_table[..num_tokens.div_ceil(bs)];
         if let Some(bad) = used.iter().find(|&&b| b as usize >= self.shape.num_blocks) {
-            return Err(Error::InvalidArgument(format!("block {bad} outside 0..{}", self.shape.num_blocks)));
+            return Err(Error::InvalidArgument(format!(
+                "block {bad} outside 0..{}",
+                self.shape.num_blocks
+            )));
         }
-        let slots: Vec<usize> = (0..num_tokens).map(|p| used[p / bs] as usize * bs + p % bs).collect();
+        let slots: Vec<usize> = (0..num_tokens)
+            .map(|p| used[p / bs] as usize * bs + p % bs)
+            .collect();
         let read = |buffer: &KvBuffer| with_kv_buffer!(buffer, buf => gather_rows(buf, &slots, &self.shape));
         Ok((read(&self.keys[layer]), read(&self.values[layer])))
     }
 
     fn check_layer(&self, layer: usize) -> Result<()> {
-        ensure(layer < self.shape.num_layers, || format!("layer {layer} outside 0..{}", self.shape.num_layers))
+        ensure(layer < self.shape.num_layers, || {
+            format!("layer {layer} outside 0..{}", self.shape.num_layers)
+        })
     }
 }
 

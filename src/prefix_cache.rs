@@ -95,7 +95,10 @@ mod tests {
         let a = block_hashes(root_hash(None), &[1, 2, 3, 4, 5, 6, 7, 8], 4);
         let b = block_hashes(root_hash(None), &[9, 2, 3, 4, 5, 6, 7, 8], 4);
         assert_eq!(a.len(), 2);
-        assert_ne!(a[1], b[1], "same second block after different first blocks must differ");
+        assert_ne!(
+            a[1], b[1],
+            "same second block after different first blocks must differ"
+        );
         let salted = block_hashes(root_hash(Some(b"tenant")), &[1, 2, 3, 4], 4);
         assert_ne!(a[0], salted[0]);
         assert_eq!(block_hashes(root_hash(None), &[1, 2, 3], 4), vec![]);

@@ -18,18 +18,30 @@ pub fn shape_error(message: String) -> PyErr {
 /// Token ids from a list/tuple of ints or a 1-D integer numpy array.
 pub fn token_ids(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u32>> {
     let values: Vec<i64> = if let Ok(array) = obj.extract::<PyReadonlyArray1<'_, i64>>() {
-        array.as_slice().map(<[i64]>::to_vec).unwrap_or_else(|_| array.as_array().to_vec())
+        array
+            .as_slice()
+            .map(<[i64]>::to_vec)
+            .unwrap_or_else(|_| array.as_array().to_vec())
     } else if let Ok(array) = obj.extract::<PyReadonlyArray1<'_, i32>>() {
         array.as_array().iter().map(|&t| i64::from(t)).collect()
-    } else if obj.is_instance_of::<pyo3::types::PyString>() || obj.is_instance_of::<pyo3::types::PyBytes>() {
-        return Err(invalid(format!("{name} must be a sequence of int token ids, not a string")));
+    } else if obj.is_instance_of::<pyo3::types::PyString>()
+        || obj.is_instance_of::<pyo3::types::PyBytes>()
+    {
+        return Err(invalid(format!(
+            "{name} must be a sequence of int token ids, not a string"
+        )));
     } else {
-        obj.extract::<Vec<i64>>()
-            .map_err(|_| invalid(format!("{name} must be a sequence of int token ids or a 1-D integer array")))?
+        obj.extract::<Vec<i64>>().map_err(|_| {
+            invalid(format!(
+                "{name} must be a sequence of int token ids or a 1-D integer array"
+            ))
+        })?
     };
     values
         .into_iter()
-        .map(|t| u32::try_from(t).map_err(|_| invalid(format!("{name}: token id {t} outside 0..2^32"))))
+        .map(|t| {
+            u32::try_from(t).map_err(|_| invalid(format!("{name}: token id {t} outside 0..2^32")))
+        })
         .collect()
 }
 
@@ -49,12 +61,22 @@ pub fn non_negative(value: i64, name: &str) -> PyResult<u64> {
 
 /// Checks a numpy array's shape against `expected` (`None` = any extent).
 pub fn expect_shape(shape: &[usize], expected: &[Option<usize>], name: &str) -> PyResult<()> {
-    let fits = shape.len() == expected.len() && shape.iter().zip(expected).all(|(&s, e)| e.is_none_or(|e| e == s));
+    let fits = shape.len() == expected.len()
+        && shape
+            .iter()
+            .zip(expected)
+            .all(|(&s, e)| e.is_none_or(|e| e == s));
     if fits {
         Ok(())
     } else {
-        let want: Vec<String> = expected.iter().map(|e| e.map_or("*".into(), |e| e.to_string())).collect();
-        Err(shape_error(format!("{name} has shape {shape:?}, expected [{}]", want.join(", "))))
+        let want: Vec<String> = expected
+            .iter()
+            .map(|e| e.map_or("*".into(), |e| e.to_string()))
+            .collect();
+        Err(shape_error(format!(
+            "{name} has shape {shape:?}, expected [{}]",
+            want.join(", ")
+        )))
     }
 }
 
@@ -78,8 +100,24 @@ pub fn typed_array<'py, T: numpy::Element, D: numpy::ndarray::Dimension>(
         let got = obj
             .getattr("dtype")
             .and_then(|d| d.str())
-            .map(|d| format!("{} array of ndim {}", d, obj.getattr("ndim").map(|n| n.to_string()).unwrap_or_default()))
-            .unwrap_or_else(|_| obj.get_type().name().map(|n| n.to_string()).unwrap_or_default());
-        shape_error(format!("{name} must be a {dtype} numpy array of ndim {}, got {got}", D::NDIM.unwrap_or(0)))
+            .map(|d| {
+                format!(
+                    "{} array of ndim {}",
+                    d,
+                    obj.getattr("ndim")
+                        .map(|n| n.to_string())
+                        .unwrap_or_default()
+                )
+            })
+            .unwrap_or_else(|_| {
+                obj.get_type()
+                    .name()
+                    .map(|n| n.to_string())
+                    .unwrap_or_default()
+            });
+        shape_error(format!(
+            "{name} must be a {dtype} numpy array of ndim {}, got {got}",
+            D::NDIM.unwrap_or(0)
+        ))
     })
 }

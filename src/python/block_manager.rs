@@ -19,7 +19,12 @@ pub struct PyBlockManager {
 
 impl PyBlockManager {
     fn with<T: Send>(&self, py: Python<'_>, f: impl FnOnce(&mut BlockManager) -> T + Send) -> T {
-        py.detach(|| f(&mut self.inner.lock().unwrap_or_else(|poisoned| poisoned.into_inner())))
+        py.detach(|| {
+            f(&mut self
+                .inner
+                .lock()
+                .unwrap_or_else(|poisoned| poisoned.into_inner()))
+        })
     }
 }
 
@@ -39,20 +44,39 @@ impl PyBlockManager {
             enable_prefix_caching,
         )
         .py_err()?;
-        Ok(PyBlockManager { inner: Mutex::new(manager) })
+        Ok(PyBlockManager {
+            inner: Mutex::new(manager),
+        })
     }
 
     /// Creates sequence `seq_id` holding `token_ids`, reusing cached prefix blocks. Returns how
     /// many leading tokens were served from the cache (a multiple of the block size, never all).
     #[pyo3(signature = (seq_id, token_ids, cache_salt=None))]
-    fn allocate(&self, py: Python<'_>, seq_id: i64, token_ids: &Bound<'_, PyAny>, cache_salt: Option<String>) -> PyResult<usize> {
-        let (seq, tokens) = (self::seq_id(seq_id)?, self::token_ids(token_ids, "token_ids")?);
-        self.with(py, |m| m.allocate(seq, &tokens, cache_salt.as_deref().map(str::as_bytes))).py_err()
+    fn allocate(
+        &self,
+        py: Python<'_>,
+        seq_id: i64,
+        token_ids: &Bound<'_, PyAny>,
+        cache_salt: Option<String>,
+    ) -> PyResult<usize> {
+        let (seq, tokens) = (
+            self::seq_id(seq_id)?,
+            self::token_ids(token_ids, "token_ids")?,
+        );
+        self.with(py, |m| {
+            m.allocate(seq, &tokens, cache_salt.as_deref().map(str::as_bytes))
+        })
+        .py_err()
     }
 
     /// Whether `allocate` of `token_ids` would succeed now (counting evictable prefix hits).
     #[pyo3(signature = (token_ids, cache_salt=None))]
-    fn can_allocate(&self, py: Python<'_>, token_ids: &Bound<'_, PyAny>, cache_salt: Option<String>) -> PyResult<bool> {
+    fn can_allocate(
+        &self,
+        py: Python<'_>,
+        token_ids: &Bound<'_, PyAny>,
+        cache_salt: Option<String>,
+    ) -> PyResult<bool> {
         let tokens = self::token_ids(token_ids, "token_ids")?;
         Ok(self.with(py, |m| {
             let found = m.match_prefix(&tokens, cache_salt.as_deref().map(str::as_bytes));
@@ -62,15 +86,31 @@ impl PyBlockManager {
 
     /// Number of leading tokens of `token_ids` that `allocate` would serve from the cache.
     #[pyo3(signature = (token_ids, cache_salt=None))]
-    fn cached_prefix_len(&self, py: Python<'_>, token_ids: &Bound<'_, PyAny>, cache_salt: Option<String>) -> PyResult<usize> {
+    fn cached_prefix_len(
+        &self,
+        py: Python<'_>,
+        token_ids: &Bound<'_, PyAny>,
+        cache_salt: Option<String>,
+    ) -> PyResult<usize> {
         let tokens = self::token_ids(token_ids, "token_ids")?;
-        Ok(self.with(py, |m| m.match_prefix(&tokens, cache_salt.as_deref().map(str::as_bytes)).num_cached_tokens(m.block_size())))
+        Ok(self.with(py, |m| {
+            m.match_prefix(&tokens, cache_salt.as_deref().map(str::as_bytes))
+                .num_cached_tokens(m.block_size())
+        }))
     }
 
     /// Gives `token_ids` slots at the end of `seq_id`. Returns the copy-on-write op `(src, dst)`
     /// to apply to the KV cache first when the tail block was shared, else None.
-    fn append(&self, py: Python<'_>, seq_id: i64, token_ids: &Bound<'_, PyAny>) -> PyResult<Option<(u32, u32)>> {
-        let (seq, tokens) = (self::seq_id(seq_id)?, self::token_ids(token_ids, "token_ids")?);
+    fn append(
+        &self,
+        py: Python<'_>,
+        seq_id: i64,
+        token_ids: &Bound<'_, PyAny>,
+    ) -> PyResult<Option<(u32, u32)>> {
+        let (seq, tokens) = (
+            self::seq_id(seq_id)?,
+            self::token_ids(token_ids, "token_ids")?,
+        );
         let copy = self.with(py, |m| m.append(seq, &tokens)).py_err()?;
         Ok(copy.map(|op| (op.src, op.dst)))
     }
@@ -88,27 +128,43 @@ impl PyBlockManager {
     }
 
     /// Physical block ids of `seq_id`, in logical order (int32).
-    fn block_table<'py>(&self, py: Python<'py>, seq_id: i64) -> PyResult<Bound<'py, PyArray1<i32>>> {
+    fn block_table<'py>(
+        &self,
+        py: Python<'py>,
+        seq_id: i64,
+    ) -> PyResult<Bound<'py, PyArray1<i32>>> {
         let seq = self::seq_id(seq_id)?;
-        let blocks = self.with(py, |m| m.table(seq).map(|t| t.blocks().iter().map(|&b| b as i32).collect::<Vec<_>>()));
+        let blocks = self.with(py, |m| {
+            m.table(seq)
+                .map(|t| t.blocks().iter().map(|&b| b as i32).collect::<Vec<_>>())
+        });
         Ok(PyArray1::from_vec(py, blocks.py_err()?))
     }
 
     /// Tokens with a slot in `seq_id`.
     fn num_tokens(&self, py: Python<'_>, seq_id: i64) -> PyResult<usize> {
         let seq = self::seq_id(seq_id)?;
-        self.with(py, |m| m.table(seq).map(|t| t.num_tokens())).py_err()
+        self.with(py, |m| m.table(seq).map(|t| t.num_tokens()))
+            .py_err()
     }
 
     /// The token ids of `seq_id`.
     fn token_ids(&self, py: Python<'_>, seq_id: i64) -> PyResult<Vec<u32>> {
         let seq = self::seq_id(seq_id)?;
-        self.with(py, |m| m.table(seq).map(|t| t.tokens().to_vec())).py_err()
+        self.with(py, |m| m.table(seq).map(|t| t.tokens().to_vec()))
+            .py_err()
     }
 
     /// Block tables of `seq_ids` as one int32 array `[len(seq_ids), max_blocks]`, padded with -1.
-    fn block_tables<'py>(&self, py: Python<'py>, seq_ids: Vec<i64>) -> PyResult<Bound<'py, PyArray2<i32>>> {
-        let seqs = seq_ids.into_iter().map(seq_id).collect::<PyResult<Vec<_>>>()?;
+    fn block_tables<'py>(
+        &self,
+        py: Python<'py>,
+        seq_ids: Vec<i64>,
+    ) -> PyResult<Bound<'py, PyArray2<i32>>> {
+        let seqs = seq_ids
+            .into_iter()
+            .map(seq_id)
+            .collect::<PyResult<Vec<_>>>()?;
         let (width, data) = self
             .with(py, |m| {
                 let mut out = Vec::new();
@@ -121,7 +177,12 @@ impl PyBlockManager {
 
     /// Cache slots (int64, block × block_size + offset) of the last `num_new_tokens[i]` tokens of
     /// each `seq_ids[i]`, concatenated: the slot mapping of one step.
-    fn slot_mapping<'py>(&self, py: Python<'py>, seq_ids: Vec<i64>, num_new_tokens: Vec<i64>) -> PyResult<Bound<'py, PyArray1<i64>>> {
+    fn slot_mapping<'py>(
+        &self,
+        py: Python<'py>,
+        seq_ids: Vec<i64>,
+        num_new_tokens: Vec<i64>,
+    ) -> PyResult<Bound<'py, PyArray1<i64>>> {
         if seq_ids.len() != num_new_tokens.len() {
             return Err(super::args::shape_error(format!(
                 "{} seq_ids but {} num_new_tokens",
@@ -129,15 +190,23 @@ impl PyBlockManager {
                 num_new_tokens.len()
             )));
         }
-        let seqs = seq_ids.into_iter().map(seq_id).collect::<PyResult<Vec<_>>>()?;
-        let counts = num_new_tokens.into_iter().map(|n| non_negative(n, "num_new_tokens")).collect::<PyResult<Vec<_>>>()?;
+        let seqs = seq_ids
+            .into_iter()
+            .map(seq_id)
+            .collect::<PyResult<Vec<_>>>()?;
+        let counts = num_new_tokens
+            .into_iter()
+            .map(|n| non_negative(n, "num_new_tokens"))
+            .collect::<PyResult<Vec<_>>>()?;
         let slots = self.with(py, |m| -> crate::Result<Vec<i64>> {
             let mut out = Vec::new();
             for (&seq, &count) in seqs.iter().zip(&counts) {
                 let table = m.table(seq)?;
                 let end = table.num_tokens();
                 let start = end.checked_sub(count as usize).ok_or_else(|| {
-                    Error::InvalidArgument(format!("sequence {seq} has {end} tokens, fewer than {count}"))
+                    Error::InvalidArgument(format!(
+                        "sequence {seq} has {end} tokens, fewer than {count}"
+                    ))
                 })?;
                 table.extend_slots(start, end, m.block_size(), &mut out);
             }
@@ -165,7 +234,8 @@ impl PyBlockManager {
 
     /// Raises AssertionError naming the first broken invariant of the pool or the tables.
     fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
-        self.with(py, |m| m.check_invariants()).map_err(pyo3::exceptions::PyAssertionError::new_err)
+        self.with(py, |m| m.check_invariants())
+            .map_err(pyo3::exceptions::PyAssertionError::new_err)
     }
 
     /// Tokens per block.

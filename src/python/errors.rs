@@ -17,8 +17,14 @@ pub fn to_py(error: Error) -> PyErr {
     };
     let message = error.to_string();
     Python::attach(|py| {
-        match py.import("pagedkv.errors").and_then(|module| module.getattr(class)) {
-            Ok(class) => PyErr::from_type(class.cast_into().expect("pagedkv.errors holds classes"), message),
+        match py
+            .import("pagedkv.errors")
+            .and_then(|module| module.getattr(class))
+        {
+            Ok(class) => PyErr::from_type(
+                class.cast_into().expect("pagedkv.errors holds classes"),
+                message,
+            ),
             Err(import_error) => import_error,
         }
     })

@@ -23,16 +23,33 @@ type F32Array<'py, D> = numpy::PyReadonlyArray<'py, f32, D>;
 
 impl PyKVCache {
     pub(crate) fn read<T: Send>(&self, py: Python<'_>, f: impl FnOnce(&KvCache) -> T + Send) -> T {
-        py.detach(|| f(&self.inner.read().unwrap_or_else(|poisoned| poisoned.into_inner())))
+        py.detach(|| {
+            f(&self
+                .inner
+                .read()
+                .unwrap_or_else(|poisoned| poisoned.into_inner()))
+        })
     }
 
     fn write_lock<T: Send>(&self, py: Python<'_>, f: impl FnOnce(&mut KvCache) -> T + Send) -> T {
-        py.detach(|| f(&mut self.inner.write().unwrap_or_else(|poisoned| poisoned.into_inner())))
+        py.detach(|| {
+            f(&mut self
+                .inner
+                .write()
+                .unwrap_or_else(|poisoned| poisoned.into_inner()))
+        })
     }
 
-    fn to_array<'py>(&self, py: Python<'py>, data: Vec<f32>, rows: usize) -> PyResult<Bound<'py, PyAny>> {
+    fn to_array<'py>(
+        &self,
+        py: Python<'py>,
+        data: Vec<f32>,
+        rows: usize,
+    ) -> PyResult<Bound<'py, PyAny>> {
         let s = self.shape;
-        Ok(PyArray1::from_vec(py, data).reshape([rows, s.num_kv_heads, s.head_dim])?.into_any())
+        Ok(PyArray1::from_vec(py, data)
+            .reshape([rows, s.num_kv_heads, s.head_dim])?
+            .into_any())
     }
 }
 
@@ -41,7 +58,14 @@ impl PyKVCache {
     /// Allocates zeroed K and V storage for `num_layers` layers.
     #[new]
     #[pyo3(signature = (num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype="float32"))]
-    fn new(num_layers: i64, num_blocks: i64, block_size: i64, num_kv_heads: i64, head_dim: i64, dtype: &str) -> PyResult<Self> {
+    fn new(
+        num_layers: i64,
+        num_blocks: i64,
+        block_size: i64,
+        num_kv_heads: i64,
+        head_dim: i64,
+        dtype: &str,
+    ) -> PyResult<Self> {
         let shape = KvShape {
             num_layers: positive(num_layers, "num_layers")?,
             num_blocks: positive(num_blocks, "num_blocks")?,
@@ -51,21 +75,37 @@ impl PyKVCache {
         };
         let dtype: KvDtype = dtype.parse().py_err()?;
         let cache = KvCache::new(shape, dtype).py_err()?;
-        Ok(PyKVCache { inner: RwLock::new(cache), shape })
+        Ok(PyKVCache {
+            inner: RwLock::new(cache),
+            shape,
+        })
     }
 
     /// Stores `keys[i]` and `values[i]` (float32 `[n, num_kv_heads, head_dim]`) at
     /// `slot_mapping[i]` (int64 `[n]`) of `layer`, converting to the cache dtype.
-    fn write(&self, py: Python<'_>, layer: i64, keys: &Bound<'_, PyAny>, values: &Bound<'_, PyAny>, slot_mapping: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn write(
+        &self,
+        py: Python<'_>,
+        layer: i64,
+        keys: &Bound<'_, PyAny>,
+        values: &Bound<'_, PyAny>,
+        slot_mapping: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
         let layer = non_negative(layer, "layer")? as usize;
         let keys: F32Array<'_, Ix3> = typed_array(keys, "keys", "float32")?;
         let values: F32Array<'_, Ix3> = typed_array(values, "values", "float32")?;
-        let slots: numpy::PyReadonlyArray<'_, i64, Ix1> = typed_array(slot_mapping, "slot_mapping", "int64")?;
-        let row = [Some(slots.as_array().len()), Some(self.shape.num_kv_heads), Some(self.shape.head_dim)];
+        let slots: numpy::PyReadonlyArray<'_, i64, Ix1> =
+            typed_array(slot_mapping, "slot_mapping", "int64")?;
+        let row = [
+            Some(slots.as_array().len()),
+            Some(self.shape.num_kv_heads),
+            Some(self.shape.head_dim),
+        ];
         expect_shape(keys.shape(), &row, "keys")?;
         expect_shape(values.shape(), &row, "values")?;
         let (keys, values, slots) = (c_order(&keys), c_order(&values), c_order(&slots));
-        self.write_lock(py, |c| c.write(layer, &keys, &values, &slots)).py_err()
+        self.write_lock(py, |c| c.write(layer, &keys, &values, &slots))
+            .py_err()
     }
 
     /// Copies whole blocks `src → dst` in every layer, in order: apply a step's copy-on-write ops
@@ -74,8 +114,13 @@ impl PyKVCache {
         let ops = ops
             .into_iter()
             .map(|(src, dst)| -> PyResult<CopyOp> {
-                let id = |v: i64, name: &str| non_negative(v, name).map(|v| v.min(u32::MAX as u64) as u32);
-                Ok(CopyOp { src: id(src, "src")?, dst: id(dst, "dst")? })
+                let id = |v: i64, name: &str| {
+                    non_negative(v, name).map(|v| v.min(u32::MAX as u64) as u32)
+                };
+                Ok(CopyOp {
+                    src: id(src, "src")?,
+                    dst: id(dst, "dst")?,
+                })
             })
             .collect::<PyResult<Vec<_>>>()?;
         self.write_lock(py, |c| c.copy_blocks(&ops)).py_err()
@@ -83,7 +128,13 @@ impl PyKVCache {
 
     /// Reads the first `num_tokens` K and V rows of a sequence through `block_table`, as float32
     /// arrays `[num_tokens, num_kv_heads, head_dim]`.
-    fn gather<'py>(&self, py: Python<'py>, layer: i64, block_table: Vec<i64>, num_tokens: i64) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
+    fn gather<'py>(
+        &self,
+        py: Python<'py>,
+        layer: i64,
+        block_table: Vec<i64>,
+        num_tokens: i64,
+    ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
         let layer = non_negative(layer, "layer")? as usize;
         let n = non_negative(num_tokens, "num_tokens")? as usize;
         let table = block_table
