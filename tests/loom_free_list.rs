@@ -22,7 +22,10 @@ fn two_threads_pop_distinct_ids() {
                 loom::thread::spawn(move || list.pop())
             })
             .collect();
-        let mut got: Vec<u32> = handles.into_iter().map(|h| h.join().unwrap().unwrap()).collect();
+        let mut got: Vec<u32> = handles
+            .into_iter()
+            .map(|h| h.join().unwrap().unwrap())
+            .collect();
         got.sort_unstable();
         assert_eq!(got, vec![0, 1]);
         assert!(list.pop().is_none());
@@ -71,7 +74,10 @@ fn aba_is_prevented_by_the_tag() {
                 b
             })
         };
-        let mut held: Vec<u32> = [t1.join().unwrap(), t2.join().unwrap()].into_iter().flatten().collect();
+        let mut held: Vec<u32> = [t1.join().unwrap(), t2.join().unwrap()]
+            .into_iter()
+            .flatten()
+            .collect();
         let mut all = drain(&list);
         all.append(&mut held);
         all.sort_unstable();

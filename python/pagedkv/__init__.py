@@ -6,7 +6,16 @@ re-exports them with the Python-side engine, model and tools.
 
 from __future__ import annotations
 
-from pagedkv._core import BlockManager, KVCache, __version__
+from pagedkv._core import (
+    BlockManager,
+    ContiguousKV,
+    KVCache,
+    __version__,
+    available_kernels,
+    get_num_threads,
+    measure_read_bandwidth,
+    set_num_threads,
+)
 from pagedkv.errors import (
     DuplicateSequenceError,
     InvalidArgumentError,
@@ -19,6 +28,11 @@ from pagedkv.errors import (
 __all__ = [
     "BlockManager",
     "KVCache",
+    "ContiguousKV",
+    "available_kernels",
+    "get_num_threads",
+    "set_num_threads",
+    "measure_read_bandwidth",
     "PagedKVError",
     "OutOfBlocksError",
     "UnknownSequenceError",

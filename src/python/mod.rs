@@ -3,6 +3,7 @@
 //! `pagedkv.errors`. No scheduling or memory logic lives here.
 
 mod args;
+mod attention;
 mod block_manager;
 mod errors;
 mod kv_cache;
@@ -14,5 +15,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_class::<block_manager::PyBlockManager>()?;
     m.add_class::<kv_cache::PyKVCache>()?;
+    attention::register(m)?;
     Ok(())
 }
