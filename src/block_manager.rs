@@ -401,3 +401,169 @@ fn split_at_block_boundaries(
         .filter(|h| !h.is_empty())
         .chain(rest.chunks(block_size))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn manager(num_blocks: usize) -> BlockManager {
+        BlockManager::new(num_blocks, 4, true).unwrap()
+    }
+
+    #[test]
+    fn shared_prefix_reuses_full_blocks_and_leaves_the_last_token() {
+        let mut m = manager(16);
+        let prompt: Vec<u32> = (0..10).collect(); // 2 full blocks + 2 tokens
+        assert_eq!(m.allocate(1, &prompt, None).unwrap(), 0);
+        let mut other = prompt[..8].to_vec();
+        other.extend([50, 51, 52]);
+        assert_eq!(m.allocate(2, &other, None).unwrap(), 8);
+        assert_eq!(
+            m.table(1).unwrap().blocks()[..2],
+            m.table(2).unwrap().blocks()[..2]
+        );
+        // An identical 8-token prompt only gets 4 tokens: the last token must be computed.
+        assert_eq!(m.allocate(3, &prompt[..8], None).unwrap(), 4);
+        // A different salt shares nothing.
+        assert_eq!(m.allocate(4, &prompt, Some(b"other tenant")).unwrap(), 0);
+        let s = m.stats();
+        assert_eq!(
+            (s.prefix_queried_tokens, s.prefix_hit_tokens),
+            (10 + 11 + 8 + 10, 12)
+        );
+        m.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn prefix_shorter_than_a_block_gives_no_hit() {
+        let mut m = manager(8);
+        m.allocate(1, &[1, 2, 3, 9, 9], None).unwrap();
+        assert_eq!(m.allocate(2, &[1, 2, 3, 7, 7], None).unwrap(), 0);
+    }
+
+    #[test]
+    fn freed_blocks_stay_cached_and_are_evicted_tail_first() {
+        let mut m = manager(4);
+        let prompt: Vec<u32> = (0..13).collect(); // 3 full blocks + 1 partial
+        m.allocate(1, &prompt, None).unwrap();
+        let blocks = m.table(1).unwrap().blocks().to_vec();
+        m.free(1).unwrap();
+        let s = m.stats();
+        assert_eq!((s.free_blocks, s.cached_blocks, s.used_blocks), (1, 3, 0));
+        // Needs 2 blocks: the clean one, then the evictable block holding the prompt's tail.
+        m.allocate(2, &[100, 101, 102, 103, 104], None).unwrap();
+        assert_eq!(m.stats().evictions, 1);
+        assert!(!m.table(2).unwrap().blocks().contains(&blocks[0]));
+        assert!(!m.table(2).unwrap().blocks().contains(&blocks[1]));
+        // The first two blocks of the old prompt are still there.
+        m.free(2).unwrap();
+        assert_eq!(m.allocate(3, &prompt, None).unwrap(), 8);
+        m.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn fork_shares_the_partial_tail_until_a_write_copies_it() {
+        let mut m = manager(8);
+        m.allocate(1, &[1, 2, 3, 4, 5, 6], None).unwrap();
+        m.fork(1, 2).unwrap();
+        assert_eq!(m.table(1).unwrap().blocks(), m.table(2).unwrap().blocks());
+        let shared_tail = m.table(1).unwrap().blocks()[1];
+        let copy = m
+            .append(2, &[7])
+            .unwrap()
+            .expect("the shared tail is copied");
+        assert_eq!(copy.src, shared_tail);
+        assert_eq!(m.table(2).unwrap().blocks()[1], copy.dst);
+        // The parent now owns the tail alone: no copy.
+        assert_eq!(m.append(1, &[8]).unwrap(), None);
+        assert_eq!(m.table(1).unwrap().blocks()[1], shared_tail);
+        assert_eq!(m.stats().cow_copies, 1);
+        m.free(1).unwrap();
+        m.free(2).unwrap();
+        assert_eq!(m.stats().used_blocks, 0);
+        m.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn refusals_change_nothing() {
+        let mut m = manager(3);
+        m.allocate(1, &[1; 9], None).unwrap(); // 3 blocks
+        let before = m.stats();
+        assert!(matches!(
+            m.allocate(2, &[5], None),
+            Err(Error::OutOfBlocks {
+                needed: 1,
+                available: 0
+            })
+        ));
+        assert!(matches!(
+            m.append(1, &[1; 4]),
+            Err(Error::OutOfBlocks { .. })
+        ));
+        assert!(matches!(
+            m.allocate(1, &[5], None),
+            Err(Error::DuplicateSequence(_))
+        ));
+        assert!(matches!(m.append(9, &[5]), Err(Error::UnknownSequence(_))));
+        assert!(matches!(m.fork(9, 10), Err(Error::UnknownSequence(_))));
+        assert!(matches!(m.fork(1, 1), Err(Error::DuplicateSequence(_))));
+        assert!(matches!(m.free(9), Err(Error::UnknownSequence(_))));
+        assert!(matches!(
+            m.allocate(3, &[], None),
+            Err(Error::InvalidArgument(_))
+        ));
+        assert_eq!(m.stats(), before);
+        assert_eq!(m.table(1).unwrap().num_tokens(), 9);
+        m.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn admission_counts_evictable_hits_against_capacity() {
+        let mut m = manager(3);
+        m.allocate(1, &[1, 2, 3, 4, 5, 6, 7, 8, 9], None).unwrap();
+        m.free(1).unwrap(); // 2 cached + 1 clean
+                            // Reviving 2 cached blocks and adding 2 new needs 4 > 3 available: refused untouched.
+        let prompt = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13];
+        let found = m.match_prefix(&prompt, None);
+        assert_eq!(found.blocks.len(), 2);
+        assert_eq!(m.blocks_to_admit(&found, prompt.len()), 4);
+        assert!(matches!(
+            m.admit(2, &prompt, found),
+            Err(Error::OutOfBlocks {
+                needed: 4,
+                available: 3
+            })
+        ));
+        assert_eq!(m.stats().cached_blocks, 2);
+        // Admitting only the first chunk fits.
+        let found = m.match_prefix(&prompt, None);
+        assert_eq!(m.admit(2, &prompt[..12], found).unwrap(), 8);
+        m.check_invariants().unwrap();
+    }
+
+    #[test]
+    fn slots_follow_the_block_table() {
+        let mut m = manager(8);
+        m.allocate(1, &[1, 2, 3, 4, 5, 6], None).unwrap();
+        let table = m.table(1).unwrap();
+        let mut slots = Vec::new();
+        table.extend_slots(0, 6, 4, &mut slots);
+        let b = table.blocks().to_vec();
+        let expected: Vec<i64> = (0..6)
+            .map(|p| b[p / 4] as i64 * 4 + (p % 4) as i64)
+            .collect();
+        assert_eq!(slots, expected);
+        let mut out = Vec::new();
+        m.allocate(2, &[9], None).unwrap();
+        assert_eq!(m.batch_block_tables(&[1, 2], 0, &mut out).unwrap(), 2);
+        assert_eq!(
+            out,
+            vec![
+                b[0] as i32,
+                b[1] as i32,
+                m.table(2).unwrap().blocks()[0] as i32,
+                -1
+            ]
+        );
+    }
+}

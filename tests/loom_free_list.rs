@@ -88,7 +88,7 @@ fn aba_is_prevented_by_the_tag() {
 #[test]
 fn three_threads_pop_and_push() {
     let mut builder = loom::model::Builder::new();
-    builder.preemption_bound = Some(3);
+    builder.preemption_bound = Some(2);
     builder.check(|| {
         let list = Arc::new(FreeList::full(2));
         let handles: Vec<_> = (0..3)

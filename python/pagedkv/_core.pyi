@@ -1,36 +1,81 @@
-"""Type stubs of the Rust extension ``pagedkv._core``.
+"""Type stubs for the Rust extension ``pagedkv._core``."""
 
-Sections are added by the module that owns them; other classes are described by their owners.
-"""
-
-from __future__ import annotations
-
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 import numpy.typing as npt
 
 __version__: str
 
-# --- attention -------------------------------------------------------------------------------
+TokenIds = Sequence[int] | npt.NDArray[np.integer]
+
+class BlockManager:
+    """Paged KV block manager: fixed-size blocks, prefix sharing, copy-on-write. Thread-safe."""
+
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True) -> None: ...
+    def allocate(self, seq_id: int, token_ids: TokenIds, cache_salt: str | None = None) -> int:
+        """Create ``seq_id`` holding ``token_ids``; return the number of tokens served from the cache."""
+    def can_allocate(self, token_ids: TokenIds, cache_salt: str | None = None) -> bool:
+        """Whether ``allocate`` would succeed now, counting evictable prefix hits as used capacity."""
+    def cached_prefix_len(self, token_ids: TokenIds, cache_salt: str | None = None) -> int:
+        """Tokens of ``token_ids`` that ``allocate`` would serve from the cache (never all of them)."""
+    def append(self, seq_id: int, token_ids: TokenIds) -> tuple[int, int] | None:
+        """Give ``token_ids`` slots; return the copy-on-write op ``(src, dst)`` if the tail was shared."""
+    def fork(self, parent_id: int, child_id: int) -> None:
+        """Make ``child_id`` share every block of ``parent_id``."""
+    def free(self, seq_id: int) -> None:
+        """Free ``seq_id``: full blocks stay cached for later hits, tail evicted first."""
+    def block_table(self, seq_id: int) -> npt.NDArray[np.int32]:
+        """Physical block ids of ``seq_id`` in logical order."""
+    def num_tokens(self, seq_id: int) -> int:
+        """Tokens with a slot in ``seq_id``."""
+    def token_ids(self, seq_id: int) -> list[int]:
+        """Token ids of ``seq_id``."""
+    def block_tables(self, seq_ids: Sequence[int]) -> npt.NDArray[np.int32]:
+        """Block tables as one ``[len(seq_ids), max_blocks]`` array padded with -1."""
+    def slot_mapping(self, seq_ids: Sequence[int], num_new_tokens: Sequence[int]) -> npt.NDArray[np.int64]:
+        """Slots of the last ``num_new_tokens[i]`` tokens of each sequence, concatenated."""
+    def stats(self) -> dict[str, int | float]:
+        """num_blocks, free_blocks, cached_blocks, used_blocks, usage, prefix_queried_tokens,
+        prefix_hit_tokens, allocations, evictions, cow_copies."""
+    def check_invariants(self) -> None:
+        """Raise AssertionError naming the first broken invariant."""
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def num_blocks(self) -> int: ...
+    @property
+    def num_free_blocks(self) -> int:
+        """Clean plus evictable cached blocks."""
+    def __len__(self) -> int: ...
+    def __contains__(self, seq_id: int) -> bool: ...
 
 class KVCache:
-    """Paged K/V storage for all layers of a model, owned by Rust (attention part of the stub)."""
-
-    num_layers: int
-    num_blocks: int
-    block_size: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str
-    nbytes: int
+    """Paged K/V storage of every layer: ``[num_blocks, num_kv_heads, block_size, head_dim]`` tiles."""
 
     def __init__(
-        self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: str = "float32"
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: str = "float32",
     ) -> None: ...
     def write(
-        self, layer: int, keys: npt.NDArray[np.float32], values: npt.NDArray[np.float32], slot_mapping: npt.NDArray[np.int64]
-    ) -> None: ...
+        self,
+        layer: int,
+        keys: npt.NDArray[np.float32],
+        values: npt.NDArray[np.float32],
+        slot_mapping: npt.NDArray[np.int64],
+    ) -> None:
+        """Store K/V rows ``[n, num_kv_heads, head_dim]`` at ``slot_mapping`` of ``layer``."""
+    def copy_blocks(self, ops: Sequence[tuple[int, int]]) -> None:
+        """Copy whole blocks ``src -> dst`` in every layer (copy-on-write ops)."""
+    def gather(
+        self, layer: int, block_table: Sequence[int], num_tokens: int
+    ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
+        """Read back a sequence's first ``num_tokens`` K and V rows through its block table."""
     def attention(
         self,
         layer: int,
@@ -54,6 +99,22 @@ class KVCache:
         """
     def fill_random(self, seed: int) -> None:
         """Overwrites all K/V with pseudo-random values in [-1, 1) (for benchmarks)."""
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def num_blocks(self) -> int: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def dtype(self) -> str: ...
+    @property
+    def nbytes(self) -> int: ...
+
+# --- attention (functions and classes of src/python/attention.rs) ------------------------------
 
 class ContiguousKV:
     """Contiguous K/V ``[num_seqs, num_kv_heads, max_context, head_dim]`` filled with pseudo-random

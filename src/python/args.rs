@@ -3,6 +3,7 @@
 
 use numpy::PyReadonlyArray1;
 use pyo3::prelude::*;
+use pyo3::types::{PyList, PyTuple};
 
 use super::errors::to_py;
 use crate::Error;
@@ -17,7 +18,10 @@ pub fn shape_error(message: String) -> PyErr {
 
 /// Token ids from a list/tuple of ints or a 1-D integer numpy array.
 pub fn token_ids(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u32>> {
-    let values: Vec<i64> = if let Ok(array) = obj.extract::<PyReadonlyArray1<'_, i64>>() {
+    let values: Vec<i64> = if obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>() {
+        obj.extract::<Vec<i64>>()
+            .map_err(|_| invalid(format!("{name} must hold only int token ids")))?
+    } else if let Ok(array) = obj.extract::<PyReadonlyArray1<'_, i64>>() {
         array
             .as_slice()
             .map(<[i64]>::to_vec)

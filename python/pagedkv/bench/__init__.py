@@ -1,0 +1,1 @@
+"""Benchmark drivers: ``python -m pagedkv bench <name>``."""
