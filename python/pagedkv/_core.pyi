@@ -149,6 +149,19 @@ def available_kernels() -> list[str]:
 def measure_read_bandwidth(nbytes: int, sweeps: int = 5) -> list[float]:
     """GB/s of each read-only sweep over a freshly written ``nbytes`` buffer, on the attention threads."""
 
+def measure_fma_peak() -> float:
+    """f32 GFLOP/s (an FMA counts 2) of all attention threads running a register-only FMA loop."""
+
+class ReadBandwidthProbe:
+    """A freshly written buffer whose read-only sweeps measure memory bandwidth on the attention
+    threads; keep one and sweep it between the measurements it is compared with."""
+
+    nbytes: int
+
+    def __init__(self, nbytes: int) -> None: ...
+    def sweep(self) -> float:
+        """Reads the whole buffer once; returns GB/s (10^9 bytes per second)."""
+
 def attention_kernel_seconds(
     cache: KVCache,
     layer: int,

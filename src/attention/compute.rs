@@ -21,6 +21,9 @@ use super::simd::Kernels;
 use super::Problem;
 use crate::dtype::KvElement;
 
+/// Keys an online-softmax step covers at least (whole blocks).
+const KEYS_PER_STEP: usize = 64;
+
 /// A raw pointer to an output buffer that work items write in disjoint regions.
 #[derive(Clone, Copy)]
 pub(crate) struct SharedOut {
@@ -92,7 +95,10 @@ pub(crate) unsafe fn run_item<K: Kernels, T: KvElement, L: KvLayout<T>>(
         let scratch = &mut *scratch.borrow_mut();
         let (d, group, bs) = (problem.head_dim, problem.group_size(), layout.block_size());
         let rows = item.queries * group;
-        let stride = bs.next_multiple_of(8);
+        // Keys scored per online-softmax step: several small blocks at once, so the per-row
+        // softmax bookkeeping is paid per 64 keys rather than per block.
+        let blocks_per_step = (KEYS_PER_STEP / bs).max(1);
+        let stride = (blocks_per_step * bs).next_multiple_of(8);
         // Position of the tile's first query; row i belongs to query i / group.
         let first_position =
             problem.context_len(item.seq) - problem.num_queries(item.seq) + item.first_query;
@@ -112,37 +118,42 @@ pub(crate) unsafe fn run_item<K: Kernels, T: KvElement, L: KvLayout<T>>(
         resize(&mut scratch.max, rows, f32::NEG_INFINITY);
         resize(&mut scratch.sum, rows, 0.0);
 
-        for block in item.first_block..item.end_block {
-            let (keys, values) = layout.tile(item.seq, item.kv_head, block);
-            if block + 1 < item.end_block {
-                let (next_keys, next_values) = layout.tile(item.seq, item.kv_head, block + 1);
-                K::prefetch(next_keys);
-                K::prefetch(next_values);
-            }
+        let mut block = item.first_block;
+        while block < item.end_block {
+            let step_end = (block + blocks_per_step).min(item.end_block);
             let first_key = block * bs;
-            let valid = bs.min(last_position + 1 - first_key);
-            K::scores(
-                &scratch.queries,
-                rows,
-                keys,
-                valid,
-                d,
-                &mut scratch.scores,
-                stride,
-            );
+            // Score the step's key blocks side by side: only the sequence's last block can be
+            // partial, so its keys occupy columns 0..columns without gaps.
+            let mut columns = 0;
+            for b in block..step_end {
+                let (keys, _) = layout.tile(item.seq, item.kv_head, b);
+                if b + 1 < item.end_block {
+                    let (next_keys, next_values) = layout.tile(item.seq, item.kv_head, b + 1);
+                    K::prefetch(next_keys);
+                    K::prefetch(next_values);
+                }
+                let valid = bs.min(last_position + 1 - b * bs);
+                K::scores(
+                    &scratch.queries,
+                    rows,
+                    keys,
+                    valid,
+                    d,
+                    &mut scratch.scores[columns..],
+                    stride,
+                );
+                columns += valid;
+            }
             for i in 0..rows {
                 let position = first_position + i / group;
-                let allowed = (position + 1).saturating_sub(first_key).min(valid);
-                let scores = &mut scratch.scores[i * stride..i * stride + valid];
+                let allowed = (position + 1).saturating_sub(first_key).min(columns);
+                let scores = &mut scratch.scores[i * stride..i * stride + columns];
                 scores[allowed..].fill(f32::NEG_INFINITY);
                 if allowed == 0 {
                     scores.fill(0.0);
                     continue;
                 }
-                let block_max = scores[..allowed]
-                    .iter()
-                    .copied()
-                    .fold(f32::NEG_INFINITY, f32::max);
+                let block_max = K::max(&scores[..allowed]);
                 let running_max = &mut scratch.max[i];
                 if block_max > *running_max {
                     if scratch.sum[i] > 0.0 {
@@ -154,17 +165,23 @@ pub(crate) unsafe fn run_item<K: Kernels, T: KvElement, L: KvLayout<T>>(
                 }
                 scratch.sum[i] += K::exp_sub_sum(scores, *running_max);
             }
-            K::accumulate(
-                &scratch.scores,
-                stride,
-                rows,
-                values,
-                valid,
-                d,
-                &mut scratch.acc,
-            );
+            let mut column = 0;
+            for b in block..step_end {
+                let (_, values) = layout.tile(item.seq, item.kv_head, b);
+                let valid = bs.min(last_position + 1 - b * bs);
+                K::accumulate(
+                    &scratch.scores[column..],
+                    stride,
+                    rows,
+                    values,
+                    valid,
+                    d,
+                    &mut scratch.acc,
+                );
+                column += valid;
+            }
+            block = step_end;
         }
-
         match item.partial_slot {
             None => {
                 for i in 0..rows {

@@ -13,10 +13,10 @@
 //!   tile is read once per KV-head group, all query heads of the group scored together.
 //! - Results do not depend on the thread count beyond f32 rounding of the partition merge.
 
-mod bandwidth;
 mod compute;
 mod layout;
 mod plan;
+mod probes;
 mod simd;
 mod threads;
 
@@ -24,7 +24,7 @@ use std::sync::OnceLock;
 
 use rayon::prelude::*;
 
-pub use bandwidth::measure_read_bandwidth;
+pub use probes::{measure_fma_peak, measure_read_bandwidth, ReadProbe};
 pub use simd::KernelPath;
 pub use threads::{num_threads, set_num_threads, NUM_THREADS_ENV};
 

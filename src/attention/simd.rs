@@ -89,6 +89,9 @@ pub(crate) trait Kernels {
         stride: usize,
     );
 
+    /// The largest element of a non-empty `row`.
+    unsafe fn max(row: &[f32]) -> f32;
+
     /// Replaces each `x` of `row` by `exp(x - max)` (with `exp(-inf) = 0`) and returns their sum.
     unsafe fn exp_sub_sum(row: &mut [f32], max: f32) -> f32;
 
@@ -111,6 +114,10 @@ pub(crate) trait Kernels {
 
     /// Sum of `data` (the read-bandwidth probe): the same loads as the attention loop, no compute.
     unsafe fn sum(data: &[f32]) -> f32;
+
+    /// Runs `iterations` rounds of independent FMAs on registers (the FMA-peak probe); returns
+    /// the FLOPs done (an FMA counts 2).
+    unsafe fn fma_loop(iterations: usize) -> f64;
 }
 
 /// The portable implementation: 8-wide accumulator arrays that the compiler vectorises.
@@ -141,6 +148,10 @@ impl Kernels for Portable {
                 scores[i * stride + r] = dot_portable(q_row, k_row);
             }
         }
+    }
+
+    unsafe fn max(row: &[f32]) -> f32 {
+        row.iter().copied().fold(f32::NEG_INFINITY, f32::max)
     }
 
     unsafe fn exp_sub_sum(row: &mut [f32], max: f32) -> f32 {
@@ -185,6 +196,23 @@ impl Kernels for Portable {
             }
         }
         lanes.iter().sum::<f32>() + tail
+    }
+
+    unsafe fn fma_loop(iterations: usize) -> f64 {
+        let mut acc = [[1.0f32; 8]; 12];
+        let (a, b) = (
+            std::hint::black_box(0.999_999f32),
+            std::hint::black_box(1e-7f32),
+        );
+        for _ in 0..iterations {
+            for lanes in acc.iter_mut() {
+                for x in lanes.iter_mut() {
+                    *x = *x * a + b;
+                }
+            }
+        }
+        std::hint::black_box(acc);
+        (iterations * 12 * 8 * 2) as f64
     }
 }
 
@@ -250,11 +278,47 @@ mod avx2 {
             }
             c += 8;
         }
-        for (i, acc_row) in acc.iter().enumerate() {
-            for (r, a) in acc_row.iter().enumerate() {
-                *out.add(i * stride + r) = hsum(*a);
+        if QH == 4 && KR == 2 {
+            store_sums_4x2(&acc.as_flattened()[..8], out, stride);
+        } else {
+            for (i, acc_row) in acc.iter().enumerate() {
+                for (r, a) in acc_row.iter().enumerate() {
+                    *out.add(i * stride + r) = hsum(*a);
+                }
             }
         }
+    }
+
+    /// Stores the horizontal sums of 8 accumulators `a[2i + r]` (query row i, key r) to
+    /// `out[i * stride + r]`: one transposing add tree (9 instructions) instead of 8 separate
+    /// horizontal sums, the main overhead of decode's 4-head score block.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn store_sums_4x2(a: &[__m256], out: *mut f32, stride: usize) {
+        let pairs = [
+            _mm256_hadd_ps(a[0], a[1]),
+            _mm256_hadd_ps(a[2], a[3]),
+            _mm256_hadd_ps(a[4], a[5]),
+            _mm256_hadd_ps(a[6], a[7]),
+        ];
+        let quads = [
+            _mm256_hadd_ps(pairs[0], pairs[1]),
+            _mm256_hadd_ps(pairs[2], pairs[3]),
+        ];
+        // Lane j of `sums` is the full sum of a[j]: low 128-bit halves hold a[0..4] partial sums of
+        // lanes 0..4, high halves those of lanes 4..8.
+        let sums = _mm256_add_ps(
+            _mm256_permute2f128_ps::<0x20>(quads[0], quads[1]),
+            _mm256_permute2f128_ps::<0x31>(quads[0], quads[1]),
+        );
+        let (low, high) = (
+            _mm_castps_pd(_mm256_castps256_ps128(sums)),
+            _mm_castps_pd(_mm256_extractf128_ps::<1>(sums)),
+        );
+        _mm_storel_pd(out.cast(), low);
+        _mm_storeh_pd(out.add(stride).cast(), low);
+        _mm_storel_pd(out.add(2 * stride).cast(), high);
+        _mm_storeh_pd(out.add(3 * stride).cast(), high);
     }
 
     /// Scores of `QH` query rows against every key row: `KR` rows at a time, then one by one.
@@ -423,6 +487,22 @@ mod avx2 {
         }
 
         #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn max(row: &[f32]) -> f32 {
+            let mut chunks = row.chunks_exact(8);
+            let mut best = _mm256_set1_ps(f32::NEG_INFINITY);
+            for chunk in &mut chunks {
+                best = _mm256_max_ps(best, _mm256_loadu_ps(chunk.as_ptr()));
+            }
+            let s = _mm_max_ps(
+                _mm256_castps256_ps128(best),
+                _mm256_extractf128_ps::<1>(best),
+            );
+            let s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+            let lanes = _mm_cvtss_f32(_mm_max_ss(s, _mm_shuffle_ps::<1>(s, s)));
+            chunks.remainder().iter().copied().fold(lanes, f32::max)
+        }
+
+        #[target_feature(enable = "avx2,fma,f16c")]
         unsafe fn exp_sub_sum(row: &mut [f32], max: f32) -> f32 {
             exp_sub_sum_avx2(row, max)
         }
@@ -479,7 +559,8 @@ mod avx2 {
             let mut offset = 0;
             while offset < bytes {
                 _mm_prefetch::<_MM_HINT_T0>(base.add(offset));
-                offset += 64;
+                // One request per 128-byte line pair: the adjacent-line prefetcher brings the other.
+                offset += 128;
             }
         }
 
@@ -494,6 +575,23 @@ mod avx2 {
             }
             let total = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
             hsum(total) + chunks.remainder().iter().sum::<f32>()
+        }
+
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn fma_loop(iterations: usize) -> f64 {
+            // 12 chains: two FMA units × 4 cycles of latency need at least 8 in flight.
+            let mut acc = [_mm256_set1_ps(1.0); 12];
+            let (a, b) = (
+                _mm256_set1_ps(std::hint::black_box(0.999_999)),
+                _mm256_set1_ps(std::hint::black_box(1e-7)),
+            );
+            for _ in 0..iterations {
+                for x in acc.iter_mut() {
+                    *x = _mm256_fmadd_ps(*x, a, b);
+                }
+            }
+            std::hint::black_box(acc);
+            (iterations * 12 * 8 * 2) as f64
         }
     }
 }

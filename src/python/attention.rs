@@ -216,6 +216,46 @@ fn measure_read_bandwidth(py: Python<'_>, nbytes: i64, sweeps: i64) -> PyResult<
     Ok(py.detach(|| attention::measure_read_bandwidth(nbytes, sweeps)))
 }
 
+/// f32 GFLOP/s (an FMA counts 2) of all attention threads running a register-only FMA loop.
+#[pyfunction]
+fn measure_fma_peak(py: Python<'_>) -> f64 {
+    py.detach(attention::measure_fma_peak)
+}
+
+/// A freshly written buffer of `nbytes` of memory whose read-only sweeps measure bandwidth on
+/// the attention threads; keep one and sweep it between the measurements it is compared with.
+#[pyclass(name = "ReadBandwidthProbe", module = "pagedkv", frozen)]
+pub struct PyReadBandwidthProbe {
+    inner: attention::ReadProbe,
+}
+
+#[pymethods]
+impl PyReadBandwidthProbe {
+    #[new]
+    fn new(py: Python<'_>, nbytes: i64) -> PyResult<Self> {
+        let nbytes = positive(nbytes, "nbytes")?;
+        if nbytes < 4096 {
+            return Err(invalid(format!(
+                "nbytes must be at least 4096, got {nbytes}"
+            )));
+        }
+        Ok(PyReadBandwidthProbe {
+            inner: py.detach(|| attention::ReadProbe::new(nbytes)),
+        })
+    }
+
+    /// Reads the whole buffer once; returns GB/s (10^9 bytes per second).
+    fn sweep(&self, py: Python<'_>) -> f64 {
+        py.detach(|| self.inner.sweep())
+    }
+
+    /// Bytes one sweep reads.
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.inner.nbytes()
+    }
+}
+
 /// K/V of a batch stored contiguously (`[num_seqs, num_kv_heads, max_context, head_dim]`), filled
 /// with pseudo-random values: the unpaged baseline for benchmarks. Its `attention` runs the same
 /// loop as `KVCache.attention`, in tiles of `block_size` rows.
@@ -297,10 +337,12 @@ impl PyContiguousKV {
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyContiguousKV>()?;
+    m.add_class::<PyReadBandwidthProbe>()?;
     m.add_function(wrap_pyfunction!(set_num_threads, m)?)?;
     m.add_function(wrap_pyfunction!(get_num_threads, m)?)?;
     m.add_function(wrap_pyfunction!(available_kernels, m)?)?;
     m.add_function(wrap_pyfunction!(measure_read_bandwidth, m)?)?;
+    m.add_function(wrap_pyfunction!(measure_fma_peak, m)?)?;
     m.add_function(wrap_pyfunction!(attention_kernel_seconds, m)?)?;
     Ok(())
 }
