@@ -233,6 +233,20 @@ impl KvCache {
         Ok((read(&self.keys[layer]), read(&self.values[layer])))
     }
 
+    /// Overwrites every K and V element with pseudo-random values in [-1, 1) from `seed`: gives
+    /// benchmarks real data in every page (a fresh cache maps the shared zero page).
+    pub fn fill_random(&mut self, seed: u64) {
+        for (i, buffer) in self
+            .keys
+            .iter_mut()
+            .chain(self.values.iter_mut())
+            .enumerate()
+        {
+            let seed = seed.wrapping_add(i as u64);
+            with_kv_buffer!(buffer, buf => *buf = crate::attention::random_values(buf.len(), seed));
+        }
+    }
+
     fn check_layer(&self, layer: usize) -> Result<()> {
         ensure(layer < self.shape.num_layers, || {
             format!("layer {layer} outside 0..{}", self.shape.num_layers)

@@ -2,8 +2,9 @@
 //!
 //! The core has no Python in it. Memory: [`FreeList`] (lock-free ids) → [`BlockPool`] (ref counts,
 //! cached-block LRU, prefix map) → [`BlockManager`] (block tables, prefix sharing, copy-on-write).
-//! Storage: [`KvCache`]. The Python binding lives in `python/` behind the `python` feature.
+//! Storage: [`KvCache`]. Compute: [`attention::paged_attention`]. The Python binding lives in `python/` behind the `python` feature.
 
+pub mod attention;
 pub mod block_manager;
 pub mod block_pool;
 pub mod block_table;
@@ -26,6 +27,7 @@ pub type TokenId = u32;
 /// A sequence id in the block manager.
 pub type SeqId = u64;
 
+pub use attention::{paged_attention, AttentionBatch};
 pub use block_manager::{BlockManager, BlockStats, CopyOp, PrefixMatch};
 pub use block_pool::BlockPool;
 pub use block_table::BlockTable;

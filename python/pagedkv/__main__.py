@@ -13,7 +13,11 @@ from typing import Sequence
 
 # subcommand name -> module implementing it
 COMMANDS = {"demo": "pagedkv.demo"}
-BENCHES = {"blocks": "pagedkv.bench.blocks", "scheduler": "pagedkv.bench.scheduler"}
+BENCHES = {
+    "blocks": "pagedkv.bench.blocks",
+    "attention": "pagedkv.bench.attention",
+    "scheduler": "pagedkv.bench.scheduler",
+}
 
 
 def _add(subparsers: argparse._SubParsersAction, name: str, module_name: str) -> None:

@@ -1,6 +1,6 @@
 """Type stubs for the Rust extension ``pagedkv._core``."""
 
-from typing import Iterator, Sequence
+from typing import Iterator, Optional, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -76,6 +76,29 @@ class KVCache:
         self, layer: int, block_table: Sequence[int], num_tokens: int
     ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
         """Read back a sequence's first ``num_tokens`` K and V rows through its block table."""
+    def attention(
+        self,
+        layer: int,
+        query: npt.NDArray[np.float32],
+        block_tables: npt.NDArray[np.int32],
+        context_lens: npt.NDArray[np.int32],
+        query_start_loc: npt.NDArray[np.int32],
+        scale: Optional[float] = None,
+        kernel: Optional[str] = None,
+    ) -> npt.NDArray[np.float32]:
+        """Paged attention over ``layer``; returns float32 ``[num_tokens, num_heads, head_dim]``.
+
+        ``query`` is float32 ``[num_tokens, num_heads, head_dim]`` (num_heads a multiple of the
+        cache's KV heads), ``block_tables`` int32 ``[num_seqs, max_blocks_per_seq]`` (padding never
+        read), ``context_lens`` int32 ``[num_seqs]`` (tokens in cache including the new ones),
+        ``query_start_loc`` int32 ``[num_seqs + 1]`` (cumulative query offsets from 0). Query j of a
+        sequence with nq queries attends causally to keys ``0..=context_len - nq + j``. ``scale``
+        defaults to ``1/sqrt(head_dim)``; ``kernel`` forces "avx2" or "portable". Raises
+        ``ShapeError`` for wrong shapes or dtypes and ``InvalidArgumentError`` for out-of-range
+        values. Releases the GIL while computing.
+        """
+    def fill_random(self, seed: int) -> None:
+        """Overwrites all K/V with pseudo-random values in [-1, 1) (for benchmarks)."""
     @property
     def num_layers(self) -> int: ...
     @property
@@ -233,3 +256,47 @@ class UpdateOutput:
     def __len__(self) -> int: ...
     def __getitem__(self, index: int) -> tuple[str, int, int, str | None]: ...
     def __iter__(self) -> Iterator[tuple[str, int, int, str | None]]: ...
+# --- attention (functions and classes of src/python/attention.rs) ------------------------------
+class ContiguousKV:
+    """Contiguous K/V ``[num_seqs, num_kv_heads, max_context, head_dim]`` filled with pseudo-random
+    values: the unpaged baseline for benchmarks, running the same loop as ``KVCache.attention``."""
+    dtype: str
+        self, num_seqs: int, num_kv_heads: int, max_context: int, head_dim: int, dtype: str = "float32", seed: int = 0
+    ) -> None: ...
+    def attention(
+        query: npt.NDArray[np.float32],
+        context_lens: npt.NDArray[np.int32],
+        query_start_loc: npt.NDArray[np.int32],
+        scale: Optional[float] = None,
+        kernel: Optional[str] = None,
+    ) -> npt.NDArray[np.float32]:
+        """Attention over the first ``context_lens[i]`` rows of each sequence, in tiles of
+        ``block_size`` rows; same semantics and errors as ``KVCache.attention``."""
+def set_num_threads(threads: int) -> None:
+    """Sets the attention thread count (default: ``PAGEDKV_NUM_THREADS``, else every CPU)."""
+def get_num_threads() -> int:
+    """The attention thread count."""
+def available_kernels() -> list[str]:
+    """Kernel paths this CPU runs, fastest first, e.g. ``["avx2", "portable"]``."""
+def measure_read_bandwidth(nbytes: int, sweeps: int = 5) -> list[float]:
+    """GB/s of each read-only sweep over a freshly written ``nbytes`` buffer, on the attention threads."""
+def measure_fma_peak() -> float:
+    """f32 GFLOP/s (an FMA counts 2) of all attention threads running a register-only FMA loop."""
+class ReadBandwidthProbe:
+    """A freshly written buffer whose read-only sweeps measure memory bandwidth on the attention
+    threads; keep one and sweep it between the measurements it is compared with."""
+    nbytes: int
+    def __init__(self, nbytes: int) -> None: ...
+    def sweep(self) -> float:
+        """Reads the whole buffer once; returns GB/s (10^9 bytes per second)."""
+def attention_kernel_seconds(
+    cache: KVCache,
+    layer: int,
+    query: npt.NDArray[np.float32],
+    block_tables: npt.NDArray[np.int32],
+    context_lens: npt.NDArray[np.int32],
+    query_start_loc: npt.NDArray[np.int32],
+    iterations: int = 100,
+    scale: Optional[float] = None,
+) -> float:
+    """Seconds per ``KVCache.attention`` call spent in the kernel alone, timed inside Rust."""

@@ -31,6 +31,10 @@ impl PyKVCache {
         })
     }
 
+    pub(crate) fn shape(&self) -> KvShape {
+        self.shape
+    }
+
     fn write_lock<T: Send>(&self, py: Python<'_>, f: impl FnOnce(&mut KvCache) -> T + Send) -> T {
         py.detach(|| {
             f(&mut self
@@ -143,6 +147,45 @@ impl PyKVCache {
             .collect::<PyResult<Vec<_>>>()?;
         let (k, v) = self.read(py, |c| c.gather(layer, &table, n)).py_err()?;
         Ok((self.to_array(py, k, n)?, self.to_array(py, v, n)?))
+    }
+
+    /// Attention of `query` (float32 `[num_tokens, num_heads, head_dim]`) over `layer`, reading
+    /// K/V through `block_tables` (int32 `[num_seqs, max_blocks_per_seq]`, padding never read).
+    /// Sequence i owns query rows `query_start_loc[i]:query_start_loc[i + 1]` (int32
+    /// `[num_seqs + 1]`) and `context_lens[i]` (int32) tokens of cache including those new tokens;
+    /// its query j attends causally to keys `0..=context_lens[i] - nq + j`. `scale` defaults to
+    /// `1/sqrt(head_dim)`; `kernel` forces "avx2" or "portable". Returns a new float32 array
+    /// shaped like `query`. Releases the GIL while computing.
+    #[pyo3(signature = (layer, query, block_tables, context_lens, query_start_loc, scale=None, kernel=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn attention<'py>(
+        &self,
+        py: Python<'py>,
+        layer: i64,
+        query: &Bound<'py, PyAny>,
+        block_tables: &Bound<'py, PyAny>,
+        context_lens: &Bound<'py, PyAny>,
+        query_start_loc: &Bound<'py, PyAny>,
+        scale: Option<f64>,
+        kernel: Option<&str>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        super::attention::cache_attention(
+            self,
+            py,
+            layer,
+            query,
+            block_tables,
+            context_lens,
+            query_start_loc,
+            scale,
+            kernel,
+        )
+    }
+
+    /// Overwrites every K and V element with pseudo-random values in [-1, 1) from `seed`
+    /// (benchmarks: real data in every page).
+    fn fill_random(&self, py: Python<'_>, seed: u64) {
+        self.write_lock(py, |c| c.fill_random(seed))
     }
 
     /// Layers.

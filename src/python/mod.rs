@@ -3,6 +3,7 @@
 //! `pagedkv.errors`. No scheduling or memory logic lives here.
 
 mod args;
+mod attention;
 mod block_manager;
 mod errors;
 mod kv_cache;
@@ -18,5 +19,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<scheduler::PyScheduler>()?;
     m.add_class::<scheduler::PySchedulerOutput>()?;
     m.add_class::<scheduler::PyUpdateOutput>()?;
+    attention::register(m)?;
     Ok(())
 }

@@ -1,0 +1,172 @@
+//! Criterion benches of the paged-attention kernel: decode with K/V resident in L2 (the compute
+//! rate of each kernel path), decode from memory on a shuffled table vs contiguous K/V, and
+//! prefill. The bandwidth-vs-machine comparison lives in `python -m pagedkv bench attention`.
+
+use std::hint::black_box;
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use pagedkv::attention::{paged_attention_with, ContiguousKv, KernelPath};
+use pagedkv::{AttentionBatch, KvCache, KvDtype, KvShape};
+use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
+use rand::{Rng, SeedableRng};
+
+const HEADS: usize = 32;
+const KV_HEADS: usize = 8;
+const HEAD_DIM: usize = 128;
+
+struct Setup {
+    cache: KvCache,
+    tables: Vec<i32>,
+    width: usize,
+    contexts: Vec<i32>,
+    query_start_loc: Vec<i32>,
+    q: Vec<f32>,
+}
+
+impl Setup {
+    fn new(
+        dtype: KvDtype,
+        kv_heads: usize,
+        batch: usize,
+        context: usize,
+        new_tokens: usize,
+        block_size: usize,
+        shuffle: bool,
+    ) -> Self {
+        let mut rng = StdRng::seed_from_u64(7);
+        let width = context.div_ceil(block_size);
+        let num_blocks = batch * width;
+        let shape = KvShape {
+            num_layers: 1,
+            num_blocks,
+            block_size,
+            num_kv_heads: kv_heads,
+            head_dim: HEAD_DIM,
+        };
+        let mut cache = KvCache::new(shape, dtype).unwrap();
+        cache.fill_random(3);
+        let mut tables: Vec<i32> = (0..num_blocks as i32).collect();
+        if shuffle {
+            tables.shuffle(&mut rng);
+        }
+        let heads = kv_heads * HEADS / KV_HEADS;
+        let q = (0..batch * new_tokens * heads * HEAD_DIM)
+            .map(|_| rng.random_range(-1.0..1.0))
+            .collect();
+        Setup {
+            cache,
+            tables,
+            width,
+            contexts: vec![context as i32; batch],
+            query_start_loc: (0..=batch).map(|i| (i * new_tokens) as i32).collect(),
+            q,
+        }
+    }
+
+    fn heads(&self) -> usize {
+        self.cache.shape().num_kv_heads * HEADS / KV_HEADS
+    }
+
+    fn run(&self, path: KernelPath, out: &mut [f32]) {
+        let batch = AttentionBatch {
+            block_tables: &self.tables,
+            max_blocks_per_seq: self.width,
+            context_lens: &self.contexts,
+            query_start_loc: &self.query_start_loc,
+        };
+        paged_attention_with(
+            path,
+            &self.cache,
+            0,
+            black_box(&self.q),
+            self.heads(),
+            &batch,
+            0.088,
+            out,
+        )
+        .unwrap();
+    }
+}
+
+fn paths() -> Vec<KernelPath> {
+    KernelPath::ALL
+        .into_iter()
+        .filter(|p| p.available())
+        .collect()
+}
+
+/// One KV head, 1024 keys (512 KiB of f32 K/V): stays in L2, so this is the loop's compute rate.
+fn decode_in_cache(c: &mut Criterion) {
+    let mut group = c.benchmark_group("decode_in_cache");
+    for dtype in [KvDtype::F32, KvDtype::F16, KvDtype::Bf16] {
+        let setup = Setup::new(dtype, 1, 1, 1024, 1, 16, true);
+        let mut out = vec![0.0; setup.q.len()];
+        group.throughput(Throughput::Bytes(
+            (2 * 1024 * HEAD_DIM * dtype.size_of()) as u64,
+        ));
+        for path in paths() {
+            group.bench_function(BenchmarkId::new(dtype.name(), path.name()), |b| {
+                b.iter(|| setup.run(path, &mut out))
+            });
+        }
+    }
+    group.finish();
+}
+
+/// Batch 16 × context 2048, 8 KV heads (256 MiB of f32 K/V): memory-bound, paged vs contiguous.
+fn decode_from_memory(c: &mut Criterion) {
+    let mut group = c.benchmark_group("decode_from_memory");
+    group.sample_size(10);
+    let (batch, context) = (16, 2048);
+    for block_size in [16, 128] {
+        let setup = Setup::new(KvDtype::F32, KV_HEADS, batch, context, 1, block_size, true);
+        let mut out = vec![0.0; setup.q.len()];
+        group.throughput(Throughput::Bytes(
+            (2 * batch * context * KV_HEADS * HEAD_DIM * 4) as u64,
+        ));
+        let path = KernelPath::best();
+        group.bench_function(BenchmarkId::new("paged_shuffled", block_size), |b| {
+            b.iter(|| setup.run(path, &mut out))
+        });
+        let contiguous =
+            ContiguousKv::random(KvDtype::F32, batch, KV_HEADS, context, HEAD_DIM, 5).unwrap();
+        group.bench_function(BenchmarkId::new("contiguous", block_size), |b| {
+            b.iter(|| {
+                contiguous
+                    .attention(
+                        path,
+                        &setup.q,
+                        HEADS,
+                        &setup.contexts,
+                        &setup.query_start_loc,
+                        block_size,
+                        0.088,
+                        &mut out,
+                    )
+                    .unwrap()
+            })
+        });
+    }
+    group.finish();
+}
+
+/// Prefill of 512 new tokens, no cached prefix: compute-bound; throughput in useful FLOPs.
+fn prefill(c: &mut Criterion) {
+    let mut group = c.benchmark_group("prefill");
+    group.sample_size(10);
+    let n = 512;
+    let setup = Setup::new(KvDtype::F32, KV_HEADS, 1, n, n, 16, true);
+    let mut out = vec![0.0; setup.q.len()];
+    let flops = 4 * HEAD_DIM * HEADS * (n * (n + 1) / 2);
+    group.throughput(Throughput::Elements(flops as u64));
+    for path in paths() {
+        group.bench_function(BenchmarkId::new("n512_flops", path.name()), |b| {
+            b.iter(|| setup.run(path, &mut out))
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, decode_in_cache, decode_from_memory, prefill);
+criterion_main!(benches);

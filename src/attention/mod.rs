@@ -1,0 +1,471 @@
+//! Paged attention: decode, prefill and chunked prefill read K/V straight through block tables.
+//!
+//! Semantics: sequence `i` has `nq = query_start_loc[i + 1] - query_start_loc[i]` query tokens;
+//! its query `j` sits at position `context_len - nq + j` and attends to keys `0..=position`. The
+//! K/V of the step's new tokens are already in the cache. Output row (token, head) is
+//! `softmax(scale · q K^T) V` over those keys, accumulated in f32 whatever the K/V dtype.
+//!
+//! Invariants:
+//! - Every argument is validated before anything is computed; an error leaves `out` untouched.
+//! - Only the used part of a block table (`ceil(context_len / block_size)` entries) is read;
+//!   padding is never dereferenced.
+//! - Work runs over (sequence, KV head, query tile, key partition) items (see [`plan`]); each K/V
+//!   tile is read once per KV-head group, all query heads of the group scored together.
+//! - Results do not depend on the thread count beyond f32 rounding of the partition merge.
+
+mod compute;
+mod layout;
+mod plan;
+mod probes;
+mod simd;
+mod threads;
+
+use std::sync::OnceLock;
+
+use rayon::prelude::*;
+
+pub use probes::{measure_fma_peak, measure_read_bandwidth, ReadProbe};
+pub use simd::KernelPath;
+pub use threads::{num_threads, set_num_threads, NUM_THREADS_ENV};
+
+use crate::dtype::{KvDtype, KvElement};
+use crate::error::{Error, Result};
+use crate::kv_cache::{KvBuffer, KvCache};
+use compute::{merge_group, partial_slot_len, run_item, SharedOut};
+use layout::{Contiguous, KvLayout, Paged};
+use plan::Plan;
+use simd::{Kernels, Portable};
+
+/// Environment variable that forces a kernel path ("portable" or "avx2") for every call.
+pub const KERNEL_ENV: &str = "PAGEDKV_ATTENTION_KERNEL";
+
+/// The per-batch tables an attention call reads, as the block manager and scheduler hand them out.
+#[derive(Debug, Clone, Copy)]
+pub struct AttentionBatch<'a> {
+    /// `[num_seqs, max_blocks_per_seq]` row-major physical block ids; padding (-1) is never read.
+    pub block_tables: &'a [i32],
+    pub max_blocks_per_seq: usize,
+    /// Per sequence: tokens in the cache including this step's new tokens.
+    pub context_lens: &'a [i32],
+    /// `[num_seqs + 1]` cumulative query-token offsets into `q`, starting at 0.
+    pub query_start_loc: &'a [i32],
+}
+
+/// The kernel path calls take: `PAGEDKV_ATTENTION_KERNEL` if set (and available), else the best.
+pub fn default_kernel_path() -> KernelPath {
+    static PATH: OnceLock<KernelPath> = OnceLock::new();
+    *PATH.get_or_init(|| {
+        std::env::var(KERNEL_ENV)
+            .ok()
+            .and_then(|name| name.parse::<KernelPath>().ok())
+            .filter(|path| path.available())
+            .unwrap_or_else(KernelPath::best)
+    })
+}
+
+/// Attention of `q` (`[num_tokens, num_heads, head_dim]` f32) over layer `layer` of `cache`
+/// through `batch`'s block tables, into `out` (same shape). See the module doc for semantics.
+pub fn paged_attention(
+    cache: &KvCache,
+    layer: usize,
+    q: &[f32],
+    num_heads: usize,
+    batch: &AttentionBatch<'_>,
+    scale: f32,
+    out: &mut [f32],
+) -> Result<()> {
+    paged_attention_with(
+        default_kernel_path(),
+        cache,
+        layer,
+        q,
+        num_heads,
+        batch,
+        scale,
+        out,
+    )
+}
+
+/// [`paged_attention`] on a chosen kernel path (tests compare every path with the portable one).
+#[allow(clippy::too_many_arguments)]
+pub fn paged_attention_with(
+    path: KernelPath,
+    cache: &KvCache,
+    layer: usize,
+    q: &[f32],
+    num_heads: usize,
+    batch: &AttentionBatch<'_>,
+    scale: f32,
+    out: &mut [f32],
+) -> Result<()> {
+    let shape = cache.shape();
+    let (keys, values) = cache.layer(layer)?;
+    let problem = Problem::validate(
+        q,
+        num_heads,
+        shape.num_kv_heads,
+        shape.head_dim,
+        batch.context_lens,
+        batch.query_start_loc,
+        scale,
+        out,
+    )?;
+    validate_tables(&problem, batch, shape.block_size, shape.num_blocks)?;
+    check_path(path)?;
+    macro_rules! run_on {
+        ($keys:expr, $values:expr) => {{
+            let layout = Paged {
+                keys: $keys,
+                values: $values,
+                block_tables: batch.block_tables,
+                max_blocks_per_seq: batch.max_blocks_per_seq,
+                num_kv_heads: shape.num_kv_heads,
+                block_size: shape.block_size,
+                head_dim: shape.head_dim,
+            };
+            execute(path, &problem, &layout, out)
+        }};
+    }
+    match (keys, values) {
+        (KvBuffer::F32(k), KvBuffer::F32(v)) => run_on!(k, v),
+        (KvBuffer::F16(k), KvBuffer::F16(v)) => run_on!(k, v),
+        (KvBuffer::Bf16(k), KvBuffer::Bf16(v)) => run_on!(k, v),
+        _ => unreachable!("a KvCache stores K and V in one dtype"),
+    }
+    Ok(())
+}
+
+/// K/V of a batch laid out contiguously, `[num_seqs, num_kv_heads, max_context, head_dim]` each:
+/// the unpaged baseline the benchmark compares paging with. It runs the very same loop as
+/// [`paged_attention`], cutting each sequence into tiles of `block_size` rows.
+pub struct ContiguousKv {
+    keys: KvBuffer,
+    values: KvBuffer,
+    num_seqs: usize,
+    num_kv_heads: usize,
+    max_context: usize,
+    head_dim: usize,
+}
+
+impl ContiguousKv {
+    /// K and V filled with pseudo-random values in [-1, 1) from `seed` (every page touched, so
+    /// reads come from memory, not from the shared zero page).
+    pub fn random(
+        dtype: KvDtype,
+        num_seqs: usize,
+        num_kv_heads: usize,
+        max_context: usize,
+        head_dim: usize,
+        seed: u64,
+    ) -> Result<Self> {
+        let dims = [num_seqs, num_kv_heads, max_context, head_dim];
+        if dims.contains(&0) {
+            return Err(Error::InvalidArgument(format!(
+                "contiguous K/V dimensions must be positive: {dims:?}"
+            )));
+        }
+        let len = dims.iter().try_fold(1usize, |a, &b| a.checked_mul(b));
+        let len = len.ok_or_else(|| {
+            Error::InvalidArgument(format!("contiguous K/V of {dims:?} overflows"))
+        })?;
+        let make = |seed: u64| match dtype {
+            KvDtype::F32 => KvBuffer::F32(random_values(len, seed)),
+            KvDtype::F16 => KvBuffer::F16(random_values(len, seed)),
+            KvDtype::Bf16 => KvBuffer::Bf16(random_values(len, seed)),
+        };
+        Ok(ContiguousKv {
+            keys: make(seed),
+            values: make(seed ^ 0x9e37_79b9_7f4a_7c15),
+            num_seqs,
+            num_kv_heads,
+            max_context,
+            head_dim,
+        })
+    }
+
+    /// Storage dtype.
+    pub fn dtype(&self) -> KvDtype {
+        self.keys.dtype()
+    }
+
+    /// Attention of `q` over these K/V, tiles of `block_size` rows; sequence `i` uses its first
+    /// `context_lens[i]` rows. Same semantics and errors as [`paged_attention`].
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention(
+        &self,
+        path: KernelPath,
+        q: &[f32],
+        num_heads: usize,
+        context_lens: &[i32],
+        query_start_loc: &[i32],
+        block_size: usize,
+        scale: f32,
+        out: &mut [f32],
+    ) -> Result<()> {
+        let problem = Problem::validate(
+            q,
+            num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            context_lens,
+            query_start_loc,
+            scale,
+            out,
+        )?;
+        if problem.num_seqs() != self.num_seqs {
+            return Err(Error::Shape(format!(
+                "{} context lengths for {} sequences",
+                problem.num_seqs(),
+                self.num_seqs
+            )));
+        }
+        if block_size == 0 {
+            return Err(Error::InvalidArgument("block_size must be positive".into()));
+        }
+        if let Some(seq) =
+            (0..problem.num_seqs()).find(|&s| problem.context_len(s) > self.max_context)
+        {
+            return Err(Error::InvalidArgument(format!(
+                "context length {} of sequence {seq} exceeds {}",
+                problem.context_len(seq),
+                self.max_context
+            )));
+        }
+        check_path(path)?;
+        macro_rules! run_on {
+            ($keys:expr, $values:expr) => {{
+                let layout = Contiguous {
+                    keys: $keys,
+                    values: $values,
+                    num_kv_heads: self.num_kv_heads,
+                    max_context: self.max_context,
+                    block_size,
+                    head_dim: self.head_dim,
+                };
+                execute(path, &problem, &layout, out)
+            }};
+        }
+        match (&self.keys, &self.values) {
+            (KvBuffer::F32(k), KvBuffer::F32(v)) => run_on!(k, v),
+            (KvBuffer::F16(k), KvBuffer::F16(v)) => run_on!(k, v),
+            (KvBuffer::Bf16(k), KvBuffer::Bf16(v)) => run_on!(k, v),
+            _ => unreachable!("K and V share one dtype"),
+        }
+        Ok(())
+    }
+}
+
+/// Pseudo-random values in [-1, 1) (splitmix64): cheap, deterministic, no dependency.
+pub(crate) fn random_values<T: KvElement>(len: usize, seed: u64) -> Vec<T> {
+    let mut state = seed;
+    (0..len)
+        .map(|_| {
+            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^= z >> 31;
+            T::from_f32((z >> 40) as f32 / (1u64 << 23) as f32 - 1.0)
+        })
+        .collect()
+}
+
+/// The validated query side of a call.
+pub(crate) struct Problem<'a> {
+    pub q: &'a [f32],
+    pub num_heads: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+    pub context_lens: &'a [i32],
+    pub query_start_loc: &'a [i32],
+    pub scale: f32,
+}
+
+impl<'a> Problem<'a> {
+    #[allow(clippy::too_many_arguments)]
+    fn validate(
+        q: &'a [f32],
+        num_heads: usize,
+        num_kv_heads: usize,
+        head_dim: usize,
+        context_lens: &'a [i32],
+        query_start_loc: &'a [i32],
+        scale: f32,
+        out: &[f32],
+    ) -> Result<Self> {
+        let invalid = |message: String| Err(Error::InvalidArgument(message));
+        if head_dim % 8 != 0 {
+            return invalid(format!(
+                "attention needs head_dim a multiple of 8, the cache has {head_dim}"
+            ));
+        }
+        if num_heads == 0 || num_heads % num_kv_heads != 0 {
+            return invalid(format!(
+                "num_heads {num_heads} must be a positive multiple of num_kv_heads {num_kv_heads}"
+            ));
+        }
+        if !scale.is_finite() {
+            return invalid(format!("scale must be finite, got {scale}"));
+        }
+        let num_seqs = context_lens.len();
+        if query_start_loc.len() != num_seqs + 1 {
+            return Err(Error::Shape(format!(
+                "query_start_loc has {} entries, expected num_seqs + 1 = {}",
+                query_start_loc.len(),
+                num_seqs + 1
+            )));
+        }
+        if query_start_loc[0] != 0 {
+            return invalid(format!(
+                "query_start_loc must start at 0, got {}",
+                query_start_loc[0]
+            ));
+        }
+        for (seq, (pair, &context)) in query_start_loc.windows(2).zip(context_lens).enumerate() {
+            let nq = pair[1] as i64 - pair[0] as i64;
+            if nq < 0 {
+                return invalid(format!(
+                    "query_start_loc decreases at sequence {seq}: {} then {}",
+                    pair[0], pair[1]
+                ));
+            }
+            if context < 0 || nq > context as i64 {
+                return invalid(format!(
+                    "sequence {seq} has {nq} query tokens but context length {context}"
+                ));
+            }
+        }
+        let num_tokens = query_start_loc[num_seqs] as usize;
+        let expected = num_tokens * num_heads * head_dim;
+        if q.len() != expected || out.len() != expected {
+            return Err(Error::Shape(format!(
+                "q and out must hold num_tokens × num_heads × head_dim = {num_tokens} × {num_heads} × {head_dim} = {expected} floats, got {} and {}",
+                q.len(),
+                out.len()
+            )));
+        }
+        Ok(Problem {
+            q,
+            num_heads,
+            num_kv_heads,
+            head_dim,
+            context_lens,
+            query_start_loc,
+            scale,
+        })
+    }
+
+    pub fn num_seqs(&self) -> usize {
+        self.context_lens.len()
+    }
+
+    pub fn num_queries(&self, seq: usize) -> usize {
+        (self.query_start_loc[seq + 1] - self.query_start_loc[seq]) as usize
+    }
+
+    pub fn context_len(&self, seq: usize) -> usize {
+        self.context_lens[seq] as usize
+    }
+
+    pub fn query_offset(&self, seq: usize) -> usize {
+        self.query_start_loc[seq] as usize
+    }
+
+    /// Query heads per KV head.
+    pub fn group_size(&self) -> usize {
+        self.num_heads / self.num_kv_heads
+    }
+}
+
+/// Checks that every sequence's context fits its table and that the used entries are block ids.
+fn validate_tables(
+    problem: &Problem<'_>,
+    batch: &AttentionBatch<'_>,
+    block_size: usize,
+    num_blocks: usize,
+) -> Result<()> {
+    let num_seqs = problem.num_seqs();
+    let width = batch.max_blocks_per_seq;
+    if batch.block_tables.len() != num_seqs * width {
+        return Err(Error::Shape(format!(
+            "block_tables has {} entries, expected num_seqs × max_blocks_per_seq = {num_seqs} × {width}",
+            batch.block_tables.len()
+        )));
+    }
+    for seq in 0..num_seqs {
+        let context = problem.context_len(seq);
+        if context > width * block_size {
+            return Err(Error::InvalidArgument(format!(
+                "context length {context} of sequence {seq} does not fit {width} blocks of {block_size}"
+            )));
+        }
+        let used = &batch.block_tables[seq * width..seq * width + context.div_ceil(block_size)];
+        if let Some(bad) = used.iter().find(|&&b| b < 0 || b as usize >= num_blocks) {
+            return Err(Error::InvalidArgument(format!(
+                "sequence {seq} uses block {bad}, outside 0..{num_blocks}"
+            )));
+        }
+    }
+    Ok(())
+}
+
+fn check_path(path: KernelPath) -> Result<()> {
+    if path.available() {
+        Ok(())
+    } else {
+        Err(Error::InvalidArgument(format!(
+            "kernel path {} is not available on this CPU",
+            path.name()
+        )))
+    }
+}
+
+/// Runs a validated call on `path`.
+fn execute<T: KvElement, L: KvLayout<T>>(
+    path: KernelPath,
+    problem: &Problem<'_>,
+    layout: &L,
+    out: &mut [f32],
+) {
+    match path {
+        KernelPath::Portable => execute_on::<Portable, T, L>(problem, layout, out),
+        #[cfg(target_arch = "x86_64")]
+        KernelPath::Avx2 => execute_on::<simd::Avx2, T, L>(problem, layout, out),
+        #[cfg(not(target_arch = "x86_64"))]
+        KernelPath::Avx2 => unreachable!("check_path refuses unavailable paths"),
+    }
+}
+
+fn execute_on<K: Kernels, T: KvElement, L: KvLayout<T>>(
+    problem: &Problem<'_>,
+    layout: &L,
+    out: &mut [f32],
+) {
+    let threads = num_threads();
+    let plan = Plan::new(
+        problem,
+        layout.block_size(),
+        std::mem::size_of::<T>(),
+        threads,
+    );
+    let max_rows = plan.tile_tokens * problem.group_size();
+    let mut partials =
+        vec![0.0f32; plan.partial_slots() * partial_slot_len(max_rows, problem.head_dim)];
+    let (out, partials) = (SharedOut::new(out), SharedOut::new(&mut partials));
+    // SAFETY: `execute` only reaches here on an available path; the plan gives each item and group
+    // disjoint output rows and slots, and the merge runs after every item.
+    let run = |item| unsafe { run_item::<K, T, L>(problem, layout, item, max_rows, out, partials) };
+    let merge = |group| unsafe { merge_group(problem, group, max_rows, out, partials) };
+    if plan.inline {
+        plan.items.iter().for_each(run);
+        plan.groups.iter().for_each(merge);
+    } else {
+        threads::pool().install(|| {
+            plan.items.par_iter().with_max_len(1).for_each(run);
+            plan.groups.par_iter().for_each(merge);
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,597 @@
+//! The arithmetic of the attention loop at tile granularity, once per instruction set.
+//!
+//! Invariants:
+//! - Every kernel works on whole tiles (a block of K or V rows for one KV head, and all query rows
+//!   of a work item), so the cost of calling through a `#[target_feature]` boundary is paid once
+//!   per tile, never per element.
+//! - `head_dim` is a multiple of 8 (checked by the caller): vector loops have no element tails.
+//! - K/V elements are converted to f32 on load; every sum is accumulated in f32.
+//! - An implementation other than [`Portable`] may only be called when [`KernelPath::available`]
+//!   says its CPU features are present: that is the safety contract of the `unsafe` methods.
+
+use crate::dtype::KvElement;
+
+/// Which implementation of [`Kernels`] runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum KernelPath {
+    /// Plain Rust the compiler vectorises for the baseline target; runs everywhere.
+    Portable,
+    /// x86-64 AVX2 + FMA + F16C, chosen at run time.
+    Avx2,
+}
+
+impl KernelPath {
+    /// Every path, best first.
+    pub const ALL: [KernelPath; 2] = [KernelPath::Avx2, KernelPath::Portable];
+
+    /// Whether this CPU can run the path.
+    pub fn available(self) -> bool {
+        match self {
+            KernelPath::Portable => true,
+            #[cfg(target_arch = "x86_64")]
+            KernelPath::Avx2 => {
+                is_x86_feature_detected!("avx2")
+                    && is_x86_feature_detected!("fma")
+                    && is_x86_feature_detected!("f16c")
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            KernelPath::Avx2 => false,
+        }
+    }
+
+    /// The fastest path this CPU runs.
+    pub fn best() -> KernelPath {
+        KernelPath::ALL
+            .into_iter()
+            .find(|path| path.available())
+            .unwrap_or(KernelPath::Portable)
+    }
+
+    /// Lower-case name: "portable" or "avx2".
+    pub fn name(self) -> &'static str {
+        match self {
+            KernelPath::Portable => "portable",
+            KernelPath::Avx2 => "avx2",
+        }
+    }
+}
+
+impl std::str::FromStr for KernelPath {
+    type Err = crate::Error;
+
+    fn from_str(name: &str) -> crate::Result<Self> {
+        KernelPath::ALL
+            .into_iter()
+            .find(|path| path.name() == name)
+            .ok_or_else(|| {
+                crate::Error::InvalidArgument(format!(
+                    "unknown attention kernel {name:?}; expected avx2 or portable"
+                ))
+            })
+    }
+}
+
+/// Tile-level kernels of the attention loop. Slices are row-major with the strides named.
+///
+/// # Safety
+/// Implementations may require CPU features: call them only when their [`KernelPath`] is
+/// available on this CPU.
+pub(crate) trait Kernels {
+    /// `scores[i * stride + r] = q[i] · k[r]` for query rows `i < m` and key rows `r < rows`;
+    /// `q` is `m × head_dim`, `k` is at least `rows × head_dim`.
+    unsafe fn scores<T: KvElement>(
+        q: &[f32],
+        m: usize,
+        k: &[T],
+        rows: usize,
+        head_dim: usize,
+        scores: &mut [f32],
+        stride: usize,
+    );
+
+    /// The largest element of a non-empty `row`.
+    unsafe fn max(row: &[f32]) -> f32;
+
+    /// Replaces each `x` of `row` by `exp(x - max)` (with `exp(-inf) = 0`) and returns their sum.
+    unsafe fn exp_sub_sum(row: &mut [f32], max: f32) -> f32;
+
+    /// `acc[i] += Σ_r p[i * stride + r] · v[r]` for `i < m`, `r < rows`; `acc` is `m × head_dim`.
+    unsafe fn accumulate<T: KvElement>(
+        p: &[f32],
+        stride: usize,
+        m: usize,
+        v: &[T],
+        rows: usize,
+        head_dim: usize,
+        acc: &mut [f32],
+    );
+
+    /// Multiplies every element of `row` by `factor`.
+    unsafe fn scale(row: &mut [f32], factor: f32);
+
+    /// Asks the cache to start loading `tile` (the next block's K or V) while this one computes.
+    unsafe fn prefetch<T>(tile: &[T]);
+
+    /// Sum of `data` (the read-bandwidth probe): the same loads as the attention loop, no compute.
+    unsafe fn sum(data: &[f32]) -> f32;
+
+    /// Runs `iterations` rounds of independent FMAs on registers (the FMA-peak probe); returns
+    /// the FLOPs done (an FMA counts 2).
+    unsafe fn fma_loop(iterations: usize) -> f64;
+}
+
+/// The portable implementation: 8-wide accumulator arrays that the compiler vectorises.
+pub(crate) struct Portable;
+
+fn dot_portable<T: KvElement>(q: &[f32], k: &[T]) -> f32 {
+    let mut lanes = [0.0f32; 8];
+    for (qc, kc) in q.chunks_exact(8).zip(k.chunks_exact(8)) {
+        for lane in 0..8 {
+            lanes[lane] += qc[lane] * kc[lane].to_f32();
+        }
+    }
+    lanes.iter().sum()
+}
+
+impl Kernels for Portable {
+    unsafe fn scores<T: KvElement>(
+        q: &[f32],
+        m: usize,
+        k: &[T],
+        rows: usize,
+        d: usize,
+        scores: &mut [f32],
+        stride: usize,
+    ) {
+        for (i, q_row) in q[..m * d].chunks_exact(d).enumerate() {
+            for (r, k_row) in k[..rows * d].chunks_exact(d).enumerate() {
+                scores[i * stride + r] = dot_portable(q_row, k_row);
+            }
+        }
+    }
+
+    unsafe fn max(row: &[f32]) -> f32 {
+        row.iter().copied().fold(f32::NEG_INFINITY, f32::max)
+    }
+
+    unsafe fn exp_sub_sum(row: &mut [f32], max: f32) -> f32 {
+        row.iter_mut().fold(0.0, |sum, x| {
+            *x = (*x - max).exp();
+            sum + *x
+        })
+    }
+
+    unsafe fn accumulate<T: KvElement>(
+        p: &[f32],
+        stride: usize,
+        m: usize,
+        v: &[T],
+        rows: usize,
+        d: usize,
+        acc: &mut [f32],
+    ) {
+        for (i, acc_row) in acc[..m * d].chunks_exact_mut(d).enumerate() {
+            for (r, v_row) in v[..rows * d].chunks_exact(d).enumerate() {
+                let weight = p[i * stride + r];
+                for (a, x) in acc_row.iter_mut().zip(v_row) {
+                    *a += weight * x.to_f32();
+                }
+            }
+        }
+    }
+
+    unsafe fn scale(row: &mut [f32], factor: f32) {
+        row.iter_mut().for_each(|x| *x *= factor);
+    }
+
+    unsafe fn prefetch<T>(_tile: &[T]) {}
+
+    unsafe fn sum(data: &[f32]) -> f32 {
+        let mut lanes = [0.0f32; 32];
+        let chunks = data.chunks_exact(32);
+        let tail: f32 = chunks.remainder().iter().sum();
+        for chunk in chunks {
+            for lane in 0..32 {
+                lanes[lane] += chunk[lane];
+            }
+        }
+        lanes.iter().sum::<f32>() + tail
+    }
+
+    unsafe fn fma_loop(iterations: usize) -> f64 {
+        let mut acc = [[1.0f32; 8]; 12];
+        let (a, b) = (
+            std::hint::black_box(0.999_999f32),
+            std::hint::black_box(1e-7f32),
+        );
+        for _ in 0..iterations {
+            for lanes in acc.iter_mut() {
+                for x in lanes.iter_mut() {
+                    *x = *x * a + b;
+                }
+            }
+        }
+        std::hint::black_box(acc);
+        (iterations * 12 * 8 * 2) as f64
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+pub(crate) use avx2::Avx2;
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    //! AVX2 + FMA + F16C. Register blocking: the score kernel keeps up to 4 query rows × 2 key rows
+    //! of accumulators (8 of 16 ymm registers), the value kernel 4 query rows × 16 lanes of output;
+    //! both load each K/V vector once per 4 query rows and each query/weight once per 2 rows.
+
+    use std::arch::x86_64::*;
+
+    use super::Kernels;
+    use crate::dtype::{KvDtype, KvElement};
+
+    pub(crate) struct Avx2;
+
+    /// Loads 8 elements at `p` as f32: f16 through F16C, bf16 by shifting into the high half.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn load8<T: KvElement>(p: *const T) -> __m256 {
+        match T::DTYPE {
+            KvDtype::F32 => _mm256_loadu_ps(p.cast()),
+            KvDtype::F16 => _mm256_cvtph_ps(_mm_loadu_si128(p.cast())),
+            KvDtype::Bf16 => _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(
+                _mm_loadu_si128(p.cast()),
+            ))),
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn hsum(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps::<1>(s, s)))
+    }
+
+    /// Dot products of `QH` query rows with `KR` key rows, written to `out[i * stride + r]`.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dot_block<T: KvElement, const QH: usize, const KR: usize>(
+        q: *const f32,
+        k: *const T,
+        d: usize,
+        out: *mut f32,
+        stride: usize,
+    ) {
+        let mut acc = [[_mm256_setzero_ps(); KR]; QH];
+        let mut c = 0;
+        while c < d {
+            let mut keys = [_mm256_setzero_ps(); KR];
+            for (r, key) in keys.iter_mut().enumerate() {
+                *key = load8(k.add(r * d + c));
+            }
+            for (i, acc_row) in acc.iter_mut().enumerate() {
+                let query = _mm256_loadu_ps(q.add(i * d + c));
+                for (a, key) in acc_row.iter_mut().zip(keys) {
+                    *a = _mm256_fmadd_ps(query, key, *a);
+                }
+            }
+            c += 8;
+        }
+        if QH == 4 && KR == 2 {
+            store_sums_4x2(&acc.as_flattened()[..8], out, stride);
+        } else {
+            for (i, acc_row) in acc.iter().enumerate() {
+                for (r, a) in acc_row.iter().enumerate() {
+                    *out.add(i * stride + r) = hsum(*a);
+                }
+            }
+        }
+    }
+
+    /// Stores the horizontal sums of 8 accumulators `a[2i + r]` (query row i, key r) to
+    /// `out[i * stride + r]`: one transposing add tree (9 instructions) instead of 8 separate
+    /// horizontal sums, the main overhead of decode's 4-head score block.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn store_sums_4x2(a: &[__m256], out: *mut f32, stride: usize) {
+        let pairs = [
+            _mm256_hadd_ps(a[0], a[1]),
+            _mm256_hadd_ps(a[2], a[3]),
+            _mm256_hadd_ps(a[4], a[5]),
+            _mm256_hadd_ps(a[6], a[7]),
+        ];
+        let quads = [
+            _mm256_hadd_ps(pairs[0], pairs[1]),
+            _mm256_hadd_ps(pairs[2], pairs[3]),
+        ];
+        // Lane j of `sums` is the full sum of a[j]: low 128-bit halves hold a[0..4] partial sums of
+        // lanes 0..4, high halves those of lanes 4..8.
+        let sums = _mm256_add_ps(
+            _mm256_permute2f128_ps::<0x20>(quads[0], quads[1]),
+            _mm256_permute2f128_ps::<0x31>(quads[0], quads[1]),
+        );
+        let (low, high) = (
+            _mm_castps_pd(_mm256_castps256_ps128(sums)),
+            _mm_castps_pd(_mm256_extractf128_ps::<1>(sums)),
+        );
+        _mm_storel_pd(out.cast(), low);
+        _mm_storeh_pd(out.add(stride).cast(), low);
+        _mm_storel_pd(out.add(2 * stride).cast(), high);
+        _mm_storeh_pd(out.add(3 * stride).cast(), high);
+    }
+
+    /// Scores of `QH` query rows against every key row: `KR` rows at a time, then one by one.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn dot_rows<T: KvElement, const QH: usize, const KR: usize>(
+        q: *const f32,
+        k: *const T,
+        rows: usize,
+        d: usize,
+        out: *mut f32,
+        stride: usize,
+    ) {
+        let mut r = 0;
+        while r + KR <= rows {
+            dot_block::<T, QH, KR>(q, k.add(r * d), d, out.add(r), stride);
+            r += KR;
+        }
+        while r < rows {
+            dot_block::<T, QH, 1>(q, k.add(r * d), d, out.add(r), stride);
+            r += 1;
+        }
+    }
+
+    /// `acc[i][c..c + 8 * DV] += Σ_r p[i][r] · v[r][c..c + 8 * DV]` for `QH` query rows.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn weighted_block<T: KvElement, const QH: usize, const DV: usize>(
+        p: *const f32,
+        stride: usize,
+        v: *const T,
+        rows: usize,
+        d: usize,
+        acc: *mut f32,
+    ) {
+        let mut sums = [[_mm256_setzero_ps(); DV]; QH];
+        for (i, row) in sums.iter_mut().enumerate() {
+            for (j, s) in row.iter_mut().enumerate() {
+                *s = _mm256_loadu_ps(acc.add(i * d + 8 * j));
+            }
+        }
+        for r in 0..rows {
+            let mut values = [_mm256_setzero_ps(); DV];
+            for (j, value) in values.iter_mut().enumerate() {
+                *value = load8(v.add(r * d + 8 * j));
+            }
+            for (i, row) in sums.iter_mut().enumerate() {
+                let weight = _mm256_broadcast_ss(&*p.add(i * stride + r));
+                for (s, value) in row.iter_mut().zip(values) {
+                    *s = _mm256_fmadd_ps(weight, value, *s);
+                }
+            }
+        }
+        for (i, row) in sums.iter().enumerate() {
+            for (j, s) in row.iter().enumerate() {
+                _mm256_storeu_ps(acc.add(i * d + 8 * j), *s);
+            }
+        }
+    }
+
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn weighted_rows<T: KvElement, const QH: usize>(
+        p: *const f32,
+        stride: usize,
+        v: *const T,
+        rows: usize,
+        d: usize,
+        acc: *mut f32,
+    ) {
+        let mut c = 0;
+        while c + 16 <= d {
+            weighted_block::<T, QH, 2>(p, stride, v.add(c), rows, d, acc.add(c));
+            c += 16;
+        }
+        if c < d {
+            weighted_block::<T, QH, 1>(p, stride, v.add(c), rows, d, acc.add(c));
+        }
+    }
+
+    /// `exp(x)` for `x ≤ 0` (scores minus their running maximum): `2^n · e^f` with
+    /// `x = n ln 2 + f`, `|f| ≤ ln 2 / 2`, and a degree-7 Taylor polynomial for `e^f` (relative
+    /// error below 1e-7). Inputs below -87 (including -inf, the causal mask) give exactly 0.
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    fn exp_nonpositive(x: __m256) -> __m256 {
+        let underflow = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(-87.0));
+        let x = _mm256_max_ps(x, _mm256_set1_ps(-87.0));
+        let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
+            _mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)),
+        );
+        // ln 2 split in a part exact in f32 and a remainder, so n·ln2 subtracts without rounding.
+        let f = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x);
+        let f = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), f);
+        let mut poly = _mm256_set1_ps(1.0 / 5040.0);
+        for coefficient in [
+            1.0 / 720.0,
+            1.0 / 120.0,
+            1.0 / 24.0,
+            1.0 / 6.0,
+            0.5,
+            1.0,
+            1.0,
+        ] {
+            poly = _mm256_fmadd_ps(poly, f, _mm256_set1_ps(coefficient));
+        }
+        let exponent = _mm256_slli_epi32::<23>(_mm256_add_epi32(
+            _mm256_cvtps_epi32(n),
+            _mm256_set1_epi32(127),
+        ));
+        let result = _mm256_mul_ps(poly, _mm256_castsi256_ps(exponent));
+        _mm256_andnot_ps(underflow, result)
+    }
+
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn exp_sub_sum_avx2(row: &mut [f32], max: f32) -> f32 {
+        let max = _mm256_set1_ps(max);
+        let mut sum = _mm256_setzero_ps();
+        let mut chunks = row.chunks_exact_mut(8);
+        for chunk in &mut chunks {
+            let e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(chunk.as_ptr()), max));
+            _mm256_storeu_ps(chunk.as_mut_ptr(), e);
+            sum = _mm256_add_ps(sum, e);
+        }
+        let tail = chunks.into_remainder();
+        if !tail.is_empty() {
+            // Pad the tail with -inf (exp → 0) so it takes the same vector path.
+            let mut lanes = [f32::NEG_INFINITY; 8];
+            lanes[..tail.len()].copy_from_slice(tail);
+            let e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(lanes.as_ptr()), max));
+            _mm256_storeu_ps(lanes.as_mut_ptr(), e);
+            tail.copy_from_slice(&lanes[..tail.len()]);
+            sum = _mm256_add_ps(sum, e);
+        }
+        hsum(sum)
+    }
+
+    impl Kernels for Avx2 {
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn scores<T: KvElement>(
+            q: &[f32],
+            m: usize,
+            k: &[T],
+            rows: usize,
+            d: usize,
+            scores: &mut [f32],
+            stride: usize,
+        ) {
+            assert!(
+                q.len() >= m * d
+                    && k.len() >= rows * d
+                    && (m == 0 || scores.len() >= (m - 1) * stride + rows)
+            );
+            let (q, k, out) = (q.as_ptr(), k.as_ptr(), scores.as_mut_ptr());
+            let mut i = 0;
+            while i < m {
+                let (q, out) = (q.add(i * d), out.add(i * stride));
+                match m - i {
+                    1 => dot_rows::<T, 1, 4>(q, k, rows, d, out, stride),
+                    2 => dot_rows::<T, 2, 4>(q, k, rows, d, out, stride),
+                    3 => dot_rows::<T, 3, 2>(q, k, rows, d, out, stride),
+                    _ => dot_rows::<T, 4, 2>(q, k, rows, d, out, stride),
+                }
+                i += 4;
+            }
+        }
+
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn max(row: &[f32]) -> f32 {
+            let mut chunks = row.chunks_exact(8);
+            let mut best = _mm256_set1_ps(f32::NEG_INFINITY);
+            for chunk in &mut chunks {
+                best = _mm256_max_ps(best, _mm256_loadu_ps(chunk.as_ptr()));
+            }
+            let s = _mm_max_ps(
+                _mm256_castps256_ps128(best),
+                _mm256_extractf128_ps::<1>(best),
+            );
+            let s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+            let lanes = _mm_cvtss_f32(_mm_max_ss(s, _mm_shuffle_ps::<1>(s, s)));
+            chunks.remainder().iter().copied().fold(lanes, f32::max)
+        }
+
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn exp_sub_sum(row: &mut [f32], max: f32) -> f32 {
+            exp_sub_sum_avx2(row, max)
+        }
+
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn accumulate<T: KvElement>(
+            p: &[f32],
+            stride: usize,
+            m: usize,
+            v: &[T],
+            rows: usize,
+            d: usize,
+            acc: &mut [f32],
+        ) {
+            assert!(
+                acc.len() >= m * d
+                    && v.len() >= rows * d
+                    && (m == 0 || p.len() >= (m - 1) * stride + rows)
+            );
+            let (v, acc_ptr) = (v.as_ptr(), acc.as_mut_ptr());
+            let mut i = 0;
+            while i < m {
+                let (p, acc) = (p.as_ptr().add(i * stride), acc_ptr.add(i * d));
+                match m - i {
+                    1 => weighted_rows::<T, 1>(p, stride, v, rows, d, acc),
+                    2 => weighted_rows::<T, 2>(p, stride, v, rows, d, acc),
+                    3 => weighted_rows::<T, 3>(p, stride, v, rows, d, acc),
+                    _ => weighted_rows::<T, 4>(p, stride, v, rows, d, acc),
+                }
+                i += 4;
+            }
+        }
+
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn scale(row: &mut [f32], factor: f32) {
+            let f = _mm256_set1_ps(factor);
+            let mut chunks = row.chunks_exact_mut(8);
+            for chunk in &mut chunks {
+                _mm256_storeu_ps(
+                    chunk.as_mut_ptr(),
+                    _mm256_mul_ps(_mm256_loadu_ps(chunk.as_ptr()), f),
+                );
+            }
+            chunks
+                .into_remainder()
+                .iter_mut()
+                .for_each(|x| *x *= factor);
+        }
+
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn prefetch<T>(tile: &[T]) {
+            let bytes = std::mem::size_of_val(tile);
+            let base = tile.as_ptr().cast::<i8>();
+            let mut offset = 0;
+            while offset < bytes {
+                _mm_prefetch::<_MM_HINT_T0>(base.add(offset));
+                // One request per 128-byte line pair: the adjacent-line prefetcher brings the other.
+                offset += 128;
+            }
+        }
+
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn sum(data: &[f32]) -> f32 {
+            let mut acc = [_mm256_setzero_ps(); 4];
+            let mut chunks = data.chunks_exact(32);
+            for chunk in &mut chunks {
+                for (j, a) in acc.iter_mut().enumerate() {
+                    *a = _mm256_add_ps(*a, _mm256_loadu_ps(chunk.as_ptr().add(8 * j)));
+                }
+            }
+            let total = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+            hsum(total) + chunks.remainder().iter().sum::<f32>()
+        }
+
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn fma_loop(iterations: usize) -> f64 {
+            // 12 chains: two FMA units × 4 cycles of latency need at least 8 in flight.
+            let mut acc = [_mm256_set1_ps(1.0); 12];
+            let (a, b) = (
+                _mm256_set1_ps(std::hint::black_box(0.999_999)),
+                _mm256_set1_ps(std::hint::black_box(1e-7)),
+            );
+            for _ in 0..iterations {
+                for x in acc.iter_mut() {
+                    *x = _mm256_fmadd_ps(*x, a, b);
+                }
+            }
+            std::hint::black_box(acc);
+            (iterations * 12 * 8 * 2) as f64
+        }
+    }
+}

@@ -1,0 +1,348 @@
+//! Attention from Python: the body of `KVCache.attention`, the thread-count setting, and the
+//! helpers the benchmark needs (read bandwidth, contiguous K/V, kernel time without Python).
+//! Arrays are borrowed without copies when C-contiguous; the GIL is released while computing.
+
+use std::borrow::Cow;
+use std::time::Instant;
+
+use numpy::ndarray::{Ix1, Ix2, Ix3};
+use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray, PyUntypedArrayMethods};
+use pyo3::prelude::*;
+
+use super::args::{c_order, expect_shape, invalid, non_negative, positive, typed_array};
+use super::errors::IntoPyResult;
+use super::kv_cache::PyKVCache;
+use crate::attention::{self, AttentionBatch, ContiguousKv, KernelPath};
+use crate::KvDtype;
+
+/// The converted arguments of one attention call.
+struct Call<'a> {
+    query: Cow<'a, [f32]>,
+    num_tokens: usize,
+    num_heads: usize,
+    head_dim: usize,
+    context_lens: Cow<'a, [i32]>,
+    query_start_loc: Cow<'a, [i32]>,
+    scale: f32,
+    path: KernelPath,
+}
+
+/// The numpy arrays of a call, kept alive while their data is borrowed.
+struct Arrays<'py> {
+    query: PyReadonlyArray<'py, f32, Ix3>,
+    context_lens: PyReadonlyArray<'py, i32, Ix1>,
+    query_start_loc: PyReadonlyArray<'py, i32, Ix1>,
+}
+
+impl<'py> Arrays<'py> {
+    fn extract(
+        query: &Bound<'py, PyAny>,
+        context_lens: &Bound<'py, PyAny>,
+        query_start_loc: &Bound<'py, PyAny>,
+    ) -> PyResult<Self> {
+        Ok(Arrays {
+            query: typed_array(query, "query", "float32")?,
+            context_lens: typed_array(context_lens, "context_lens", "int32")?,
+            query_start_loc: typed_array(query_start_loc, "query_start_loc", "int32")?,
+        })
+    }
+
+    fn call(
+        &self,
+        head_dim: usize,
+        scale: Option<f64>,
+        kernel: Option<&str>,
+    ) -> PyResult<Call<'_>> {
+        let shape = self.query.shape();
+        expect_shape(shape, &[None, None, Some(head_dim)], "query")?;
+        let scale = scale.unwrap_or(1.0 / (head_dim as f64).sqrt()) as f32;
+        let path = match kernel {
+            None => attention::default_kernel_path(),
+            Some(name) => name.parse().py_err()?,
+        };
+        Ok(Call {
+            query: c_order(&self.query),
+            num_tokens: shape[0],
+            num_heads: shape[1],
+            head_dim,
+            context_lens: c_order(&self.context_lens),
+            query_start_loc: c_order(&self.query_start_loc),
+            scale,
+            path,
+        })
+    }
+}
+
+impl Call<'_> {
+    fn output<'py>(&self, py: Python<'py>, data: Vec<f32>) -> PyResult<Bound<'py, PyAny>> {
+        Ok(PyArray1::from_vec(py, data)
+            .reshape([self.num_tokens, self.num_heads, self.head_dim])?
+            .into_any())
+    }
+}
+
+/// The block tables as a C-ordered int32 slice and their width.
+fn table_slice<'a>(array: &'a PyReadonlyArray<'_, i32, Ix2>) -> (Cow<'a, [i32]>, usize) {
+    (c_order(array), array.shape()[1])
+}
+
+/// `KVCache.attention`: see the method's docstring in `kv_cache.rs`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn cache_attention<'py>(
+    cache: &PyKVCache,
+    py: Python<'py>,
+    layer: i64,
+    query: &Bound<'py, PyAny>,
+    block_tables: &Bound<'py, PyAny>,
+    context_lens: &Bound<'py, PyAny>,
+    query_start_loc: &Bound<'py, PyAny>,
+    scale: Option<f64>,
+    kernel: Option<&str>,
+) -> PyResult<Bound<'py, PyAny>> {
+    let layer = non_negative(layer, "layer")? as usize;
+    let arrays = Arrays::extract(query, context_lens, query_start_loc)?;
+    let tables: PyReadonlyArray<'_, i32, Ix2> = typed_array(block_tables, "block_tables", "int32")?;
+    let call = arrays.call(cache.shape().head_dim, scale, kernel)?;
+    let (tables, width) = table_slice(&tables);
+    let mut out = vec![0.0f32; call.query.len()];
+    cache
+        .read(py, |c| {
+            let batch = AttentionBatch {
+                block_tables: &tables,
+                max_blocks_per_seq: width,
+                context_lens: &call.context_lens,
+                query_start_loc: &call.query_start_loc,
+            };
+            attention::paged_attention_with(
+                call.path,
+                c,
+                layer,
+                &call.query,
+                call.num_heads,
+                &batch,
+                call.scale,
+                &mut out,
+            )
+        })
+        .py_err()?;
+    call.output(py, out)
+}
+
+/// Seconds per call of the kernel alone (no argument conversion, no Python), averaged over
+/// `iterations` calls made from Rust with the GIL released: `KVCache.attention` from Python
+/// costs this plus the call overhead.
+#[pyfunction]
+#[pyo3(signature = (cache, layer, query, block_tables, context_lens, query_start_loc, iterations=100, scale=None))]
+#[allow(clippy::too_many_arguments)]
+fn attention_kernel_seconds(
+    py: Python<'_>,
+    cache: &PyKVCache,
+    layer: i64,
+    query: &Bound<'_, PyAny>,
+    block_tables: &Bound<'_, PyAny>,
+    context_lens: &Bound<'_, PyAny>,
+    query_start_loc: &Bound<'_, PyAny>,
+    iterations: i64,
+    scale: Option<f64>,
+) -> PyResult<f64> {
+    let (layer, iterations) = (
+        non_negative(layer, "layer")? as usize,
+        positive(iterations, "iterations")?,
+    );
+    let arrays = Arrays::extract(query, context_lens, query_start_loc)?;
+    let tables: PyReadonlyArray<'_, i32, Ix2> = typed_array(block_tables, "block_tables", "int32")?;
+    let call = arrays.call(cache.shape().head_dim, scale, None)?;
+    let (tables, width) = table_slice(&tables);
+    let mut out = vec![0.0f32; call.query.len()];
+    cache
+        .read(py, |c| {
+            let batch = AttentionBatch {
+                block_tables: &tables,
+                max_blocks_per_seq: width,
+                context_lens: &call.context_lens,
+                query_start_loc: &call.query_start_loc,
+            };
+            let start = Instant::now();
+            for _ in 0..iterations {
+                attention::paged_attention_with(
+                    call.path,
+                    c,
+                    layer,
+                    &call.query,
+                    call.num_heads,
+                    &batch,
+                    call.scale,
+                    &mut out,
+                )?;
+            }
+            Ok(start.elapsed().as_secs_f64() / iterations as f64)
+        })
+        .py_err()
+}
+
+/// Sets the number of threads attention uses (default: `PAGEDKV_NUM_THREADS`, else every CPU).
+#[pyfunction]
+fn set_num_threads(threads: i64) -> PyResult<()> {
+    attention::set_num_threads(positive(threads, "threads")?).py_err()
+}
+
+/// The number of threads attention uses.
+#[pyfunction]
+fn get_num_threads() -> usize {
+    attention::num_threads()
+}
+
+/// Kernel paths this CPU can run, fastest first (e.g. `["avx2", "portable"]`).
+#[pyfunction]
+fn available_kernels() -> Vec<&'static str> {
+    KernelPath::ALL
+        .into_iter()
+        .filter(|p| p.available())
+        .map(KernelPath::name)
+        .collect()
+}
+
+/// Read-only memory bandwidth in GB/s of each of `sweeps` sweeps over a fresh `nbytes` buffer, on
+/// the attention threads.
+#[pyfunction]
+#[pyo3(signature = (nbytes, sweeps=5))]
+fn measure_read_bandwidth(py: Python<'_>, nbytes: i64, sweeps: i64) -> PyResult<Vec<f64>> {
+    let (nbytes, sweeps) = (positive(nbytes, "nbytes")?, positive(sweeps, "sweeps")?);
+    if nbytes < 4096 {
+        return Err(invalid(format!(
+            "nbytes must be at least 4096, got {nbytes}"
+        )));
+    }
+    Ok(py.detach(|| attention::measure_read_bandwidth(nbytes, sweeps)))
+}
+
+/// f32 GFLOP/s (an FMA counts 2) of all attention threads running a register-only FMA loop.
+#[pyfunction]
+fn measure_fma_peak(py: Python<'_>) -> f64 {
+    py.detach(attention::measure_fma_peak)
+}
+
+/// A freshly written buffer of `nbytes` of memory whose read-only sweeps measure bandwidth on
+/// the attention threads; keep one and sweep it between the measurements it is compared with.
+#[pyclass(name = "ReadBandwidthProbe", module = "pagedkv", frozen)]
+pub struct PyReadBandwidthProbe {
+    inner: attention::ReadProbe,
+}
+
+#[pymethods]
+impl PyReadBandwidthProbe {
+    #[new]
+    fn new(py: Python<'_>, nbytes: i64) -> PyResult<Self> {
+        let nbytes = positive(nbytes, "nbytes")?;
+        if nbytes < 4096 {
+            return Err(invalid(format!(
+                "nbytes must be at least 4096, got {nbytes}"
+            )));
+        }
+        Ok(PyReadBandwidthProbe {
+            inner: py.detach(|| attention::ReadProbe::new(nbytes)),
+        })
+    }
+
+    /// Reads the whole buffer once; returns GB/s (10^9 bytes per second).
+    fn sweep(&self, py: Python<'_>) -> f64 {
+        py.detach(|| self.inner.sweep())
+    }
+
+    /// Bytes one sweep reads.
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.inner.nbytes()
+    }
+}
+
+/// K/V of a batch stored contiguously (`[num_seqs, num_kv_heads, max_context, head_dim]`), filled
+/// with pseudo-random values: the unpaged baseline for benchmarks. Its `attention` runs the same
+/// loop as `KVCache.attention`, in tiles of `block_size` rows.
+#[pyclass(name = "ContiguousKV", module = "pagedkv", frozen)]
+pub struct PyContiguousKV {
+    inner: ContiguousKv,
+    head_dim: usize,
+}
+
+#[pymethods]
+impl PyContiguousKV {
+    #[new]
+    #[pyo3(signature = (num_seqs, num_kv_heads, max_context, head_dim, dtype="float32", seed=0))]
+    fn new(
+        py: Python<'_>,
+        num_seqs: i64,
+        num_kv_heads: i64,
+        max_context: i64,
+        head_dim: i64,
+        dtype: &str,
+        seed: u64,
+    ) -> PyResult<Self> {
+        let dtype: KvDtype = dtype.parse().py_err()?;
+        let dims = [
+            positive(num_seqs, "num_seqs")?,
+            positive(num_kv_heads, "num_kv_heads")?,
+            positive(max_context, "max_context")?,
+            positive(head_dim, "head_dim")?,
+        ];
+        let inner = py
+            .detach(|| ContiguousKv::random(dtype, dims[0], dims[1], dims[2], dims[3], seed))
+            .py_err()?;
+        Ok(PyContiguousKV {
+            inner,
+            head_dim: dims[3],
+        })
+    }
+
+    /// Attention of `query` (float32 `[num_tokens, num_heads, head_dim]`) over the first
+    /// `context_lens[i]` rows of sequence i, same semantics as `KVCache.attention`.
+    #[pyo3(signature = (query, context_lens, query_start_loc, block_size=16, scale=None, kernel=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn attention<'py>(
+        &self,
+        py: Python<'py>,
+        query: &Bound<'py, PyAny>,
+        context_lens: &Bound<'py, PyAny>,
+        query_start_loc: &Bound<'py, PyAny>,
+        block_size: i64,
+        scale: Option<f64>,
+        kernel: Option<&str>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let block_size = positive(block_size, "block_size")?;
+        let arrays = Arrays::extract(query, context_lens, query_start_loc)?;
+        let call = arrays.call(self.head_dim, scale, kernel)?;
+        let mut out = vec![0.0f32; call.query.len()];
+        py.detach(|| {
+            self.inner.attention(
+                call.path,
+                &call.query,
+                call.num_heads,
+                &call.context_lens,
+                &call.query_start_loc,
+                block_size,
+                call.scale,
+                &mut out,
+            )
+        })
+        .py_err()?;
+        call.output(py, out)
+    }
+
+    /// Storage dtype name.
+    #[getter]
+    fn dtype(&self) -> &'static str {
+        self.inner.dtype().name()
+    }
+}
+
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyContiguousKV>()?;
+    m.add_class::<PyReadBandwidthProbe>()?;
+    m.add_function(wrap_pyfunction!(set_num_threads, m)?)?;
+    m.add_function(wrap_pyfunction!(get_num_threads, m)?)?;
+    m.add_function(wrap_pyfunction!(available_kernels, m)?)?;
+    m.add_function(wrap_pyfunction!(measure_read_bandwidth, m)?)?;
+    m.add_function(wrap_pyfunction!(measure_fma_peak, m)?)?;
+    m.add_function(wrap_pyfunction!(attention_kernel_seconds, m)?)?;
+    Ok(())
+}
