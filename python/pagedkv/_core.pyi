@@ -257,38 +257,53 @@ class UpdateOutput:
     def __getitem__(self, index: int) -> tuple[str, int, int, str | None]: ...
     def __iter__(self) -> Iterator[tuple[str, int, int, str | None]]: ...
 # --- attention (functions and classes of src/python/attention.rs) ------------------------------
+
 class ContiguousKV:
     """Contiguous K/V ``[num_seqs, num_kv_heads, max_context, head_dim]`` filled with pseudo-random
     values: the unpaged baseline for benchmarks, running the same loop as ``KVCache.attention``."""
+
     dtype: str
+
+    def __init__(
         self, num_seqs: int, num_kv_heads: int, max_context: int, head_dim: int, dtype: str = "float32", seed: int = 0
     ) -> None: ...
     def attention(
+        self,
         query: npt.NDArray[np.float32],
         context_lens: npt.NDArray[np.int32],
         query_start_loc: npt.NDArray[np.int32],
+        block_size: int = 16,
         scale: Optional[float] = None,
         kernel: Optional[str] = None,
     ) -> npt.NDArray[np.float32]:
         """Attention over the first ``context_lens[i]`` rows of each sequence, in tiles of
         ``block_size`` rows; same semantics and errors as ``KVCache.attention``."""
+
 def set_num_threads(threads: int) -> None:
     """Sets the attention thread count (default: ``PAGEDKV_NUM_THREADS``, else every CPU)."""
+
 def get_num_threads() -> int:
     """The attention thread count."""
+
 def available_kernels() -> list[str]:
     """Kernel paths this CPU runs, fastest first, e.g. ``["avx2", "portable"]``."""
+
 def measure_read_bandwidth(nbytes: int, sweeps: int = 5) -> list[float]:
     """GB/s of each read-only sweep over a freshly written ``nbytes`` buffer, on the attention threads."""
+
 def measure_fma_peak() -> float:
     """f32 GFLOP/s (an FMA counts 2) of all attention threads running a register-only FMA loop."""
+
 class ReadBandwidthProbe:
     """A freshly written buffer whose read-only sweeps measure memory bandwidth on the attention
     threads; keep one and sweep it between the measurements it is compared with."""
+
     nbytes: int
+
     def __init__(self, nbytes: int) -> None: ...
     def sweep(self) -> float:
         """Reads the whole buffer once; returns GB/s (10^9 bytes per second)."""
+
 def attention_kernel_seconds(
     cache: KVCache,
     layer: int,
