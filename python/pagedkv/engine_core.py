@@ -202,6 +202,9 @@ class EngineCore:
             eos_token_id=eos_token_id,
         )
         self._requests: dict[str, _Request] = {}
+        # The scheduler's output of the latest step (its arrays and per-step ``stats``), None
+        # before the first: what benchmarks and tracing read about a step.
+        self.last_step: ModelStep | None = None
 
     def add_request(
         self,
@@ -258,7 +261,8 @@ class EngineCore:
     def step(self) -> tuple[list[TokenEvent], list[RequestOutput]]:
         """Runs one iteration; returns the tokens produced and the requests that finished."""
         step = self.scheduler.schedule()
-        if step.num_tokens == 0:
+        self.last_step = step
+        if step.num_scheduled_tokens == 0:
             return [], []
         requests = [self._requests[rid] for rid in step.sample_request_ids]
         indices = step.sample_seq_indices
@@ -268,17 +272,17 @@ class EngineCore:
         now = self.clock()
         update = self.scheduler.update(step, tokens)
         events = []
-        for produced in update.produced:
-            request = self._requests[produced.request_id]
-            completion = request.output.outputs[produced.seq_index]
-            completion.token_ids.append(produced.token)
-            completion.finish_reason = produced.finish_reason
+        for request_id, seq_index, token, finish_reason in update:
+            request = self._requests[request_id]
+            completion = request.output.outputs[seq_index]
+            completion.token_ids.append(token)
+            completion.finish_reason = finish_reason
             metrics = request.output.metrics
             metrics.first_token_time = metrics.first_token_time or now
             metrics.num_output_tokens += 1
-            events.append(TokenEvent(produced.request_id, produced.seq_index, produced.token, produced.finish_reason))
+            events.append(TokenEvent(request_id, seq_index, token, finish_reason))
         finished = []
-        for request_id in update.finished_requests:
+        for request_id in update.finished_request_ids:
             output = self._requests.pop(request_id).output
             self._finish(output, now)
             finished.append(output)
