@@ -116,7 +116,7 @@ def rate_sweep(points: Sequence[Mapping[str, object]], caption: str, path: Path)
 def summary(summaries: Sequence[PolicySummary], caption: str, path: Path) -> Path:
     """Bars: share of reserved KV memory holding live tokens, throughput, peak batch size."""
     fig, axes = plt.subplots(1, 3, figsize=(13, 4.6))
-    labels = [_label(s).replace(" (", "\n(") for s in summaries]
+    labels = [_label(s).replace("-", "\n", 1).replace(" (", "\n(") for s in summaries]
     colors = [_COLORS.get(s.name, "gray") for s in summaries]
     panels = (
         ("kv_utilization", "Reserved KV slots holding live tokens", "fraction (time average)", "{:.0%}"),
