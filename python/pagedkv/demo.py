@@ -1,68 +1,136 @@
-"""Demo: the block manager serving a slice of a real request trace.
+"""Demo: the engine serving a few hundred requests of a real trace on the paged KV cache.
 
-Requests from the shipped Azure conversation trace share one of a few system prompts, are admitted
-while blocks allow, decode one token per step, sometimes fork for parallel sampling, and finish;
-then the demo prints what the memory manager did.
+Requests take their prompt and output lengths from the shipped Azure conversation trace (scaled to
+the tiny model), share one of a few system prompts, and arrive over time at the trace's own
+pace (compressed). A live display shows running / waiting requests, KV usage and tokens per
+second; a summary of throughput, latency, memory and prefix caching follows.
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import statistics
+import threading
+import time
 
-from pagedkv import BlockManager, OutOfBlocksError
+from rich.console import Console
+from rich.live import Live
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from pagedkv.engine import Engine, RequestHandle
+from pagedkv.engine_core import RequestOutput
+from pagedkv.model import SamplingParams
 from pagedkv.traces import load_trace
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="tiny", help="Hugging Face Llama checkpoint dir, or 'tiny' (random weights)")
     parser.add_argument("--requests", type=int, default=300)
-    parser.add_argument("--num-blocks", type=int, default=2048)
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--arrival-span", type=float, default=20.0, help="seconds over which requests arrive")
+    parser.add_argument("--num-blocks", type=int, default=400, help="KV blocks (16 tokens each)")
+    parser.add_argument("--max-num-seqs", type=int, default=48)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    parser.add_argument("--kv-dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
     parser.add_argument("--seed", type=int, default=0)
 
 
-def run(args: argparse.Namespace) -> int:
+def _workload(args: argparse.Namespace, vocab_size: int) -> list[tuple[float, list[int], int]]:
+    """(arrival offset s, prompt token ids, output tokens) per request."""
     rng = random.Random(args.seed)
-    system_prompts = [[rng.randrange(32000) for _ in range(rng.choice([256, 512, 768]))] for _ in range(4)]
+    token = lambda: rng.randrange(3, vocab_size)  # noqa: E731 (ids 0-2 are special)
+    system_prompts = [[token() for _ in range(rng.choice([48, 96, 160]))] for _ in range(4)]
     trace = load_trace(limit=args.requests)
-    manager = BlockManager(args.num_blocks, args.block_size)
-    waiting = list(enumerate(trace))[::-1]
-    running: dict[int, int] = {}
-    next_fork_id = len(trace)
-    steps = peak_usage = refused = 0
-    while waiting or running:
-        while waiting:
-            seq, request = waiting[-1]
-            prompt = rng.choice(system_prompts) + [rng.randrange(32000) for _ in range(request.prompt_tokens // 4)]
-            try:
-                manager.allocate(seq, prompt)
-            except OutOfBlocksError:
-                refused += 1
-                break
-            waiting.pop()
-            running[seq] = min(request.output_tokens, 256)
-            if rng.random() < 0.1:  # parallel sampling: a second sample shares the whole prompt
-                manager.fork(seq, next_fork_id)
-                running[next_fork_id] = running[seq]
-                next_fork_id += 1
-        for seq in list(running):
-            try:
-                manager.append(seq, [rng.randrange(32000)])
-                running[seq] -= 1
-            except OutOfBlocksError:  # no room to grow: finish early rather than stall the demo
-                running[seq] = 0
-            if running[seq] == 0:
-                del running[seq]
-                manager.free(seq)
-        steps += 1
-        peak_usage = max(peak_usage, manager.stats()["usage"])
-    manager.check_invariants()
-    stats = manager.stats()
-    hit_rate = stats["prefix_hit_tokens"] / max(1, stats["prefix_queried_tokens"])
-    print(f"served {len(trace)} trace requests in {steps} decode steps over {args.num_blocks} blocks of {args.block_size} tokens")
-    print(f"  peak KV usage          {peak_usage:.1%}")
-    print(f"  prefix-cache hit rate  {hit_rate:.1%} of prompt tokens ({stats['prefix_hit_tokens']} tokens)")
-    print(f"  copy-on-write copies   {stats['cow_copies']} (parallel-sampling forks)")
-    print(f"  evictions              {stats['evictions']}; admissions deferred for memory: {refused}")
-    print(f"  after all finished     {stats['used_blocks']} blocks in use, {stats['cached_blocks']} cached, {stats['free_blocks']} clean: nothing leaked")
+    span = max(trace[-1].arrival_s, 1e-9)
+    workload = []
+    for request in trace:
+        user = [token() for _ in range(min(256, max(4, request.prompt_tokens // 8)))]
+        prompt = rng.choice(system_prompts) + user if rng.random() < 0.7 else user
+        workload.append((request.arrival_s / span * args.arrival_span, prompt, min(96, max(4, request.output_tokens // 4))))
+    return workload
+
+
+def _percentile(values: list[float], q: float) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else (values[0] if values else float("nan"))
+
+
+def run(args: argparse.Namespace) -> int:
+    console = Console()
+    engine = Engine.from_pretrained(
+        args.model,
+        seed=args.seed,
+        num_blocks=args.num_blocks,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        kv_dtype=args.kv_dtype,
+    )
+    if args.model == "tiny":
+        console.print(
+            "[bold]pagedkv demo[/] on the built-in [bold]tiny[/] Llama (4 layers, GQA 8:2) with [yellow]random weights[/]:"
+            " its text is noise, the serving is real. Point it at a Hugging Face Llama-family checkpoint with"
+            " [bold]--model DIR[/] (config.json + *.safetensors [+ tokenizer.json])."
+        )
+    if args.metrics_port is not None:
+        port = engine.metrics.serve(args.metrics_port)
+        console.print(f"Prometheus metrics at http://127.0.0.1:{port}/metrics")
+
+    workload = _workload(args, engine.model.config.vocab_size)
+    handles: list[RequestHandle] = []
+    start = time.perf_counter()
+
+    def feed() -> None:
+        for offset, prompt, max_tokens in workload:
+            time.sleep(max(0.0, start + offset - time.perf_counter()))
+            params = SamplingParams(max_tokens=max_tokens, temperature=0.8, top_p=0.95, seed=len(handles), ignore_eos=True)
+            handles.append(engine.submit(prompt, params))
+
+    feeder = threading.Thread(target=feed, daemon=True)
+    feeder.start()
+    usage_samples: list[float] = []
+    progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console)
+    task = progress.add_task("requests finished", total=len(workload))
+    with Live(progress, console=console, refresh_per_second=8):
+        while feeder.is_alive() or not all(h.done() for h in handles):
+            time.sleep(0.25)
+            stats = engine.stats()
+            if not stats:
+                continue
+            usage_samples.append(stats["kv_usage"])
+            elapsed = time.perf_counter() - start
+            progress.update(
+                task,
+                completed=stats["finished_requests"],
+                description=(
+                    f"running {stats['num_running']:3d}  waiting {stats['num_waiting']:3d}  "
+                    f"KV {stats['kv_usage']:5.1%}  {stats['generated_tokens'] / elapsed:6.0f} tok/s  finished"
+                ),
+            )
+    outputs: list[RequestOutput] = [h.result() for h in handles]
+    elapsed = time.perf_counter() - start
+    stats = engine.stats()
+    engine.shutdown()
+    _summary(console, outputs, stats, usage_samples, elapsed)
     return 0
+
+
+def _summary(console: Console, outputs: list[RequestOutput], stats: dict, usage: list[float], elapsed: float) -> None:
+    generated = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    ttft = [o.metrics.ttft for o in outputs if o.metrics.ttft is not None]
+    tpot = [o.metrics.tpot for o in outputs if o.metrics.tpot is not None]
+    table = Table(title="pagedkv demo summary", show_header=False)
+    rows = [
+        ("requests", f"{len(outputs)} in {elapsed:.1f} s ({len(outputs) / elapsed:.1f} req/s)"),
+        ("output tokens", f"{generated} ({generated / elapsed:.0f} tok/s)"),
+        ("prompt tokens computed", f"{stats['prefill_tokens']} (prefix cache served {stats['prefix_hit_tokens']} more)"),
+        ("TTFT p50 / p99", f"{_percentile(ttft, 50) * 1e3:.0f} / {_percentile(ttft, 99) * 1e3:.0f} ms"),
+        ("TPOT p50 / p99", f"{_percentile(tpot, 50) * 1e3:.1f} / {_percentile(tpot, 99) * 1e3:.1f} ms"),
+        ("KV usage peak / mean", f"{max(usage, default=0):.1%} / {statistics.fmean(usage) if usage else 0:.1%}"),
+        ("prefix-cache hit rate", f"{stats['prefix_hit_rate']:.1%} of prompt tokens"),
+        ("preemptions", str(stats["preemptions"])),
+        ("peak running", str(stats["peak_running"])),
+    ]
+    for name, value in rows:
+        table.add_row(name, value)
+    console.print(table)

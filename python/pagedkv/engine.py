@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import operator
 import queue
 import threading
 import time
@@ -146,7 +147,8 @@ class Engine:
         self._cond = threading.Condition()
         self._inbox: list[_Submission] = []
         self._aborts: list[str] = []
-        self._handles: dict[str, RequestHandle] = {}
+        self._handles: dict[str, RequestHandle] = {}  # admitted to the core, owned by the worker
+        self._in_flight: set[str] = set()  # submitted and not yet ended, guarded by _cond
         self._num_waiting = 0  # the scheduler's waiting queue, as of the last step
         self._last_stats: dict[str, float] = {}
         self._closing = False
@@ -187,11 +189,13 @@ class Engine:
         Blocks while the waiting queue is full (up to ``timeout`` seconds)."""
         params = params or SamplingParams()
         text = prompt if isinstance(prompt, str) else None
-        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else self._check_tokens(prompt)
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         handle = RequestHandle(self, request_id, text, token_ids)
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
+            if request_id in self._in_flight:
+                raise DuplicateSequenceError(f"request id {request_id!r} is in flight")
             while self._accepting() and len(self._inbox) + self._num_waiting >= self.max_waiting:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
@@ -200,8 +204,26 @@ class Engine:
             if not self._accepting():
                 raise EngineClosedError("the engine is shut down") from self._dead
             self._inbox.append(_Submission(handle, params, priority, cache_salt, time.perf_counter()))
+            self._in_flight.add(request_id)
             self._cond.notify_all()
         return handle
+
+    def _check_tokens(self, prompt: Sequence[int]) -> list[int]:
+        """Validates a token-id prompt here, in the caller's thread, so bad input raises at once."""
+        try:
+            token_ids = [operator.index(t) for t in prompt]
+        except TypeError as error:
+            raise InvalidArgumentError(f"a prompt is a str or a sequence of int token ids: {error}") from None
+        vocab = self.model.config.vocab_size
+        if not token_ids:
+            raise InvalidArgumentError("empty prompt")
+        if not all(0 <= t < vocab for t in token_ids):
+            raise InvalidArgumentError(f"prompt token ids must lie in [0, {vocab})")
+        if len(token_ids) >= self.core.max_model_len:
+            raise InvalidArgumentError(
+                f"prompt of {len(token_ids)} tokens leaves no room to generate within max_model_len {self.core.max_model_len}"
+            )
+        return token_ids
 
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]], params: SamplingParams | None = None) -> list[RequestOutput]:
         """Runs a batch to completion; outputs in prompt order."""
@@ -268,9 +290,6 @@ class Engine:
 
     def _admit(self, submission: _Submission) -> None:
         handle = submission.handle
-        if handle.request_id in self._handles:
-            handle._complete(None, DuplicateSequenceError(f"request id {handle.request_id!r} is in flight"))
-            return
         try:
             self.core.add_request(
                 handle.request_id,
@@ -282,7 +301,7 @@ class Engine:
                 cache_salt=submission.cache_salt,
             )
         except PagedKVError as error:
-            handle._complete(None, error)
+            self._end(handle, None, error)
             return
         self._handles[handle.request_id] = handle
 
@@ -292,7 +311,7 @@ class Engine:
             return  # already finished, or never admitted
         output = self.core.abort(request_id)
         self._decode_text(output)
-        handle._complete(output)
+        self._end(handle, output)
 
     def _deliver(self, events: list[TokenEvent], finished: list[RequestOutput]) -> None:
         for event in events:
@@ -301,11 +320,16 @@ class Engine:
             self._decode_text(output)
             m = output.metrics
             self.metrics.record_finished(m.ttft, m.tpot, m.e2e_latency or 0.0)
-            self._handles.pop(output.request_id)._complete(output)
+            self._end(self._handles.pop(output.request_id), output)
         stats = self.core.stats()
         self.metrics.record_scheduler(stats)
         with self._cond:
             self._last_stats = stats
+
+    def _end(self, handle: RequestHandle, output: RequestOutput | None, error: BaseException | None = None) -> None:
+        with self._cond:
+            self._in_flight.discard(handle.request_id)
+        handle._complete(output, error)
 
     def _decode_text(self, output: RequestOutput) -> None:
         for completion in output.outputs:
@@ -319,5 +343,5 @@ class Engine:
         failure = EngineClosedError(f"the engine worker failed: {error!r}")
         failure.__cause__ = error
         for handle in [*self._handles.values(), *(s.handle for s in inbox)]:
-            handle._complete(None, failure)
+            self._end(handle, None, failure)
         self._handles.clear()

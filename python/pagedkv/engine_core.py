@@ -189,13 +189,13 @@ class EngineCore:
         self.runner = runner
         self.config = config
         self.clock = clock
-        max_model_len = config.max_model_len or min(runner.max_model_len, config.num_blocks * config.block_size)
+        self.max_model_len = config.max_model_len or min(runner.max_model_len, config.num_blocks * config.block_size)
         self.scheduler = Scheduler(
             num_blocks=config.num_blocks,
             block_size=config.block_size,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=max_model_len,
+            max_model_len=self.max_model_len,
             enable_prefix_caching=config.enable_prefix_caching,
             policy=config.policy,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
@@ -265,22 +265,23 @@ class EngineCore:
         if step.num_scheduled_tokens == 0:
             return [], []
         requests = [self._requests[rid] for rid in step.sample_request_ids]
-        indices = step.sample_seq_indices
         params = [r.params for r in requests]
-        generators = [r.generators[i] for r, i in zip(requests, indices)]
+        generators = [r.generators[i] for r, i in zip(requests, step.sample_seq_indices.tolist())]
         tokens = self.runner.run(step, params, generators)
         now = self.clock()
         update = self.scheduler.update(step, tokens)
         events = []
-        for request_id, seq_index, token, finish_reason in update:
+        for request_id, index, token, reason in zip(
+            update.request_ids, update.seq_indices.tolist(), update.token_ids.tolist(), update.finish_reasons
+        ):
             request = self._requests[request_id]
-            completion = request.output.outputs[seq_index]
+            completion = request.output.outputs[index]
             completion.token_ids.append(token)
-            completion.finish_reason = finish_reason
+            completion.finish_reason = reason
             metrics = request.output.metrics
             metrics.first_token_time = metrics.first_token_time or now
             metrics.num_output_tokens += 1
-            events.append(TokenEvent(request_id, seq_index, token, finish_reason))
+            events.append(TokenEvent(request_id, index, token, reason))
         finished = []
         for request_id in update.finished_request_ids:
             output = self._requests.pop(request_id).output

@@ -55,18 +55,16 @@ class EngineMetrics:
         self._last_totals: dict[str, int] = {}
 
     def record_scheduler(self, stats: Mapping[str, float]) -> None:
-        """Updates gauges and counters from a scheduler's cumulative stats dict (keys
-        ``num_running``, ``num_waiting``, ``kv_usage``, ``prefix_queried_tokens``,
-        ``prefix_hit_tokens``, ``num_preemptions``, ``prompt_tokens``, ``generation_tokens``)."""
+        """Updates gauges and counters from ``Scheduler.stats()`` (cumulative totals)."""
         self.num_requests_running.set(stats["num_running"])
         self.num_requests_waiting.set(stats["num_waiting"])
         self.kv_cache_usage_perc.set(stats["kv_usage"])
         for key, counter in (
             ("prefix_queried_tokens", self.prefix_cache_queries),
             ("prefix_hit_tokens", self.prefix_cache_hits),
-            ("num_preemptions", self.num_preemptions),
-            ("prompt_tokens", self.prompt_tokens),
-            ("generation_tokens", self.generation_tokens),
+            ("preemptions", self.num_preemptions),
+            ("prefill_tokens", self.prompt_tokens),
+            ("generated_tokens", self.generation_tokens),
         ):
             total = int(stats[key])
             counter.inc(total - self._last_totals.get(key, 0))
