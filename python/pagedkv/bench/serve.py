@@ -97,23 +97,25 @@ class _Comparison:
         return [(self.shared.name if name == PAGED_PREFIX else self.base.name, name) for name in POLICIES]
 
 
-def _compare(args: argparse.Namespace, setup: ServingSetup, count: int, rate: float | None, progress: _Progress, label: str) -> _Comparison:
+def _compare(
+    args: argparse.Namespace, setup: ServingSetup, count: int, rate: float | None, progress: _Progress, label: str, headline_only: bool = False
+) -> _Comparison:
     """Runs policies 1–3 on the trace and all four on the shared-prefix variant (same lengths and
-    arrivals plus a system prompt each); prefix caching has nothing to share on the trace alone."""
+    arrivals plus a system prompt each; only policy 4 there if ``headline_only``); prefix caching
+    has nothing to share on the trace alone."""
     trace = load_trace(args.trace, limit=count)
     base = build_workload(trace, max_model_len=setup.max_model_len, rate=rate, seed=args.seed)
     shared = build_workload(
         trace, max_model_len=setup.max_model_len, rate=rate, seed=args.seed, system_prompts=SystemPrompts(count=args.system_prompts)
     )
     comparison = _Comparison(base, shared, {}, {})
-    for workload in (base, shared):
-        for name in POLICIES:
-            if name == PAGED_PREFIX and workload is base:
-                continue
-            report = progress.task(f"{label}{name} / {workload.name}", len(workload.requests))
-            result = simulate(name, workload, setup, report)
-            comparison.results[workload.name, name] = result
-            comparison.summaries[workload.name, name] = summarize(result, workload.name)
+    runs = [(base, name) for name in POLICIES if name != PAGED_PREFIX]
+    runs += [(shared, name) for name in POLICIES if name == PAGED_PREFIX or not headline_only]
+    for workload, name in runs:
+        report = progress.task(f"{label}{name} / {workload.name}", len(workload.requests))
+        result = simulate(name, workload, setup, report)
+        comparison.results[workload.name, name] = result
+        comparison.summaries[workload.name, name] = summarize(result, workload.name)
     return comparison
 
 
@@ -123,7 +125,7 @@ def _sweep(args: argparse.Namespace, setup: ServingSetup, progress: _Progress) -
     count = QUICK_REQUESTS if args.quick else args.sweep_requests
     points = []
     for rate in rates:
-        comparison = _compare(args, setup, count, rate, progress, f"sweep {rate:g}/s: ")
+        comparison = _compare(args, setup, count, rate, progress, f"sweep {rate:g}/s: ", headline_only=True)
         for workload, name in comparison.headline():
             s = comparison.summaries[workload, name]
             points.append(

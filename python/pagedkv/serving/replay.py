@@ -71,12 +71,10 @@ class StepRecord:
     start_s: float
     duration_s: float
     num_running: int
-    num_waiting: int
     scheduled_tokens: int
     prefill_tokens: int
     reserved_slots: int
     live_tokens: int
-    preempted: int
 
 
 @dataclass(frozen=True)
@@ -199,12 +197,10 @@ class PagedPolicy:
             start_s=start,
             duration_s=self.clock() - start,
             num_running=stats["num_running"],
-            num_waiting=stats["num_waiting"],
             scheduled_tokens=stats["num_scheduled_tokens"],
             prefill_tokens=stats["num_prefill_tokens"],
             reserved_slots=reserved,
             live_tokens=reserved - tail_gaps,
-            preempted=stats["num_preempted"],
         )
         for output in finished:
             self._context_len.pop(output.request_id, None)

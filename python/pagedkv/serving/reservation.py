@@ -141,12 +141,10 @@ class _MaxLengthReservation:
             start_s=start,
             duration_s=now - start,
             num_running=len(active),
-            num_waiting=len(self._waiting),
             scheduled_tokens=num_tokens,
             prefill_tokens=prefill,
             reserved_slots=len(self._holders) * self.max_model_len,
             live_tokens=sum(s.cached_tokens for s in active),
-            preempted=0,
         )
         if self.iteration_level:
             self._holders = [s for s in self._holders if not s.finished]
