@@ -5,7 +5,7 @@
 //! call, for each block, its ref count equals the number of tables that hold it, and no table holds
 //! a block twice (`check_invariants` verifies both plus the pool's own invariants).
 
-use std::collections::HashMap;
+use rustc_hash::FxHashMap;
 
 use crate::block_pool::BlockPool;
 use crate::block_table::BlockTable;
@@ -62,7 +62,8 @@ pub struct BlockStats {
 /// Block pool + prefix cache + block tables.
 pub struct BlockManager {
     pool: BlockPool,
-    tables: HashMap<SeqId, BlockTable>,
+    /// Keyed by small sequential ids: a multiplicative hash beats SipHash on the per-step path.
+    tables: FxHashMap<SeqId, BlockTable>,
     block_size: usize,
     enable_prefix_caching: bool,
     prefix_queried_tokens: u64,
@@ -80,7 +81,7 @@ impl BlockManager {
         ensure(block_size > 0, || "block_size must be positive".into())?;
         Ok(BlockManager {
             pool: BlockPool::new(num_blocks),
-            tables: HashMap::new(),
+            tables: FxHashMap::default(),
             block_size,
             enable_prefix_caching,
             prefix_queried_tokens: 0,
@@ -123,16 +124,40 @@ impl BlockManager {
     /// token uncached so the model has logits to sample from. Changes nothing.
     pub fn match_prefix(&self, prompt: &[TokenId], salt: Option<&[u8]>) -> PrefixMatch {
         let root = root_hash(salt);
-        let mut found = PrefixMatch {
-            root,
-            num_queried_tokens: prompt.len(),
-            ..Default::default()
-        };
         if !self.enable_prefix_caching || prompt.is_empty() {
-            return found;
+            return PrefixMatch {
+                root,
+                num_queried_tokens: prompt.len(),
+                ..Default::default()
+            };
         }
         let cacheable = &prompt[..(prompt.len() - 1) / self.block_size * self.block_size];
-        for hash in block_hashes(root, cacheable, self.block_size) {
+        self.match_prefix_hashes(
+            root,
+            &block_hashes(root, cacheable, self.block_size),
+            prompt.len(),
+        )
+    }
+
+    /// `match_prefix` for a prompt of `num_tokens` tokens whose leading full-block hashes (chained
+    /// from `root`) the caller already has, so a prompt retried at every step is hashed once.
+    /// Only the hashes of blocks before the last token are used. Changes nothing.
+    pub fn match_prefix_hashes(
+        &self,
+        root: BlockHash,
+        hashes: &[BlockHash],
+        num_tokens: usize,
+    ) -> PrefixMatch {
+        let mut found = PrefixMatch {
+            root,
+            num_queried_tokens: num_tokens,
+            ..Default::default()
+        };
+        if !self.enable_prefix_caching || num_tokens == 0 {
+            return found;
+        }
+        let cacheable_blocks = (num_tokens - 1) / self.block_size;
+        for &hash in &hashes[..cacheable_blocks.min(hashes.len())] {
             match self.pool.lookup(hash) {
                 Some(block) => {
                     found.hashes.push(hash);
@@ -192,7 +217,13 @@ impl BlockManager {
             hashes: found.hashes,
             root: found.root,
         };
-        self.grow(&mut table, &tokens[cached..]);
+        grow(
+            &mut self.pool,
+            self.block_size,
+            self.enable_prefix_caching,
+            &mut table,
+            &tokens[cached..],
+        );
         self.tables.insert(seq, table);
         self.prefix_queried_tokens += found.num_queried_tokens as u64;
         self.prefix_hit_tokens += cached as u64;
@@ -231,7 +262,7 @@ impl BlockManager {
             + usize::from(shared_tail.is_some());
         self.ensure_available(needed)?;
 
-        let mut table = self.tables.remove(&seq).expect("checked above");
+        let table = self.tables.get_mut(&seq).expect("checked above");
         let copy = shared_tail.map(|src| {
             let dst = self.pool.allocate().expect("capacity checked");
             self.pool.release(src);
@@ -239,8 +270,13 @@ impl BlockManager {
             self.cow_copies += 1;
             CopyOp { src, dst }
         });
-        self.grow(&mut table, tokens);
-        self.tables.insert(seq, table);
+        grow(
+            &mut self.pool,
+            self.block_size,
+            self.enable_prefix_caching,
+            table,
+            tokens,
+        );
         Ok(copy)
     }
 
@@ -363,26 +399,32 @@ impl BlockManager {
         }
         Ok(())
     }
+}
 
-    /// Appends `tokens` to `table`, hashing and registering each block as it fills and taking new
-    /// blocks as needed. The caller has checked capacity.
-    fn grow(&mut self, table: &mut BlockTable, tokens: &[TokenId]) {
-        let bs = self.block_size;
-        for chunk in split_at_block_boundaries(table.tokens.len(), tokens, bs) {
-            if table.tokens.len() % bs == 0 {
-                table
-                    .blocks
-                    .push(self.pool.allocate().expect("capacity checked"));
-            }
-            table.tokens.extend_from_slice(chunk);
-            if table.tokens.len() % bs == 0 {
-                let full = table.hashes.len();
-                let parent = table.hashes.last().copied().unwrap_or(table.root);
-                let hash = chain_hash(parent, &table.tokens[full * bs..]);
-                table.hashes.push(hash);
-                if self.enable_prefix_caching {
-                    self.pool.register(table.blocks[full], hash);
-                }
+/// Appends `tokens` to `table`, hashing each block as it fills (and registering it in the prefix
+/// cache when caching is on) and taking new blocks from `pool` as needed. The caller has checked
+/// capacity.
+fn grow(
+    pool: &mut BlockPool,
+    bs: usize,
+    enable_prefix_caching: bool,
+    table: &mut BlockTable,
+    tokens: &[TokenId],
+) {
+    for chunk in split_at_block_boundaries(table.tokens.len(), tokens, bs) {
+        if table.tokens.len() % bs == 0 {
+            table
+                .blocks
+                .push(pool.allocate().expect("capacity checked"));
+        }
+        table.tokens.extend_from_slice(chunk);
+        if table.tokens.len() % bs == 0 {
+            let full = table.hashes.len();
+            let parent = table.hashes.last().copied().unwrap_or(table.root);
+            let hash = chain_hash(parent, &table.tokens[full * bs..]);
+            table.hashes.push(hash);
+            if enable_prefix_caching {
+                pool.register(table.blocks[full], hash);
             }
         }
     }

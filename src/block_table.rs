@@ -52,6 +52,14 @@ impl BlockTable {
 
     /// Appends the slots of token positions `start..end` to `out`.
     pub fn extend_slots(&self, start: usize, end: usize, block_size: usize, out: &mut Vec<i64>) {
-        out.extend((start..end).map(|p| self.slot(p, block_size)));
+        // One division per block touched rather than per token: prefill chunks are long.
+        let mut position = start;
+        while position < end {
+            let (index, offset) = (position / block_size, position % block_size);
+            let run = (block_size - offset).min(end - position);
+            let base = self.blocks[index] as i64 * block_size as i64 + offset as i64;
+            out.extend(base..base + run as i64);
+            position += run;
+        }
     }
 }

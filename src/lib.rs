@@ -13,6 +13,7 @@ pub mod free_list;
 pub mod kv_cache;
 pub mod lru;
 pub mod prefix_cache;
+pub mod scheduler;
 mod sync;
 
 #[cfg(feature = "python")]
@@ -32,3 +33,4 @@ pub use dtype::{KvDtype, KvElement};
 pub use error::{Error, Result};
 pub use free_list::FreeList;
 pub use kv_cache::{KvBuffer, KvCache, KvShape};
+pub use scheduler::{Scheduler, SchedulerConfig};

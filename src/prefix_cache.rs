@@ -10,8 +10,7 @@
 //! Invariant: the map holds at most one block per hash, and a block is in the map iff the pool has
 //! recorded that hash for it.
 
-use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
+use rustc_hash::FxHashMap;
 
 use crate::{BlockId, TokenId};
 
@@ -37,41 +36,31 @@ pub fn chain_hash(parent: BlockHash, tokens: &[TokenId]) -> BlockHash {
 
 /// Hashes of every full block of `tokens`, in order.
 pub fn block_hashes(root: BlockHash, tokens: &[TokenId], block_size: usize) -> Vec<BlockHash> {
-    let mut parent = root;
-    tokens
-        .chunks_exact(block_size)
-        .map(|block| {
-            parent = chain_hash(parent, block);
-            parent
-        })
-        .collect()
+    let mut hashes = Vec::with_capacity(tokens.len() / block_size);
+    extend_block_hashes(root, &mut hashes, tokens, block_size);
+    hashes
 }
 
-/// Keys are already uniform 128-bit hashes: the map uses their low 64 bits as is instead of
-/// hashing them again.
-#[derive(Debug, Default, Clone, Copy)]
-struct PrehashedKey(u64);
-
-impl Hasher for PrehashedKey {
-    fn write(&mut self, bytes: &[u8]) {
-        for &byte in bytes {
-            self.0 = self.0.rotate_left(8) ^ u64::from(byte);
-        }
-    }
-
-    fn write_u128(&mut self, key: u128) {
-        self.0 = key as u64;
-    }
-
-    fn finish(&self) -> u64 {
-        self.0
+/// Extends `hashes`, the hashes of the leading full blocks of `tokens`, to every full block of
+/// `tokens` (hashing only the blocks not yet covered).
+pub fn extend_block_hashes(
+    root: BlockHash,
+    hashes: &mut Vec<BlockHash>,
+    tokens: &[TokenId],
+    block_size: usize,
+) {
+    let mut parent = hashes.last().copied().unwrap_or(root);
+    for block in tokens.chunks_exact(block_size).skip(hashes.len()) {
+        parent = chain_hash(parent, block);
+        hashes.push(parent);
     }
 }
 
 /// Map from prefix hash to the block holding that prefix's last block of K/V.
 #[derive(Debug, Default, Clone)]
 pub struct PrefixCache {
-    blocks: HashMap<BlockHash, BlockId, BuildHasherDefault<PrehashedKey>>,
+    /// The keys are already uniform 128-bit hashes: a cheap multiplicative hash is enough.
+    blocks: FxHashMap<BlockHash, BlockId>,
 }
 
 impl PrefixCache {
@@ -123,6 +112,15 @@ mod tests {
         let salted = block_hashes(root_hash(Some(b"tenant")), &[1, 2, 3, 4], 4);
         assert_ne!(a[0], salted[0]);
         assert_eq!(block_hashes(root_hash(None), &[1, 2, 3], 4), vec![]);
+    }
+
+    #[test]
+    fn extending_hashes_matches_hashing_at_once() {
+        let tokens: Vec<TokenId> = (0..23).collect();
+        let mut hashes = block_hashes(7, &tokens[..9], 4);
+        assert_eq!(hashes.len(), 2);
+        extend_block_hashes(7, &mut hashes, &tokens, 4);
+        assert_eq!(hashes, block_hashes(7, &tokens, 4));
     }
 
     #[test]

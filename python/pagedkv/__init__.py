@@ -6,7 +6,14 @@ re-exports them with the Python-side engine, model and tools.
 
 from __future__ import annotations
 
-from pagedkv._core import BlockManager, KVCache, __version__
+from pagedkv._core import (
+    BlockManager,
+    KVCache,
+    Scheduler,
+    SchedulerOutput,
+    UpdateOutput,
+    __version__,
+)
 from pagedkv.errors import (
     CheckpointError,
     DuplicateSequenceError,
@@ -21,6 +28,9 @@ from pagedkv.model import LlamaConfig, LlamaModel, SamplingParams, SimulatedMode
 __all__ = [
     "BlockManager",
     "KVCache",
+    "Scheduler",
+    "SchedulerOutput",
+    "UpdateOutput",
     "PagedKVError",
     "OutOfBlocksError",
     "UnknownSequenceError",

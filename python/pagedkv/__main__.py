@@ -13,7 +13,7 @@ from typing import Sequence
 
 # subcommand name -> module implementing it
 COMMANDS = {"demo": "pagedkv.demo"}
-BENCHES = {"blocks": "pagedkv.bench.blocks", "serve": "pagedkv.bench.serve"}
+BENCHES = {"blocks": "pagedkv.bench.blocks", "scheduler": "pagedkv.bench.scheduler", "serve": "pagedkv.bench.serve"}
 
 
 def _add(subparsers: argparse._SubParsersAction, name: str, module_name: str) -> None:

@@ -1,6 +1,6 @@
 """Type stubs for the Rust extension ``pagedkv._core``."""
 
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -90,3 +90,146 @@ class KVCache:
     def dtype(self) -> str: ...
     @property
     def nbytes(self) -> int: ...
+
+class Scheduler:
+    """Continuous-batching scheduler over a paged KV cache (Rust). Each step runs the running
+    sequences first (one decode token or the next prompt chunk), then admits waiting requests from
+    the head of the queue under ``max_num_batched_tokens``, ``max_num_seqs`` and free blocks;
+    preempts by recompute (lowest priority, most recently admitted) when a sequence cannot grow.
+    ``policy="priority"``: lower ``priority`` first, aging one level per ``aging_steps`` steps, so a
+    request is never queued behind one of priority ``q`` added more than ``(p - q) * aging_steps``
+    steps after it. ``schedule`` and ``update`` must alternate and release the GIL. Thread-safe."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int = 8192,
+        max_model_len: int | None = None,
+        enable_prefix_caching: bool = True,
+        policy: str = "fcfs",
+        aging_steps: int = 100,
+        long_prefill_token_threshold: int = 0,
+        eos_token_id: int | None = None,
+    ) -> None:
+        """``max_model_len`` defaults to the whole cache and may not exceed it;
+        ``long_prefill_token_threshold`` caps one sequence's prompt tokens per step (0: no cap)."""
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: TokenIds,
+        max_tokens: int = 16,
+        stop_token_ids: TokenIds | None = None,
+        ignore_eos: bool = False,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+        n: int = 1,
+    ) -> None:
+        """Queue a request. Raises DuplicateSequenceError, or InvalidArgumentError for an empty
+        prompt, ``len(prompt) >= max_model_len``, ``max_tokens < 1``, ``n`` outside
+        ``1..max_num_seqs``; nothing changes then. ``n > 1`` forks the computed prompt."""
+    def abort(self, request_id: str) -> None:
+        """Drop a request in any state, freeing every block (UnknownSequenceError if not live)."""
+    def schedule(self) -> SchedulerOutput:
+        """Build the next step. InvalidArgumentError if the previous step was not updated."""
+    def update(self, output: SchedulerOutput, sampled_token_ids: TokenIds) -> UpdateOutput:
+        """Append one token per sample (``len == output.num_samples``, else ShapeError), finish
+        sequences (stop token, eos unless ignore_eos, max_tokens, max_model_len), free blocks."""
+    def has_unfinished(self) -> bool: ...
+    def sequence_tokens(self, request_id: str, seq_index: int = 0) -> list[int]:
+        """Prompt plus output so far of one sample of a live request."""
+    def stats(self) -> dict[str, int | float]:
+        """steps, num_running, num_waiting, num_unfinished_requests, scheduled_tokens,
+        prefill_tokens, generated_tokens, preemptions, finished_requests, aborted_requests,
+        peak_running, prefix_queried_tokens, prefix_hit_tokens, prefix_hit_rate, kv_usage,
+        cow_copies."""
+    def check_invariants(self) -> None:
+        """Raise AssertionError naming the first broken invariant."""
+    @property
+    def num_running(self) -> int: ...
+    @property
+    def num_waiting(self) -> int: ...
+    @property
+    def num_unfinished_requests(self) -> int: ...
+    @property
+    def num_free_blocks(self) -> int: ...
+    @property
+    def block_size(self) -> int: ...
+    @property
+    def max_model_len(self) -> int: ...
+    def __len__(self) -> int: ...
+    def __contains__(self, request_id: str) -> bool: ...
+
+class SchedulerOutput:
+    """One step (S rows, T tokens, K samples). Arrays are made on first access, without copying.
+    Query j of row i sits at position ``context_lens[i] - nq_i + j`` (causal)."""
+
+    step: int
+    @property
+    def input_ids(self) -> npt.NDArray[np.int64]:
+        """[T] token ids to run."""
+    @property
+    def positions(self) -> npt.NDArray[np.int64]:
+        """[T] position of each token in its sequence."""
+    @property
+    def slot_mapping(self) -> npt.NDArray[np.int64]:
+        """[T] cache slot (block * block_size + offset) for each token's K/V."""
+    @property
+    def query_start_loc(self) -> npt.NDArray[np.int32]:
+        """[S + 1] row i's tokens are ``query_start_loc[i]:query_start_loc[i + 1]``."""
+    @property
+    def context_lens(self) -> npt.NDArray[np.int32]:
+        """[S] tokens in the cache per row, including this step's."""
+    @property
+    def block_tables(self) -> npt.NDArray[np.int32]:
+        """[S, W] block table per row, padded with -1."""
+    @property
+    def copy_ops(self) -> npt.NDArray[np.int64]:
+        """[C, 2] copy-on-write block copies (src, dst), to apply before attention."""
+    @property
+    def logits_indices(self) -> npt.NDArray[np.int64]:
+        """[K] token row whose logits give each sample (repeated for parallel samples)."""
+    @property
+    def seq_indices(self) -> npt.NDArray[np.uint32]:
+        """[S] sample index (0..n) of each row's sequence."""
+    @property
+    def sample_seq_indices(self) -> npt.NDArray[np.uint32]:
+        """[K] sample index of each sample's sequence."""
+    @property
+    def request_ids(self) -> list[str]:
+        """[S] request of each row."""
+    @property
+    def sample_request_ids(self) -> list[str]:
+        """[K] request of each sample."""
+    @property
+    def num_seqs(self) -> int: ...
+    @property
+    def num_samples(self) -> int: ...
+    @property
+    def num_scheduled_tokens(self) -> int: ...
+    @property
+    def stats(self) -> dict[str, int | float]:
+        """num_running, num_waiting, num_preempted, num_admitted, num_scheduled_tokens,
+        num_prefill_tokens, prefix_queried_tokens, prefix_hit_tokens, kv_usage."""
+
+class UpdateOutput:
+    """What one update produced, one entry per sample (samples of aborted requests dropped).
+    Iterates as ``(request_id, seq_index, token_id, finish_reason)`` tuples; finish_reason is None
+    or "stop", "length", "max_model_len"."""
+
+    @property
+    def request_ids(self) -> list[str]: ...
+    @property
+    def seq_indices(self) -> npt.NDArray[np.uint32]: ...
+    @property
+    def token_ids(self) -> npt.NDArray[np.int64]: ...
+    @property
+    def finish_reasons(self) -> list[str | None]: ...
+    @property
+    def finished_request_ids(self) -> list[str]:
+        """Requests whose every sequence finished in this update."""
+    def __len__(self) -> int: ...
+    def __getitem__(self, index: int) -> tuple[str, int, int, str | None]: ...
+    def __iter__(self) -> Iterator[tuple[str, int, int, str | None]]: ...

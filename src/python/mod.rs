@@ -6,6 +6,7 @@ mod args;
 mod block_manager;
 mod errors;
 mod kv_cache;
+mod scheduler;
 
 use pyo3::prelude::*;
 
@@ -14,5 +15,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_class::<block_manager::PyBlockManager>()?;
     m.add_class::<kv_cache::PyKVCache>()?;
+    m.add_class::<scheduler::PyScheduler>()?;
+    m.add_class::<scheduler::PySchedulerOutput>()?;
+    m.add_class::<scheduler::PyUpdateOutput>()?;
     Ok(())
 }

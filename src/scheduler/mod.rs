@@ -1,0 +1,805 @@
+//! Continuous batching: which tokens of which requests run at each step, over a [`BlockManager`].
+//!
+//! A step (`schedule`) first keeps the running sequences going, in running order (one decode
+//! token, or the next prompt chunk capped by `long_prefill_token_threshold`), then admits waiting
+//! sequences from the head of the queue while the token budget, the sequence cap and free blocks
+//! allow. A running sequence that cannot get a slot preempts the sequence at the back of the
+//! running list (lowest priority, then most recently admitted), possibly itself: its blocks are
+//! freed (full ones stay cached, so the recompute is mostly prefix hits) and it waits again under
+//! its original key with its tokens kept. No admission happens in a step that preempted.
+//! `update` then appends one sampled token per sample, finishes sequences and frees their blocks.
+//!
+//! Invariants (checked by `check_invariants`):
+//! - every live sequence is either waiting (queued, no block table) or running (in `running`,
+//!   with a block table holding `num_computed` tokens);
+//! - `running` is sorted by `victim_rank`, so its back is always the next victim, and a victim is
+//!   never a sequence already scheduled in the current step (those are in front of the cursor);
+//! - running sequences plus the forks their prompts still owe never exceed `max_num_seqs`;
+//! - `schedule` and `update` alternate; an error from either, or from `add_request` / `abort`,
+//!   leaves every structure as it was.
+//!
+//! Progress: `max_model_len` tokens fit the cache, and admission never skips the queue head, so
+//! every request either finishes or was rejected by `add_request`.
+//!
+//! Cost per step is O(scheduled sequences + their block-table rows) plus O(log waiting) per
+//! admission; a prompt's block hashes are computed once however often its admission is retried.
+
+mod output;
+mod queue;
+mod request;
+mod slab;
+#[cfg(test)]
+mod tests;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+pub use output::{Produced, SchedulerStats, StepOutput, StepStats, UpdateOutput};
+pub use queue::Policy;
+pub use request::{FinishReason, SamplingParams};
+
+use crate::block_manager::BlockManager;
+use crate::error::{ensure, Error, Result};
+use crate::prefix_cache::{extend_block_hashes, root_hash};
+use crate::{SeqId, TokenId};
+use queue::{QueueKey, WaitingQueue};
+use request::{Request, SeqStatus, Sequence};
+use slab::{Handle, Slab};
+
+/// Limits and policy of a scheduler.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SchedulerConfig {
+    pub num_blocks: usize,
+    pub block_size: usize,
+    /// Most sequences in the running batch.
+    pub max_num_seqs: usize,
+    /// Most tokens (prefill + decode) in one step.
+    pub max_num_batched_tokens: usize,
+    /// Longest sequence (prompt + output); must fit in the cache.
+    pub max_model_len: usize,
+    pub enable_prefix_caching: bool,
+    pub policy: Policy,
+    /// Most prompt tokens one sequence computes in a step (0: only the budget limits it).
+    pub long_prefill_token_threshold: usize,
+    /// End-of-sequence token: finishes a sequence unless its request sets `ignore_eos`.
+    pub eos_token_id: Option<TokenId>,
+}
+
+impl SchedulerConfig {
+    /// Defaults for a cache of `num_blocks` blocks of `block_size` tokens: 256 sequences, 8192
+    /// tokens per step, `max_model_len` the whole cache, prefix caching on, FCFS.
+    pub fn new(num_blocks: usize, block_size: usize) -> Self {
+        SchedulerConfig {
+            num_blocks,
+            block_size,
+            max_num_seqs: 256,
+            max_num_batched_tokens: 8192,
+            max_model_len: num_blocks.saturating_mul(block_size),
+            enable_prefix_caching: true,
+            policy: Policy::Fcfs,
+            long_prefill_token_threshold: 0,
+            eos_token_id: None,
+        }
+    }
+
+    fn validate(&self) -> Result<()> {
+        ensure(self.max_num_seqs > 0, || {
+            "max_num_seqs must be positive".into()
+        })?;
+        ensure(self.max_num_batched_tokens > 0, || {
+            "max_num_batched_tokens must be positive".into()
+        })?;
+        ensure(self.max_model_len >= 2, || {
+            "max_model_len must be at least 2 (a prompt token and an output)".into()
+        })?;
+        let capacity = self.num_blocks.saturating_mul(self.block_size);
+        ensure(self.max_model_len <= capacity, || {
+            format!(
+                "max_model_len {} exceeds the cache ({} blocks x {} tokens = {capacity}): such a sequence could never finish",
+                self.max_model_len, self.num_blocks, self.block_size
+            )
+        })?;
+        if let Policy::Priority { aging_steps } = self.policy {
+            ensure(aging_steps > 0, || "aging_steps must be positive".into())?;
+        }
+        Ok(())
+    }
+}
+
+/// Per-request options besides the prompt and the sampling limits.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RequestOptions {
+    /// Lower is served first under the priority policy (ignored by FCFS).
+    pub priority: i64,
+    /// Breaks ties between equal effective priorities (earlier first).
+    pub arrival_time: f64,
+    /// Requests with different salts never share cached blocks.
+    pub cache_salt: Option<Vec<u8>>,
+}
+
+/// One scheduled sequence of the step being built.
+#[derive(Debug, Clone, Copy)]
+struct Row {
+    seq: Handle,
+    start: usize,
+    len: usize,
+}
+
+/// Running totals.
+#[derive(Debug, Default, Clone, Copy)]
+struct Totals {
+    scheduled_tokens: u64,
+    prefill_tokens: u64,
+    generated_tokens: u64,
+    preemptions: u64,
+    finished_requests: u64,
+    aborted_requests: u64,
+    peak_running: usize,
+}
+
+/// The continuous-batching scheduler.
+pub struct Scheduler {
+    config: SchedulerConfig,
+    blocks: BlockManager,
+    requests: Slab<Request>,
+    request_ids: HashMap<Arc<str>, Handle>,
+    seqs: Slab<Sequence>,
+    waiting: WaitingQueue,
+    /// Running sequences sorted by `victim_rank` (back = next victim).
+    running: Vec<Handle>,
+    /// Forks still owed by running sequences whose prompt is not fully computed.
+    owed_forks: usize,
+    next_block_seq: SeqId,
+    next_request_order: u64,
+    next_admission: u64,
+    /// Steps scheduled so far.
+    step: u64,
+    awaiting_update: bool,
+    rows: Vec<Row>,
+    /// The sequence of each sample of the step awaiting `update`.
+    samples: Vec<Handle>,
+    output: StepOutput,
+    update_output: UpdateOutput,
+    totals: Totals,
+}
+
+impl Scheduler {
+    pub fn new(config: SchedulerConfig) -> Result<Self> {
+        config.validate()?;
+        let blocks = BlockManager::new(
+            config.num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+        )?;
+        Ok(Scheduler {
+            config,
+            blocks,
+            requests: Slab::default(),
+            request_ids: HashMap::new(),
+            seqs: Slab::default(),
+            waiting: WaitingQueue::default(),
+            running: Vec::new(),
+            owed_forks: 0,
+            next_block_seq: 0,
+            next_request_order: 0,
+            next_admission: 0,
+            step: 0,
+            awaiting_update: false,
+            rows: Vec::new(),
+            samples: Vec::new(),
+            output: StepOutput::default(),
+            update_output: UpdateOutput::default(),
+            totals: Totals::default(),
+        })
+    }
+
+    pub fn config(&self) -> &SchedulerConfig {
+        &self.config
+    }
+
+    /// The block manager scheduled over (read-only).
+    pub fn block_manager(&self) -> &BlockManager {
+        &self.blocks
+    }
+
+    /// Queues a request. Rejects (changing nothing) a duplicate id, an empty prompt, a prompt
+    /// leaving no room to generate within `max_model_len`, and invalid limits.
+    pub fn add_request(
+        &mut self,
+        request_id: &str,
+        prompt: Vec<TokenId>,
+        params: SamplingParams,
+        options: RequestOptions,
+    ) -> Result<()> {
+        if self.request_ids.contains_key(request_id) {
+            return Err(Error::DuplicateSequence(format!("request {request_id:?}")));
+        }
+        ensure(!prompt.is_empty(), || {
+            format!("request {request_id:?}: empty prompt")
+        })?;
+        params.validate()?;
+        ensure(params.n <= self.config.max_num_seqs, || {
+            format!(
+                "n = {} exceeds max_num_seqs = {}",
+                params.n, self.config.max_num_seqs
+            )
+        })?;
+        ensure(prompt.len() < self.config.max_model_len, || {
+            format!(
+                "request {request_id:?}: prompt of {} tokens leaves no room to generate within max_model_len = {}",
+                prompt.len(),
+                self.config.max_model_len
+            )
+        })?;
+        ensure(!options.arrival_time.is_nan(), || {
+            "arrival_time is NaN".into()
+        })?;
+
+        let id: Arc<str> = Arc::from(request_id);
+        let queue_key = QueueKey::new(
+            self.config.policy,
+            options.priority,
+            options.arrival_time,
+            self.step,
+            self.next_request_order,
+        );
+        self.next_request_order += 1;
+        let request = self.requests.insert(Request {
+            id: id.clone(),
+            priority: options.priority,
+            hash_root: root_hash(options.cache_salt.as_deref()),
+            seqs: Vec::with_capacity(params.n),
+            params,
+        });
+        let pending_forks = (self.requests[request].params.n - 1) as u32;
+        let block_seq = self.take_block_seq();
+        let seq = self.seqs.insert(Sequence {
+            request,
+            index: 0,
+            block_seq,
+            tokens: prompt,
+            num_computed: 0,
+            num_output: 0,
+            prefix_hashes: Vec::new(),
+            status: SeqStatus::Waiting,
+            queue_key,
+            pending_forks,
+            victim_rank: (0, 0, 0),
+        });
+        self.requests[request].seqs.push(seq);
+        self.waiting.push(queue_key, seq);
+        self.request_ids.insert(id, request);
+        Ok(())
+    }
+
+    /// Drops a request in any state, returning every block it holds. Samples of it in the step
+    /// awaiting `update` are ignored by that `update`.
+    pub fn abort(&mut self, request_id: &str) -> Result<()> {
+        let request = self
+            .request_ids
+            .remove(request_id)
+            .ok_or_else(|| Error::UnknownSequence(format!("request {request_id:?}")))?;
+        let request = self
+            .requests
+            .remove(request)
+            .expect("id map points at live requests");
+        for handle in request.seqs {
+            let seq = self
+                .seqs
+                .remove(handle)
+                .expect("requests list live sequences");
+            match seq.status {
+                SeqStatus::Waiting => {
+                    let queued = self.waiting.remove(seq.queue_key, handle);
+                    debug_assert!(queued);
+                }
+                SeqStatus::Running => {
+                    self.blocks
+                        .free(seq.block_seq)
+                        .expect("running sequences have tables");
+                    let at = self
+                        .running
+                        .iter()
+                        .position(|&h| h == handle)
+                        .expect("running sequence listed");
+                    self.running.remove(at);
+                    self.owed_forks -= seq.pending_forks as usize;
+                }
+            }
+        }
+        self.totals.aborted_requests += 1;
+        Ok(())
+    }
+
+    /// Builds the next step. Fails if the previous step has not been passed to `update`.
+    pub fn schedule(&mut self) -> Result<&StepOutput> {
+        ensure(!self.awaiting_update, || {
+            format!(
+                "step {} awaits update() before the next schedule()",
+                self.step - 1
+            )
+        })?;
+        self.output.clear();
+        self.rows.clear();
+        self.samples.clear();
+        let mut budget = self.config.max_num_batched_tokens;
+        let preempted = self.schedule_running(&mut budget);
+        if preempted == 0 {
+            self.admit_waiting(&mut budget);
+        }
+        self.fill_output();
+
+        let stats = &mut self.output.stats;
+        stats.num_preempted = preempted;
+        stats.num_scheduled_tokens = self.output.input_ids.len();
+        stats.num_running = self.running.len();
+        stats.num_waiting = self.waiting.len();
+        stats.kv_usage = self.blocks.stats().usage;
+        self.totals.preemptions += preempted as u64;
+        self.totals.scheduled_tokens += stats.num_scheduled_tokens as u64;
+        self.totals.prefill_tokens += stats.num_prefill_tokens as u64;
+        self.totals.peak_running = self.totals.peak_running.max(self.running.len());
+        self.output.step = self.step;
+        self.step += 1;
+        self.awaiting_update = true;
+        Ok(&self.output)
+    }
+
+    /// Appends `sampled[k]` to the sequence of sample k of the last step (`logits_indices[k]`),
+    /// finishing sequences on a stop token, `max_tokens` or `max_model_len` and freeing their
+    /// blocks. Fails, changing nothing, unless exactly one token per sample is given.
+    pub fn update(&mut self, sampled: &[TokenId]) -> Result<&UpdateOutput> {
+        ensure(self.awaiting_update, || {
+            "update() without a scheduled step".into()
+        })?;
+        if sampled.len() != self.samples.len() {
+            return Err(Error::Shape(format!(
+                "step {} has {} samples, got {} sampled tokens",
+                self.step - 1,
+                self.samples.len(),
+                sampled.len()
+            )));
+        }
+        self.awaiting_update = false;
+        self.update_output.produced.clear();
+        self.update_output.finished_requests.clear();
+        let mut any_finished = false;
+        for (k, &token) in sampled.iter().enumerate() {
+            let handle = self.samples[k];
+            let Some(seq) = self.seqs.get_mut(handle) else {
+                continue; // aborted since the step was scheduled
+            };
+            let request = &self.requests[seq.request];
+            seq.tokens.push(token);
+            seq.num_output += 1;
+            let params = &request.params;
+            let finish = if params.stop_token_ids.contains(&token)
+                || (!params.ignore_eos && self.config.eos_token_id == Some(token))
+            {
+                Some(FinishReason::Stop)
+            } else if seq.num_output >= params.max_tokens {
+                Some(FinishReason::Length)
+            } else if seq.tokens.len() >= self.config.max_model_len {
+                Some(FinishReason::MaxModelLen)
+            } else {
+                None
+            };
+            self.update_output.produced.push(Produced {
+                request_id: request.id.clone(),
+                seq_index: seq.index,
+                token,
+                finish,
+            });
+            if finish.is_some() {
+                any_finished = true;
+                self.finish_sequence(handle);
+            }
+        }
+        self.totals.generated_tokens += self.update_output.produced.len() as u64;
+        if any_finished {
+            let seqs = &self.seqs;
+            self.running.retain(|&h| seqs.get(h).is_some());
+        }
+        Ok(&self.update_output)
+    }
+
+    /// The step awaiting `update`, if any.
+    pub fn pending_step(&self) -> Option<u64> {
+        self.awaiting_update.then(|| self.step - 1)
+    }
+
+    /// Moves the last step's arrays out (for a caller that keeps them past the next step); the
+    /// next step then allocates fresh buffers.
+    pub fn take_step_output(&mut self) -> StepOutput {
+        std::mem::take(&mut self.output)
+    }
+
+    /// Moves the last update's outputs out, like `take_step_output`.
+    pub fn take_update_output(&mut self) -> UpdateOutput {
+        std::mem::take(&mut self.update_output)
+    }
+
+    /// Whether any request is waiting or running.
+    pub fn has_unfinished(&self) -> bool {
+        !self.requests.is_empty()
+    }
+
+    /// Running sequences.
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    /// Waiting sequences (new or preempted).
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// Requests not finished nor aborted.
+    pub fn num_unfinished_requests(&self) -> usize {
+        self.requests.len()
+    }
+
+    /// Whether `request_id` is waiting or running.
+    pub fn contains(&self, request_id: &str) -> bool {
+        self.request_ids.contains_key(request_id)
+    }
+
+    /// Tokens of sample `seq_index` of a live request: its prompt followed by its output so far.
+    pub fn sequence_tokens(&self, request_id: &str, seq_index: u32) -> Result<&[TokenId]> {
+        let unknown =
+            || Error::UnknownSequence(format!("request {request_id:?} sample {seq_index}"));
+        let request = &self.requests[*self.request_ids.get(request_id).ok_or_else(unknown)?];
+        let seq = request
+            .seqs
+            .iter()
+            .map(|&h| &self.seqs[h])
+            .find(|s| s.index == seq_index)
+            .ok_or_else(unknown)?;
+        Ok(&seq.tokens)
+    }
+
+    /// Totals and current occupancy.
+    pub fn stats(&self) -> SchedulerStats {
+        let blocks = self.blocks.stats();
+        let t = &self.totals;
+        SchedulerStats {
+            steps: self.step,
+            num_running: self.running.len(),
+            num_waiting: self.waiting.len(),
+            num_unfinished_requests: self.requests.len(),
+            scheduled_tokens: t.scheduled_tokens,
+            prefill_tokens: t.prefill_tokens,
+            generated_tokens: t.generated_tokens,
+            preemptions: t.preemptions,
+            finished_requests: t.finished_requests,
+            aborted_requests: t.aborted_requests,
+            peak_running: t.peak_running,
+            prefix_queried_tokens: blocks.prefix_queried_tokens,
+            prefix_hit_tokens: blocks.prefix_hit_tokens,
+            prefix_hit_rate: if blocks.prefix_queried_tokens == 0 {
+                0.0
+            } else {
+                blocks.prefix_hit_tokens as f64 / blocks.prefix_queried_tokens as f64
+            },
+            kv_usage: blocks.usage,
+            cow_copies: blocks.cow_copies,
+        }
+    }
+
+    /// Verifies the invariants of the module doc and of the block manager.
+    pub fn check_invariants(&self) -> std::result::Result<(), String> {
+        self.blocks.check_invariants()?;
+        if self.blocks.num_sequences() != self.running.len() {
+            return Err(format!(
+                "{} block tables for {} running sequences",
+                self.blocks.num_sequences(),
+                self.running.len()
+            ));
+        }
+        if self.waiting.len() + self.running.len() != self.seqs.len() {
+            return Err("a live sequence is neither waiting nor running".into());
+        }
+        if !self
+            .running
+            .windows(2)
+            .all(|w| self.seqs[w[0]].victim_rank < self.seqs[w[1]].victim_rank)
+        {
+            return Err("running list out of victim order".into());
+        }
+        let mut owed = 0;
+        for &handle in &self.running {
+            let seq = self
+                .seqs
+                .get(handle)
+                .ok_or("stale handle in the running list")?;
+            if seq.status != SeqStatus::Running
+                || self.blocks.table(seq.block_seq).map(|t| t.num_tokens()) != Ok(seq.num_computed)
+            {
+                return Err(format!(
+                    "running sequence {} has a table that does not match it",
+                    seq.block_seq
+                ));
+            }
+            owed += seq.pending_forks as usize;
+        }
+        for handle in self.waiting.iter() {
+            let seq = self
+                .seqs
+                .get(handle)
+                .ok_or("stale handle in the waiting queue")?;
+            if seq.status != SeqStatus::Waiting
+                || seq.num_computed != 0
+                || self.blocks.contains(seq.block_seq)
+            {
+                return Err(format!("waiting sequence {} holds blocks", seq.block_seq));
+            }
+        }
+        if owed != self.owed_forks || self.running.len() + owed > self.config.max_num_seqs {
+            return Err(format!(
+                "{} running + {owed} owed forks (counter {}) vs cap",
+                self.running.len(),
+                self.owed_forks
+            ));
+        }
+        for (handle, request) in self.requests.iter() {
+            if self.request_ids.get(&request.id) != Some(&handle)
+                || request.seqs.iter().any(|&s| self.seqs.get(s).is_none())
+            {
+                return Err(format!("request {:?} is inconsistent", request.id));
+            }
+        }
+        Ok(())
+    }
+
+    fn take_block_seq(&mut self) -> SeqId {
+        self.next_block_seq += 1;
+        self.next_block_seq
+    }
+
+    /// Prompt tokens one sequence may compute in this step.
+    fn chunk_cap(&self, budget: usize) -> usize {
+        match self.config.long_prefill_token_threshold {
+            0 => budget,
+            cap => cap.min(budget),
+        }
+    }
+
+    /// Gives every running sequence, in order, its next tokens while the budget lasts, preempting
+    /// from the back of the list when blocks run out. Returns the number preempted.
+    fn schedule_running(&mut self, budget: &mut usize) -> usize {
+        let mut preempted = 0;
+        let mut cursor = 0;
+        while cursor < self.running.len() && *budget > 0 {
+            let handle = self.running[cursor];
+            let start = self.seqs[handle].num_computed;
+            let len = self.seqs[handle]
+                .num_uncomputed()
+                .min(self.chunk_cap(*budget));
+            let copy = loop {
+                let seq = &self.seqs[handle];
+                match self
+                    .blocks
+                    .append(seq.block_seq, &seq.tokens[start..start + len])
+                {
+                    Ok(copy) => break Some(copy),
+                    Err(Error::OutOfBlocks { .. }) => {
+                        let victim = self.running.pop().expect("the cursor is in the list");
+                        self.preempt(victim);
+                        preempted += 1;
+                        if victim == handle {
+                            break None;
+                        }
+                    }
+                    Err(other) => unreachable!("append to a running sequence: {other}"),
+                }
+            };
+            let Some(copy) = copy else { break };
+            if let Some(op) = copy {
+                self.output
+                    .copy_ops
+                    .extend([i64::from(op.src), i64::from(op.dst)]);
+            }
+            let seq = &mut self.seqs[handle];
+            seq.num_computed += len;
+            if len > 1 || seq.num_output == 0 {
+                self.output.stats.num_prefill_tokens += len;
+            }
+            *budget -= len;
+            self.rows.push(Row {
+                seq: handle,
+                start,
+                len,
+            });
+            cursor += 1;
+        }
+        preempted
+    }
+
+    /// Returns a running sequence to the waiting queue, freeing its blocks (full ones stay cached).
+    fn preempt(&mut self, handle: Handle) {
+        let seq = &mut self.seqs[handle];
+        self.blocks
+            .free(seq.block_seq)
+            .expect("running sequences have tables");
+        seq.num_computed = 0;
+        seq.status = SeqStatus::Waiting;
+        self.owed_forks -= seq.pending_forks as usize;
+        self.waiting.push(seq.queue_key, handle);
+    }
+
+    /// Admits waiting sequences from the head while budget, seats and blocks allow.
+    fn admit_waiting(&mut self, budget: &mut usize) {
+        let block_size = self.config.block_size;
+        while *budget > 0 {
+            let Some(handle) = self.waiting.head() else {
+                break;
+            };
+            let cap = self.chunk_cap(*budget);
+            let seq = &mut self.seqs[handle];
+            if self.running.len() + self.owed_forks + seq.seats() > self.config.max_num_seqs {
+                break;
+            }
+            let request = &self.requests[seq.request];
+            let num_tokens = seq.tokens.len();
+            if self.config.enable_prefix_caching {
+                let cacheable = &seq.tokens[..num_tokens - 1];
+                extend_block_hashes(
+                    request.hash_root,
+                    &mut seq.prefix_hashes,
+                    cacheable,
+                    block_size,
+                );
+            }
+            let found =
+                self.blocks
+                    .match_prefix_hashes(request.hash_root, &seq.prefix_hashes, num_tokens);
+            let cached = found.num_cached_tokens(block_size);
+            let len = (num_tokens - cached).min(cap);
+            if self.blocks.blocks_to_admit(&found, cached + len)
+                > self.blocks.num_available_blocks()
+            {
+                break;
+            }
+            self.blocks
+                .admit(seq.block_seq, &seq.tokens[..cached + len], found)
+                .expect("capacity checked");
+            let stats = &mut self.output.stats;
+            stats.num_admitted += 1;
+            stats.prefix_queried_tokens += num_tokens as u64;
+            stats.prefix_hit_tokens += cached as u64;
+            stats.num_prefill_tokens += len;
+            seq.num_computed = cached + len;
+            seq.status = SeqStatus::Running;
+            let victim_class = match self.config.policy {
+                Policy::Fcfs => 0,
+                Policy::Priority { .. } => request.priority,
+            };
+            seq.victim_rank = (victim_class, self.next_admission, seq.index);
+            self.next_admission += 1;
+            self.owed_forks += seq.pending_forks as usize;
+            self.waiting.pop_head();
+            self.insert_running(handle);
+            *budget -= len;
+            self.rows.push(Row {
+                seq: handle,
+                start: cached,
+                len,
+            });
+        }
+    }
+
+    fn insert_running(&mut self, handle: Handle) {
+        let rank = self.seqs[handle].victim_rank;
+        let seqs = &self.seqs;
+        let at = self
+            .running
+            .partition_point(|&h| seqs[h].victim_rank < rank);
+        self.running.insert(at, handle);
+    }
+
+    /// Writes the rows into the output arrays, forking prompts that completed this step.
+    fn fill_output(&mut self) {
+        let block_size = self.config.block_size;
+        let width = self
+            .rows
+            .iter()
+            .map(|r| (r.start + r.len).div_ceil(block_size))
+            .max()
+            .unwrap_or(0);
+        let num_tokens = self.rows.iter().map(|r| r.len).sum();
+        let out = &mut self.output;
+        out.reserve(self.rows.len(), num_tokens);
+        out.block_table_width = width;
+        out.block_tables.resize(self.rows.len() * width, -1);
+        out.query_start_loc.push(0);
+        for (i, row) in self.rows.iter().enumerate() {
+            let seq = &self.seqs[row.seq];
+            let request = &self.requests[seq.request];
+            let table = self
+                .blocks
+                .table(seq.block_seq)
+                .expect("scheduled sequences have tables");
+            let end = row.start + row.len;
+            let first_token = out.input_ids.len();
+            out.input_ids
+                .extend(seq.tokens[row.start..end].iter().map(|&t| i64::from(t)));
+            out.positions.extend(row.start as i64..end as i64);
+            table.extend_slots(row.start, end, block_size, &mut out.slot_mapping);
+            out.query_start_loc.push(out.input_ids.len() as i32);
+            out.context_lens.push(end as i32);
+            let table_row = &mut out.block_tables[i * width..][..table.blocks().len()];
+            for (cell, &block) in table_row.iter_mut().zip(table.blocks()) {
+                *cell = block as i32;
+            }
+            out.request_ids.push(request.id.clone());
+            out.seq_indices.push(seq.index);
+            if end == seq.tokens.len() {
+                let logits_index = (first_token + row.len - 1) as i64;
+                out.logits_indices.push(logits_index);
+                out.sample_request_ids.push(request.id.clone());
+                out.sample_seq_indices.push(seq.index);
+                self.samples.push(row.seq);
+            }
+        }
+        // Forks last: they change the running list and the slab, which the loop above reads.
+        for k in 0..self.samples.len() {
+            let parent = self.samples[k];
+            if self.seqs[parent].pending_forks > 0 {
+                let logits_index = self.output.logits_indices[k];
+                self.fork_prompt(parent, logits_index);
+            }
+        }
+    }
+
+    /// Forks a sequence whose prompt was just computed into its request's remaining samples,
+    /// each sampling from the same logits row as the parent.
+    fn fork_prompt(&mut self, parent: Handle, logits_index: i64) {
+        let forks = std::mem::take(&mut self.seqs[parent].pending_forks);
+        self.owed_forks -= forks as usize;
+        for index in 1..=forks {
+            let block_seq = self.take_block_seq();
+            let p = &self.seqs[parent];
+            self.blocks
+                .fork(p.block_seq, block_seq)
+                .expect("fresh id of a running parent");
+            let child = Sequence {
+                request: p.request,
+                index,
+                block_seq,
+                tokens: p.tokens.clone(),
+                num_computed: p.num_computed,
+                num_output: 0,
+                prefix_hashes: p.prefix_hashes.clone(),
+                status: SeqStatus::Running,
+                queue_key: p.queue_key.for_sequence(index),
+                pending_forks: 0,
+                victim_rank: (p.victim_rank.0, p.victim_rank.1, index),
+            };
+            let request_id = self.requests[p.request].id.clone();
+            let request = p.request;
+            let child = self.seqs.insert(child);
+            self.requests[request].seqs.push(child);
+            self.insert_running(child);
+            self.output.logits_indices.push(logits_index);
+            self.output.sample_request_ids.push(request_id);
+            self.output.sample_seq_indices.push(index);
+            self.samples.push(child);
+        }
+    }
+
+    /// Frees a sequence that produced its last token, and its request if it was the last one.
+    fn finish_sequence(&mut self, handle: Handle) {
+        let seq = self.seqs.remove(handle).expect("live sequence");
+        self.blocks
+            .free(seq.block_seq)
+            .expect("running sequences have tables");
+        let request = &mut self.requests[seq.request];
+        request.seqs.retain(|&h| h != handle);
+        if request.seqs.is_empty() {
+            let request = self.requests.remove(seq.request).expect("live request");
+            self.request_ids.remove(&request.id);
+            self.update_output.finished_requests.push(request.id);
+            self.totals.finished_requests += 1;
+        }
+    }
+}

@@ -1,0 +1,157 @@
+//! What a step hands to the model runner, what `update` hands back, and the scheduler's figures.
+//!
+//! Layout of a step with `S` scheduled sequences (rows), `T` scheduled tokens and `K` samples:
+//! - `input_ids`, `positions`, `slot_mapping`: `[T]`, row i's tokens at
+//!   `query_start_loc[i]..query_start_loc[i + 1]`;
+//! - `query_start_loc`: `[S + 1]`, starting at 0, ending at `T`;
+//! - `context_lens`: `[S]`, tokens in the cache for row i including this step's, so query j of
+//!   row i sits at position `context_lens[i] - nq_i + j` and attends causally up to it;
+//! - `block_tables`: `[S, block_table_width]` row-major, padded with -1; row i holds exactly
+//!   `ceil(context_lens[i] / block_size)` blocks;
+//! - `copy_ops`: `[C, 2]` row-major `(src, dst)` block copies to apply before attention;
+//! - `logits_indices`: `[K]`, the token row (into `T`) whose logits sample each of the `K`
+//!   samples; a row appears several times when a prompt forks into `n` samples.
+//!
+//! The buffers are reused from step to step: nothing here grows with history.
+
+use std::sync::Arc;
+
+use crate::scheduler::request::FinishReason;
+
+/// The batch of one step.
+#[derive(Debug, Default, Clone)]
+pub struct StepOutput {
+    /// Step number (from 0), checked by `update`.
+    pub step: u64,
+    pub input_ids: Vec<i64>,
+    pub positions: Vec<i64>,
+    pub slot_mapping: Vec<i64>,
+    pub query_start_loc: Vec<i32>,
+    pub context_lens: Vec<i32>,
+    pub block_tables: Vec<i32>,
+    pub block_table_width: usize,
+    /// Flattened `(src, dst)` pairs.
+    pub copy_ops: Vec<i64>,
+    pub logits_indices: Vec<i64>,
+    /// Request of each row.
+    pub request_ids: Vec<Arc<str>>,
+    /// Sample index (0..n) of each row's sequence.
+    pub seq_indices: Vec<u32>,
+    /// Request of each sample.
+    pub sample_request_ids: Vec<Arc<str>>,
+    /// Sample index of each sample's sequence.
+    pub sample_seq_indices: Vec<u32>,
+    pub stats: StepStats,
+}
+
+impl StepOutput {
+    /// Rows (sequences) in the batch.
+    pub fn num_seqs(&self) -> usize {
+        self.context_lens.len()
+    }
+
+    /// Tokens in the batch.
+    pub fn num_tokens(&self) -> usize {
+        self.input_ids.len()
+    }
+
+    /// Tokens `update` expects, one per sample.
+    pub fn num_samples(&self) -> usize {
+        self.logits_indices.len()
+    }
+
+    /// Makes room for `rows` rows and `tokens` tokens at once: after the buffers were moved out
+    /// (to Python), they start empty, and growing them by doubling would cost several copies.
+    pub(crate) fn reserve(&mut self, rows: usize, tokens: usize) {
+        self.input_ids.reserve(tokens);
+        self.positions.reserve(tokens);
+        self.slot_mapping.reserve(tokens);
+        self.query_start_loc.reserve(rows + 1);
+        self.context_lens.reserve(rows);
+        self.request_ids.reserve(rows);
+        self.seq_indices.reserve(rows);
+        self.logits_indices.reserve(rows);
+        self.sample_request_ids.reserve(rows);
+        self.sample_seq_indices.reserve(rows);
+    }
+
+    pub(crate) fn clear(&mut self) {
+        self.input_ids.clear();
+        self.positions.clear();
+        self.slot_mapping.clear();
+        self.query_start_loc.clear();
+        self.context_lens.clear();
+        self.block_tables.clear();
+        self.block_table_width = 0;
+        self.copy_ops.clear();
+        self.logits_indices.clear();
+        self.request_ids.clear();
+        self.seq_indices.clear();
+        self.sample_request_ids.clear();
+        self.sample_seq_indices.clear();
+        self.stats = StepStats::default();
+    }
+}
+
+/// Figures of one step, taken when `schedule` returns.
+#[derive(Debug, Default, Clone, Copy, PartialEq)]
+pub struct StepStats {
+    /// Running sequences (scheduled or not this step).
+    pub num_running: usize,
+    /// Waiting sequences.
+    pub num_waiting: usize,
+    /// Sequences preempted in this step.
+    pub num_preempted: usize,
+    /// Tokens scheduled (prefill + decode).
+    pub num_scheduled_tokens: usize,
+    /// Of those, prompt (or recompute) tokens.
+    pub num_prefill_tokens: usize,
+    /// Sequences admitted from the waiting queue.
+    pub num_admitted: usize,
+    /// Prompt tokens looked up in the prefix cache at this step's admissions, and hits.
+    pub prefix_queried_tokens: u64,
+    pub prefix_hit_tokens: u64,
+    /// Fraction of KV blocks in use.
+    pub kv_usage: f64,
+}
+
+/// One token produced by `update`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Produced {
+    pub request_id: Arc<str>,
+    pub seq_index: u32,
+    pub token: u32,
+    /// Set when this token ended its sequence.
+    pub finish: Option<FinishReason>,
+}
+
+/// What one `update` produced.
+#[derive(Debug, Default, Clone)]
+pub struct UpdateOutput {
+    /// One entry per sample of the step, in sample order, except samples of aborted requests.
+    pub produced: Vec<Produced>,
+    /// Requests whose every sequence finished in this update.
+    pub finished_requests: Vec<Arc<str>>,
+}
+
+/// Totals since the scheduler was made, plus current occupancy.
+#[derive(Debug, Default, Clone, Copy, PartialEq)]
+pub struct SchedulerStats {
+    pub steps: u64,
+    pub num_running: usize,
+    pub num_waiting: usize,
+    pub num_unfinished_requests: usize,
+    pub scheduled_tokens: u64,
+    pub prefill_tokens: u64,
+    pub generated_tokens: u64,
+    pub preemptions: u64,
+    pub finished_requests: u64,
+    pub aborted_requests: u64,
+    pub peak_running: usize,
+    pub prefix_queried_tokens: u64,
+    pub prefix_hit_tokens: u64,
+    /// `prefix_hit_tokens / prefix_queried_tokens` (0 before any lookup).
+    pub prefix_hit_rate: f64,
+    pub kv_usage: f64,
+    pub cow_copies: u64,
+}

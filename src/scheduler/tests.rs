@@ -1,0 +1,427 @@
+//! Scenario tests with exact expected figures, and a property test over random workloads.
+
+use proptest::prelude::*;
+
+use super::*;
+
+fn config(num_blocks: usize, block_size: usize) -> SchedulerConfig {
+    SchedulerConfig::new(num_blocks, block_size)
+}
+
+fn add(s: &mut Scheduler, id: &str, prompt: Vec<TokenId>, max_tokens: usize) {
+    let params = SamplingParams {
+        max_tokens,
+        ..Default::default()
+    };
+    s.add_request(id, prompt, params, RequestOptions::default())
+        .unwrap();
+}
+
+/// A deterministic "model": the token sampled after a sequence depends only on its last token
+/// and its length, so a recomputed sequence produces the same continuation.
+fn next_token(last: i64, position: i64) -> TokenId {
+    ((last * 31 + position * 7) % 997) as TokenId + 3
+}
+
+/// Runs one step, sampling with `next_token`; returns the step and what update produced.
+fn step(s: &mut Scheduler) -> (StepOutput, UpdateOutput) {
+    let out = s.schedule().unwrap().clone();
+    let sampled: Vec<TokenId> = out
+        .logits_indices
+        .iter()
+        .zip(&out.sample_seq_indices)
+        .map(|(&row, &sample)| {
+            next_token(out.input_ids[row as usize], out.positions[row as usize]) + sample
+        })
+        .collect();
+    let produced = s.update(&sampled).unwrap().clone();
+    s.check_invariants().unwrap();
+    (out, produced)
+}
+
+fn run_to_end(s: &mut Scheduler, max_steps: usize) -> HashMap<String, Vec<TokenId>> {
+    let mut outputs: HashMap<String, Vec<TokenId>> = HashMap::new();
+    for _ in 0..max_steps {
+        if !s.has_unfinished() {
+            return outputs;
+        }
+        let (_, produced) = step(s);
+        for p in produced.produced {
+            outputs
+                .entry(format!("{}/{}", p.request_id, p.seq_index))
+                .or_default()
+                .push(p.token);
+        }
+    }
+    panic!("not finished after {max_steps} steps");
+}
+
+#[test]
+fn step_output_has_the_model_runner_layout() {
+    let mut s = Scheduler::new(config(8, 4)).unwrap();
+    add(&mut s, "a", vec![10, 11, 12, 13, 14, 15], 2);
+    add(&mut s, "b", vec![20, 21], 2);
+    let out = s.schedule().unwrap().clone();
+    assert_eq!(out.input_ids, vec![10, 11, 12, 13, 14, 15, 20, 21]);
+    assert_eq!(out.positions, vec![0, 1, 2, 3, 4, 5, 0, 1]);
+    assert_eq!(out.query_start_loc, vec![0, 6, 8]);
+    assert_eq!(out.context_lens, vec![6, 2]);
+    assert_eq!(out.block_table_width, 2);
+    let (a0, a1, b0) = (
+        out.block_tables[0],
+        out.block_tables[1],
+        out.block_tables[2],
+    );
+    assert_eq!(out.block_tables[3], -1, "row b is padded");
+    let slot = |block: i32, offset: i64| i64::from(block) * 4 + offset;
+    assert_eq!(
+        out.slot_mapping,
+        vec![
+            slot(a0, 0),
+            slot(a0, 1),
+            slot(a0, 2),
+            slot(a0, 3),
+            slot(a1, 0),
+            slot(a1, 1),
+            slot(b0, 0),
+            slot(b0, 1)
+        ]
+    );
+    assert_eq!(out.logits_indices, vec![5, 7]);
+    assert_eq!(
+        out.request_ids.iter().map(|r| &**r).collect::<Vec<_>>(),
+        ["a", "b"]
+    );
+    s.update(&[100, 200]).unwrap();
+    // The decode step feeds the sampled tokens at the next positions, same blocks.
+    let out = s.schedule().unwrap().clone();
+    assert_eq!(out.input_ids, vec![100, 200]);
+    assert_eq!(out.positions, vec![6, 2]);
+    assert_eq!(out.context_lens, vec![7, 3]);
+    assert_eq!(out.slot_mapping, vec![slot(a1, 2), slot(b0, 2)]);
+    let produced = s.update(&[101, 201]).unwrap();
+    assert!(produced
+        .produced
+        .iter()
+        .all(|p| p.finish == Some(FinishReason::Length)));
+    assert_eq!(produced.finished_requests.len(), 2);
+    assert!(!s.has_unfinished());
+    assert_eq!(s.block_manager().stats().used_blocks, 0);
+}
+
+#[test]
+fn schedule_and_update_must_alternate_and_count_samples() {
+    let mut s = Scheduler::new(config(8, 4)).unwrap();
+    add(&mut s, "a", vec![1, 2, 3], 4);
+    assert!(matches!(s.update(&[]), Err(Error::InvalidArgument(_))));
+    s.schedule().unwrap();
+    assert!(matches!(s.schedule(), Err(Error::InvalidArgument(_))));
+    assert!(matches!(s.update(&[1, 2]), Err(Error::Shape(_))));
+    assert_eq!(s.update(&[7]).unwrap().produced[0].token, 7);
+    assert_eq!(s.sequence_tokens("a", 0).unwrap(), &[1, 2, 3, 7]);
+}
+
+#[test]
+fn preempted_requests_resume_with_the_same_tokens() {
+    let workload = |s: &mut Scheduler| {
+        for r in 0..6u32 {
+            add(
+                s,
+                &format!("r{r}"),
+                (0..20).map(|t| t * 13 + r).collect(),
+                30,
+            );
+        }
+    };
+    let mut roomy = Scheduler::new(config(96, 4)).unwrap();
+    workload(&mut roomy);
+    let expected = run_to_end(&mut roomy, 1000);
+    assert_eq!(roomy.stats().preemptions, 0);
+
+    // 6 sequences of up to 49 tokens need 6 x 13 blocks; 20 blocks force preemption.
+    let mut tight = Scheduler::new(config(20, 4)).unwrap();
+    workload(&mut tight);
+    let got = run_to_end(&mut tight, 5000);
+    assert!(tight.stats().preemptions > 0, "the workload must preempt");
+    assert_eq!(got, expected);
+    assert_eq!(tight.block_manager().stats().used_blocks, 0);
+}
+
+#[test]
+fn the_victim_is_the_most_recently_admitted_sequence() {
+    // 4 blocks of 4: a (5 tokens) and b (3 tokens) take 2 + 1 blocks; a third prompt c fits 1.
+    let mut s = Scheduler::new(config(4, 4)).unwrap();
+    add(&mut s, "a", vec![1; 7], 10);
+    add(&mut s, "b", vec![2; 3], 10);
+    add(&mut s, "c", vec![3; 3], 10);
+    let (out, _) = step(&mut s);
+    assert_eq!(out.context_lens, vec![7, 3, 3]);
+    // a: 8 tokens (2 blocks), b: 4 (1 block), c: 4 (1 block): all full.
+    let (out, _) = step(&mut s);
+    assert_eq!(out.context_lens, vec![8, 4, 4]);
+    // a needs a third block: c (admitted last) is preempted; then b needs one: b goes too.
+    let (out, _) = step(&mut s);
+    assert_eq!(out.stats.num_preempted, 2);
+    assert_eq!(out.context_lens, vec![9]);
+    assert_eq!(s.num_waiting(), 2);
+}
+
+#[test]
+fn parallel_samples_share_the_prompt_until_they_diverge() {
+    let mut s = Scheduler::new(config(16, 4)).unwrap();
+    let params = SamplingParams {
+        max_tokens: 3,
+        n: 3,
+        ..Default::default()
+    };
+    s.add_request("p", vec![5; 6], params, RequestOptions::default())
+        .unwrap();
+    let (out, _) = step(&mut s);
+    assert_eq!(out.num_seqs(), 1, "the prompt is computed once");
+    assert_eq!(out.logits_indices, vec![5, 5, 5], "and sampled three times");
+    assert_eq!(out.sample_seq_indices, vec![0, 1, 2]);
+    assert_eq!(s.num_running(), 3);
+    assert_eq!(
+        s.block_manager().stats().used_blocks,
+        2,
+        "the forks share both prompt blocks"
+    );
+    // Each sample writes into the shared partial block: the first two copy it, the last owns it.
+    let (out, _) = step(&mut s);
+    assert_eq!(out.num_seqs(), 3);
+    assert_eq!(out.copy_ops.len(), 2 * 2);
+    assert_eq!(s.block_manager().stats().used_blocks, 4);
+    let tables: Vec<_> = out.block_tables.chunks(out.block_table_width).collect();
+    assert!(
+        tables.iter().all(|t| t[0] == tables[0][0]),
+        "the full block stays shared"
+    );
+    run_to_end(&mut s, 10);
+    assert_eq!(s.block_manager().stats().used_blocks, 0);
+}
+
+#[test]
+fn aging_bounds_how_long_a_low_priority_request_waits() {
+    // One sequence at a time; each request runs 1 prefill + 1 decode step, so a new urgent
+    // request arriving every step would starve priority 3 forever without aging.
+    let aging_steps = 4;
+    let mut cfg = config(64, 4);
+    cfg.max_num_seqs = 1;
+    cfg.policy = Policy::Priority { aging_steps };
+    let mut s = Scheduler::new(cfg).unwrap();
+    let options = |priority| RequestOptions {
+        priority,
+        ..Default::default()
+    };
+    let params = SamplingParams {
+        max_tokens: 2,
+        ..Default::default()
+    };
+    s.add_request("low", vec![1, 2], params.clone(), options(3))
+        .unwrap();
+    let mut admitted_before_low = Vec::new();
+    for t in 0..40u64 {
+        s.add_request(&format!("hi{t}"), vec![1, 2], params.clone(), options(0))
+            .unwrap();
+        let (out, _) = step(&mut s);
+        if out.stats.num_admitted == 1 {
+            let id = out.request_ids[0].to_string();
+            if id == "low" {
+                break;
+            }
+            admitted_before_low.push(id);
+        }
+    }
+    // Bound: nothing added after step 0 + (3 - 0) * 4 = 12 goes ahead of "low" (added at 0).
+    // hi0..hi12 have rank <= 12 = rank of low, and low wins the tie by add order, so exactly
+    // hi0..hi11 go first.
+    let expected: Vec<String> = (0..12).map(|t| format!("hi{t}")).collect();
+    assert_eq!(admitted_before_low, expected);
+}
+
+#[test]
+fn abort_in_every_state_returns_every_block() {
+    let mut s = Scheduler::new(config(8, 4)).unwrap();
+    add(&mut s, "running", vec![1; 9], 100);
+    add(&mut s, "waiting", vec![2; 25], 100);
+    step(&mut s);
+    assert_eq!((s.num_running(), s.num_waiting()), (1, 1));
+    s.abort("waiting").unwrap();
+    s.abort("running").unwrap();
+    assert!(matches!(s.abort("running"), Err(Error::UnknownSequence(_))));
+    s.check_invariants().unwrap();
+    assert_eq!(s.block_manager().stats().used_blocks, 0);
+
+    // Aborted between schedule and update: its sample is dropped, the others go through.
+    add(&mut s, "x", vec![1; 3], 5);
+    add(&mut s, "y", vec![2; 3], 5);
+    s.schedule().unwrap();
+    s.abort("x").unwrap();
+    let produced = s.update(&[7, 8]).unwrap();
+    assert_eq!(produced.produced.len(), 1);
+    assert_eq!(&*produced.produced[0].request_id, "y");
+    assert_eq!(produced.produced[0].token, 8);
+    s.check_invariants().unwrap();
+    assert_eq!(s.block_manager().stats().used_blocks, 1);
+}
+
+#[test]
+fn finishing_on_stop_tokens_eos_and_max_model_len() {
+    let mut cfg = config(16, 4);
+    cfg.eos_token_id = Some(2);
+    cfg.max_model_len = 6;
+    let mut s = Scheduler::new(cfg).unwrap();
+    let with = |stop: Vec<TokenId>, ignore_eos| SamplingParams {
+        max_tokens: 100,
+        stop_token_ids: stop,
+        ignore_eos,
+        n: 1,
+    };
+    s.add_request(
+        "eos",
+        vec![9; 3],
+        with(vec![], false),
+        RequestOptions::default(),
+    )
+    .unwrap();
+    s.add_request(
+        "ignore",
+        vec![9; 3],
+        with(vec![], true),
+        RequestOptions::default(),
+    )
+    .unwrap();
+    s.add_request(
+        "stop",
+        vec![9; 3],
+        with(vec![5], true),
+        RequestOptions::default(),
+    )
+    .unwrap();
+    s.schedule().unwrap();
+    let produced = s.update(&[2, 2, 5]).unwrap();
+    let finishes: Vec<_> = produced.produced.iter().map(|p| p.finish).collect();
+    assert_eq!(
+        finishes,
+        vec![Some(FinishReason::Stop), None, Some(FinishReason::Stop)]
+    );
+    // "ignore" now holds 4 tokens; it ends when it holds 6 = max_model_len.
+    s.schedule().unwrap();
+    assert_eq!(s.update(&[2]).unwrap().produced[0].finish, None);
+    s.schedule().unwrap();
+    assert_eq!(
+        s.update(&[2]).unwrap().produced[0].finish,
+        Some(FinishReason::MaxModelLen)
+    );
+    let too_long = s.add_request(
+        "long",
+        vec![1; 6],
+        SamplingParams::default(),
+        RequestOptions::default(),
+    );
+    assert!(matches!(too_long, Err(Error::InvalidArgument(_))));
+    assert!(!s.contains("long"));
+}
+
+/// One random request of the property test.
+#[derive(Debug, Clone)]
+struct Spec {
+    prompt_len: usize,
+    shared_prefix: usize,
+    max_tokens: usize,
+    n: usize,
+    priority: i64,
+    stop: TokenId,
+    arrive_at: usize,
+    abort_at: Option<usize>,
+}
+
+fn spec() -> impl Strategy<Value = Spec> {
+    (
+        1..60usize,
+        0..40usize,
+        1..20usize,
+        1..4usize,
+        0..3i64,
+        0..50u32,
+        0..30usize,
+        proptest::option::weighted(0.15, 0..60usize),
+    )
+        .prop_map(
+            |(prompt_len, shared_prefix, max_tokens, n, priority, stop, arrive_at, abort_at)| {
+                Spec {
+                    prompt_len,
+                    shared_prefix,
+                    max_tokens,
+                    n,
+                    priority,
+                    stop,
+                    arrive_at,
+                    abort_at,
+                }
+            },
+        )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
+
+    /// Random workloads (arrivals, shared prefixes, forks, aborts, tight memory, both policies):
+    /// invariants hold after every call, no block leaks, and every request either finishes with
+    /// a valid reason or was aborted, within a bounded number of steps.
+    #[test]
+    fn random_workloads_finish_every_request_without_leaks(
+        specs in proptest::collection::vec(spec(), 1..24),
+        num_blocks in 16..48usize,
+        budget in 1..64usize,
+        threshold in 0..20usize,
+        max_num_seqs in 3..8usize,
+        priority in any::<bool>(),
+    ) {
+        let mut cfg = config(num_blocks, 4);
+        cfg.max_num_batched_tokens = budget;
+        cfg.long_prefill_token_threshold = threshold;
+        cfg.max_num_seqs = max_num_seqs;
+        cfg.max_model_len = 64;
+        cfg.policy = if priority { Policy::Priority { aging_steps: 3 } } else { Policy::Fcfs };
+        let mut s = Scheduler::new(cfg).unwrap();
+        let mut outcome: HashMap<String, &str> = HashMap::new();
+        for t in 0..4000usize {
+            for (i, spec) in specs.iter().enumerate() {
+                let id = format!("r{i}");
+                if spec.arrive_at == t {
+                    let prompt: Vec<TokenId> = (0..spec.prompt_len)
+                        .map(|p| if p < spec.shared_prefix { p as TokenId } else { (i * 1000 + p) as TokenId })
+                        .collect();
+                    let params = SamplingParams { max_tokens: spec.max_tokens, stop_token_ids: vec![spec.stop], ignore_eos: false, n: spec.n };
+                    let options = RequestOptions { priority: spec.priority, ..Default::default() };
+                    match s.add_request(&id, prompt, params, options) {
+                        Ok(()) => { outcome.insert(id.clone(), "pending"); }
+                        Err(_) => { prop_assert!(spec.n > max_num_seqs); outcome.insert(id.clone(), "rejected"); }
+                    }
+                }
+                if spec.abort_at == Some(t) && s.contains(&id) {
+                    s.abort(&id).unwrap();
+                    outcome.insert(id, "aborted");
+                }
+            }
+            s.check_invariants().map_err(TestCaseError::fail)?;
+            if t > 60 && !s.has_unfinished() {
+                break;
+            }
+            let (_, produced) = step(&mut s);
+            for p in &produced.produced {
+                prop_assert_eq!(outcome.get(&*p.request_id).copied(), Some("pending"));
+            }
+            for id in &produced.finished_requests {
+                outcome.insert(id.to_string(), "finished");
+            }
+        }
+        prop_assert!(!s.has_unfinished(), "requests left after 4000 steps");
+        prop_assert_eq!(outcome.len(), specs.len(), "every request was submitted");
+        prop_assert!(outcome.values().all(|&o| o != "pending"), "lost requests: {:?}", outcome);
+        let stats = s.block_manager().stats();
+        prop_assert_eq!(stats.used_blocks, 0);
+        prop_assert_eq!(stats.free_blocks + stats.cached_blocks, num_blocks);
+    }
+}
