@@ -17,6 +17,7 @@ BENCHES = {
     "blocks": "pagedkv.bench.blocks",
     "attention": "pagedkv.bench.attention",
     "scheduler": "pagedkv.bench.scheduler",
+    "serve": "pagedkv.bench.serve",
 }
 
 

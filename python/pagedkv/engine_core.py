@@ -202,6 +202,9 @@ class EngineCore:
             eos_token_id=eos_token_id,
         )
         self._requests: dict[str, _Request] = {}
+        # The scheduler's output of the latest step (its arrays and per-step ``stats``), None
+        # before the first: what benchmarks and tracing read about a step.
+        self.last_step: ModelStep | None = None
 
     def add_request(
         self,
@@ -258,6 +261,7 @@ class EngineCore:
     def step(self) -> tuple[list[TokenEvent], list[RequestOutput]]:
         """Runs one iteration; returns the tokens produced and the requests that finished."""
         step = self.scheduler.schedule()
+        self.last_step = step
         if step.num_scheduled_tokens == 0:
             return [], []
         requests = [self._requests[rid] for rid in step.sample_request_ids]

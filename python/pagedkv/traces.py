@@ -1,5 +1,5 @@
-"""Request traces for benchmarks and the demo: the shipped Azure LLM inference trace (see
-``pagedkv/data/README.md`` for its attribution) as arrival offsets and token lengths."""
+"""Request traces for benchmarks and the demo: the shipped Azure LLM inference traces (see
+``pagedkv/data/README.md`` for their attribution) as arrival offsets and token lengths."""
 
 from __future__ import annotations
 
@@ -9,9 +9,11 @@ from datetime import datetime
 from importlib import resources
 from pathlib import Path
 
-__all__ = ["TraceRequest", "load_trace", "CONV_TRACE"]
+__all__ = ["TraceRequest", "load_trace", "CONV_TRACE", "CODE_TRACE", "SHIPPED_TRACES"]
 
 CONV_TRACE = "azure_llm_inference_conv_2023.csv"
+CODE_TRACE = "azure_llm_inference_code_2023.csv"
+SHIPPED_TRACES = {"conv": CONV_TRACE, "code": CODE_TRACE}
 
 
 @dataclass(frozen=True)
@@ -24,9 +26,10 @@ class TraceRequest:
 
 
 def load_trace(path: str | Path | None = None, limit: int | None = None) -> list[TraceRequest]:
-    """Reads a ``TIMESTAMP,ContextTokens,GeneratedTokens`` CSV (the shipped conversation trace by
-    default); returns at most ``limit`` requests in arrival order."""
-    source = Path(path) if path is not None else resources.files("pagedkv") / "data" / CONV_TRACE
+    """Reads a ``TIMESTAMP,ContextTokens,GeneratedTokens`` CSV: a file, or the name of a shipped
+    trace (``"conv"``, the default, or ``"code"``); returns at most ``limit`` requests in arrival order."""
+    name = "conv" if path is None else str(path)
+    source = resources.files("pagedkv") / "data" / SHIPPED_TRACES[name] if name in SHIPPED_TRACES else Path(path)
     requests: list[TraceRequest] = []
     start: datetime | None = None
     with source.open(newline="") as handle:
