@@ -46,40 +46,6 @@ TOLERANCE = 1e-4  # max abs logit difference, float32 paged forward vs float64 r
 BLOCK_SIZE = 8
 
 
-class NumpyAttentionCache:
-    """TEST-ONLY stand-in until the Rust ``KVCache.attention`` kernel is merged: a real KVCache
-    whose ``attention`` gathers each sequence's K/V with ``KVCache.gather`` and runs dense causal
-    softmax attention. Delete this class (and use the KVCache directly) once the kernel lands."""
-
-    def __init__(self, cache: KVCache) -> None:
-        self.cache = cache
-
-    def write(self, layer: int, keys: np.ndarray, values: np.ndarray, slot_mapping: np.ndarray) -> None:
-        self.cache.write(layer, keys, values, slot_mapping)
-
-    def copy_blocks(self, ops: list[tuple[int, int]]) -> None:
-        self.cache.copy_blocks(ops)
-
-    def attention(self, layer: int, query: np.ndarray, block_tables: np.ndarray, context_lens: np.ndarray,
-                  query_start_loc: np.ndarray, scale: float | None = None) -> np.ndarray:
-        num_heads, head_dim = query.shape[1], query.shape[2]
-        group = num_heads // self.cache.num_kv_heads
-        scale = head_dim ** -0.5 if scale is None else scale
-        out = np.empty_like(query)
-        for i, context_len in enumerate(context_lens.tolist()):
-            start, end = int(query_start_loc[i]), int(query_start_loc[i + 1])
-            table = [int(b) for b in block_tables[i] if b >= 0]
-            keys, values = self.cache.gather(layer, table, context_len)
-            keys, values = np.repeat(keys, group, axis=1), np.repeat(values, group, axis=1)
-            scores = np.einsum("qhd,khd->hqk", query[start:end], keys) * scale
-            query_pos = context_len - (end - start) + np.arange(end - start)
-            scores[:, np.arange(context_len)[None, :] > query_pos[:, None]] = -np.inf
-            probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
-            probs /= probs.sum(axis=-1, keepdims=True)
-            out[start:end] = np.einsum("hqk,khd->qhd", probs, values)
-        return out
-
-
 @dataclass
 class Step:
     """A ModelStep built by hand."""
@@ -128,7 +94,7 @@ class Harness:
         self.model = LlamaModel(self.weights)
         self.reference = DenseReference(self.weights)
         self.manager = BlockManager(num_blocks, BLOCK_SIZE, enable_prefix_caching)
-        self.cache = NumpyAttentionCache(self.model.new_kv_cache(num_blocks, BLOCK_SIZE))
+        self.cache = self.model.new_kv_cache(num_blocks, BLOCK_SIZE)
 
     def run(self, work: Sequence[Work], copy_ops: Sequence[tuple[int, int]] = ()) -> list[np.ndarray]:
         """Runs one step; checks every row against the reference; returns each item's logits."""

@@ -28,7 +28,7 @@ from pagedkv.traces import load_trace
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="tiny", help="Hugging Face Llama checkpoint dir, or 'tiny' (random weights)")
     parser.add_argument("--requests", type=int, default=300)
-    parser.add_argument("--arrival-span", type=float, default=20.0, help="seconds over which requests arrive")
+    parser.add_argument("--arrival-span", type=float, default=40.0, help="seconds over which requests arrive")
     parser.add_argument("--num-blocks", type=int, default=400, help="KV blocks (16 tokens each)")
     parser.add_argument("--max-num-seqs", type=int, default=48)
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
@@ -103,8 +103,8 @@ def run(args: argparse.Namespace) -> int:
                 task,
                 completed=stats["finished_requests"],
                 description=(
-                    f"running {stats['num_running']:3d}  waiting {stats['num_waiting']:3d}  "
-                    f"KV {stats['kv_usage']:5.1%}  {stats['generated_tokens'] / elapsed:6.0f} tok/s  finished"
+                    f"run {stats['num_running']:3d} wait {stats['num_waiting']:3d} "
+                    f"KV {stats['kv_usage']:4.0%} {stats['generated_tokens'] / elapsed:5.0f} tok/s"
                 ),
             )
     outputs: list[RequestOutput] = [h.result() for h in handles]
