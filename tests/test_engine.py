@@ -14,7 +14,7 @@ from threadpoolctl import threadpool_limits
 
 from pagedkv import DuplicateSequenceError, InvalidArgumentError, SamplingParams
 from pagedkv.engine import Engine, EngineClosedError, EngineOverloadedError
-from pagedkv.engine_core import EngineCore, PagedModelRunner, SchedulerConfig
+from pagedkv.engine_core import EngineCore, PagedModelRunner, EngineConfig
 from pagedkv.model import DenseReference, LlamaConfig, LlamaModel, LlamaWeights, load_tokenizer
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
@@ -32,7 +32,7 @@ def reference(weights: LlamaWeights) -> DenseReference:
 
 def make_engine(weights: LlamaWeights, **config) -> Engine:
     model = LlamaModel(weights)
-    return Engine(model, load_tokenizer(None, model.config.vocab_size), SchedulerConfig(**config))
+    return Engine(model, load_tokenizer(None, model.config.vocab_size), EngineConfig(**config))
 
 
 def prompts(seed: int, count: int, shared_prefix: int = 0) -> list[list[int]]:
@@ -71,7 +71,7 @@ def test_logits_through_the_engine_core_match_the_reference(weights, reference):
     """One step's logits, as the engine computes them, within 1e-4 of the float64 reference."""
     model = LlamaModel(weights)
     runner = PagedModelRunner(model, num_blocks=64, block_size=8)
-    core = EngineCore(runner, SchedulerConfig(num_blocks=64, block_size=8))
+    core = EngineCore(runner, EngineConfig(num_blocks=64, block_size=8))
     batch = prompts(seed=2, count=3)
     for i, p in enumerate(batch):
         core.add_request(str(i), p, SamplingParams(max_tokens=2, **GREEDY))

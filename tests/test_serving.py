@@ -15,7 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedkv.__main__ import main
-from pagedkv.engine_core import EngineCore, SchedulerConfig, SimulatedRunner
+from pagedkv.engine_core import EngineCore, EngineConfig, SimulatedRunner
 from pagedkv.model.simulated import SimulatedModel, StepCostModel
 from pagedkv.serving.replay import PagedPolicy, SimulatedTime, replay
 from pagedkv.serving.report import summarize
@@ -109,7 +109,7 @@ def test_requests_arriving_during_a_step_join_after_it():
 
 def paged_policy(num_blocks=8, block_size=16, prefix_caching=False, max_model_len=128):
     clock = SimulatedTime()
-    config = SchedulerConfig(num_blocks=num_blocks, block_size=block_size, max_num_seqs=8, max_num_batched_tokens=512,
+    config = EngineConfig(num_blocks=num_blocks, block_size=block_size, max_num_seqs=8, max_num_batched_tokens=512,
                              max_model_len=max_model_len, enable_prefix_caching=prefix_caching)
     runner = SimulatedRunner(SimulatedModel(cost=ONE_SECOND_PER_STEP), clock, max_model_len=max_model_len)
     return PagedPolicy("paged", EngineCore(runner, config, clock=clock), clock), clock

@@ -29,6 +29,8 @@ from pagedkv.errors import (
     ShapeError,
     UnknownSequenceError,
 )
+from pagedkv.engine import Engine, EngineClosedError, EngineOverloadedError, RequestHandle
+from pagedkv.engine_core import CompletionOutput, EngineConfig, EngineCore, RequestMetrics, RequestOutput, TokenEvent
 from pagedkv.model import LlamaConfig, LlamaModel, SamplingParams, SimulatedModel
 
 __all__ = [
@@ -54,5 +56,15 @@ __all__ = [
     "LlamaModel",
     "SamplingParams",
     "SimulatedModel",
+    "Engine",
+    "EngineConfig",
+    "EngineCore",
+    "EngineClosedError",
+    "EngineOverloadedError",
+    "RequestHandle",
+    "RequestOutput",
+    "CompletionOutput",
+    "RequestMetrics",
+    "TokenEvent",
     "__version__",
 ]

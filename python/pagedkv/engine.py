@@ -31,7 +31,7 @@ from pagedkv.engine_core import (
     EngineCore,
     PagedModelRunner,
     RequestOutput,
-    SchedulerConfig,
+    EngineConfig,
     TokenEvent,
 )
 from pagedkv.errors import DuplicateSequenceError, InvalidArgumentError, PagedKVError
@@ -130,7 +130,7 @@ class Engine:
         self,
         model: LlamaModel,
         tokenizer: Tokenizer,
-        config: SchedulerConfig = SchedulerConfig(),
+        config: EngineConfig = EngineConfig(),
         *,
         max_waiting: int = 1024,
         metrics: EngineMetrics | None = None,
@@ -162,7 +162,7 @@ class Engine:
     def from_pretrained(cls, path: str | Path = "tiny", *, seed: int = 0, **kwargs) -> "Engine":
         """An engine over a Hugging Face Llama checkpoint directory (``config.json`` +
         ``*.safetensors`` [+ ``tokenizer.json``]), or over the built-in ``"tiny"`` model with
-        seeded random weights. Keyword arguments go to :class:`SchedulerConfig` or the engine."""
+        seeded random weights. Keyword arguments go to :class:`EngineConfig` or the engine."""
         engine_keys = {"max_waiting", "metrics"}
         engine_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in engine_keys}
         if str(path) == "tiny":
@@ -171,7 +171,7 @@ class Engine:
         else:
             weights = load_checkpoint(path)
             tokenizer = load_tokenizer(path, weights.config.vocab_size)
-        return cls(LlamaModel(weights), tokenizer, SchedulerConfig(**kwargs), **engine_kwargs)
+        return cls(LlamaModel(weights), tokenizer, EngineConfig(**kwargs), **engine_kwargs)
 
     # ---- submission -------------------------------------------------------------------------
 

@@ -27,14 +27,15 @@ __all__ = [
     "PagedModelRunner",
     "RequestMetrics",
     "RequestOutput",
-    "SchedulerConfig",
+    "EngineConfig",
     "SimulatedRunner",
+    "TokenEvent",
     "VirtualClock",
 ]
 
 
 @dataclass(frozen=True)
-class SchedulerConfig:
+class EngineConfig:
     """Memory and batching limits of an engine."""
 
     num_blocks: int = 1024
@@ -182,7 +183,7 @@ class EngineCore:
     def __init__(
         self,
         runner: ModelRunner,
-        config: SchedulerConfig = SchedulerConfig(),
+        config: EngineConfig = EngineConfig(),
         eos_token_id: int | None = None,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from pagedkv.engine_core import EngineCore, SchedulerConfig, SimulatedRunner
+from pagedkv.engine_core import EngineCore, EngineConfig, SimulatedRunner
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.model.simulated import SimulatedModel, StepCostModel
 from pagedkv.serving.replay import PagedPolicy, ReplayResult, ServingPolicy, SimulatedTime, replay
@@ -39,8 +39,8 @@ class ServingSetup:
     def kv_capacity_slots(self) -> int:
         return self.num_blocks * self.block_size
 
-    def scheduler_config(self, enable_prefix_caching: bool) -> SchedulerConfig:
-        return SchedulerConfig(
+    def scheduler_config(self, enable_prefix_caching: bool) -> EngineConfig:
+        return EngineConfig(
             num_blocks=self.num_blocks,
             block_size=self.block_size,
             max_num_seqs=self.max_num_seqs,
