@@ -172,7 +172,7 @@ impl PyBlockManager {
             })
             .py_err()?;
         let array = PyArray1::from_vec(py, data);
-        Ok(array.reshape([seqs.len(), width])?)
+        array.reshape([seqs.len(), width])
     }
 
     /// Cache slots (int64, block × block_size + offset) of the last `num_new_tokens[i]` tokens of
