@@ -141,15 +141,49 @@ def test_preemption_recomputes_and_resumes_with_the_same_tokens():
     expected = run_to_end(roomy)
     assert roomy.stats()["preemptions"] == 0
 
-    tight = Scheduler(num_blocks=20, block_size=4)
+    tight = Scheduler(num_blocks=20, block_size=4, admission_lookahead_tokens=None)  # no headroom
     workload(tight)
     assert run_to_end(tight) == expected
     assert tight.stats()["preemptions"] > 0
     assert tight.num_free_blocks == 20
 
+    # The default headroom (32 tokens, capped by max_tokens: 8 blocks each) runs them one at a time.
+    headroom = Scheduler(num_blocks=20, block_size=4)
+    workload(headroom)
+    assert run_to_end(headroom) == expected
+    assert headroom.stats()["preemptions"] == 0 and headroom.stats()["peak_running"] == 1
+
+
+def test_admission_keeps_headroom_for_running_sequences_except_in_an_empty_batch():
+    s = Scheduler(num_blocks=16, block_size=4, admission_lookahead_tokens=8)
+    s.add_request("a", [1] * 10, max_tokens=50)  # 3 blocks, then 2 of headroom
+    s.add_request("b", [2] * 12, max_tokens=50)  # 3 + 2 + 2 <= 13 free
+    s.add_request("c", [3] * 20, max_tokens=50)  # 5 + 2 + 4 > 10 free: waits
+    out, _ = step(s)
+    assert out.stats["num_admitted"] == 2 and out.request_ids == ["a", "b"]
+    assert (s.num_running, s.num_waiting, s.num_free_blocks) == (2, 1, 10)
+
+    legacy = Scheduler(num_blocks=16, block_size=4, admission_lookahead_tokens=None)
+    for rid, prompt in (("a", [1] * 10), ("b", [2] * 12), ("c", [3] * 20)):
+        legacy.add_request(rid, prompt, max_tokens=50)
+    out, _ = step(legacy)
+    assert out.stats["num_admitted"] == 3 and legacy.num_free_blocks == 5
+
+    # 60 tokens take 15 of 16 blocks and the headroom does not fit, but nothing runs: admitted.
+    s = Scheduler(num_blocks=16, block_size=4, admission_lookahead_tokens=8)
+    s.add_request("big", [7] * 60, max_tokens=4)
+    s.add_request("small", [8] * 2, max_tokens=4)
+    out, _ = step(s)
+    assert out.request_ids == ["big"] and s.num_free_blocks == 1
+    run_to_end(s)
+    assert s.stats()["preemptions"] == 0 and s.stats()["generated_tokens"] == 8
+
+    with pytest.raises(InvalidArgumentError):
+        Scheduler(num_blocks=16, admission_lookahead_tokens=-1)
+
 
 def test_the_most_recently_admitted_sequence_is_preempted_and_waits_at_the_head():
-    s = Scheduler(num_blocks=4, block_size=4)
+    s = Scheduler(num_blocks=4, block_size=4, admission_lookahead_tokens=None)  # no headroom: c fits
     s.add_request("a", [1] * 7, max_tokens=10)
     s.add_request("b", [2] * 3, max_tokens=10)
     s.add_request("c", [3] * 3, max_tokens=10)

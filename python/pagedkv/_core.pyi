@@ -135,9 +135,16 @@ class Scheduler:
         aging_steps: int = 100,
         long_prefill_token_threshold: int = 0,
         eos_token_id: int | None = None,
+        admission_lookahead_tokens: int | None = 32,
     ) -> None:
         """``max_model_len`` defaults to the whole cache and may not exceed it;
-        ``long_prefill_token_threshold`` caps one sequence's prompt tokens per step (0: no cap)."""
+        ``long_prefill_token_threshold`` caps one sequence's prompt tokens per step (0: no cap).
+        ``admission_lookahead_tokens`` is the admission headroom: a waiting request is admitted only
+        if, with its first chunk allocated, the free blocks still let every running sequence (it
+        included) compute the rest of its prompt and then grow that many tokens (capped by its
+        ``max_tokens`` and ``max_model_len``); an empty batch admits the head whenever its first
+        chunk fits. ``None`` keeps no headroom: admission fills memory that running sequences need
+        a step later, and the sequence just admitted is preempted."""
     def add_request(
         self,
         request_id: str,

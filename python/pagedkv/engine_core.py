@@ -46,6 +46,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     policy: str = "fcfs"
     long_prefill_token_threshold: int = 0
+    # Admission headroom: admit a waiting request only if the running sequences (and it) can still
+    # finish their prompts and grow this many tokens each; None admits whenever the first chunk
+    # fits now (memory fills, and growth then preempts the request just admitted). See Scheduler.
+    admission_lookahead_tokens: int | None = 32
     kv_dtype: str = "float32"
 
 
@@ -201,6 +205,7 @@ class EngineCore:
             policy=config.policy,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
             eos_token_id=eos_token_id,
+            admission_lookahead_tokens=config.admission_lookahead_tokens,
         )
         self._requests: dict[str, _Request] = {}
         # The scheduler's output of the latest step (its arrays and per-step ``stats``), None

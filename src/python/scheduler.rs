@@ -14,7 +14,7 @@ use pyo3::types::{PyDict, PyList, PyTuple};
 use super::args::{invalid, non_negative, positive, token_ids};
 use super::errors::IntoPyResult;
 use crate::scheduler::{
-    FinishReason, Policy, RequestOptions, SamplingParams, Scheduler, SchedulerConfig, StepOutput,
+    FinishReason, Policy, RequestOptions, DEFAULT_ADMISSION_LOOKAHEAD_TOKENS, SamplingParams, Scheduler, SchedulerConfig, StepOutput,
     UpdateOutput,
 };
 
@@ -47,6 +47,7 @@ impl PyScheduler {
         num_blocks, block_size=16, max_num_seqs=256, max_num_batched_tokens=8192,
         max_model_len=None, enable_prefix_caching=true, policy="fcfs", aging_steps=100,
         long_prefill_token_threshold=0, eos_token_id=None,
+        admission_lookahead_tokens=Some(DEFAULT_ADMISSION_LOOKAHEAD_TOKENS as i64),
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -60,6 +61,7 @@ impl PyScheduler {
         aging_steps: i64,
         long_prefill_token_threshold: i64,
         eos_token_id: Option<i64>,
+        admission_lookahead_tokens: Option<i64>,
     ) -> PyResult<Self> {
         let mut config = SchedulerConfig::new(
             positive(num_blocks, "num_blocks")?,
@@ -89,6 +91,10 @@ impl PyScheduler {
                 u32::try_from(t).map_err(|_| invalid(format!("eos_token_id {t} outside 0..2^32")))
             })
             .transpose()?;
+        config.admission_lookahead_tokens = admission_lookahead_tokens
+            .map(|t| non_negative(t, "admission_lookahead_tokens"))
+            .transpose()?
+            .map(|t| t as usize);
         Ok(PyScheduler {
             inner: Mutex::new(Scheduler::new(config).py_err()?),
         })

@@ -138,19 +138,120 @@ fn preempted_requests_resume_with_the_same_tokens() {
     let expected = run_to_end(&mut roomy, 1000);
     assert_eq!(roomy.stats().preemptions, 0);
 
-    // 6 sequences of up to 49 tokens need 6 x 13 blocks; 20 blocks force preemption.
-    let mut tight = Scheduler::new(config(20, 4)).unwrap();
+    // 6 sequences of up to 49 tokens need 6 x 13 blocks; 20 blocks force preemption once
+    // admission fills memory regardless of growth (no headroom).
+    let mut cfg = config(20, 4);
+    cfg.admission_lookahead_tokens = None;
+    let mut tight = Scheduler::new(cfg).unwrap();
     workload(&mut tight);
     let got = run_to_end(&mut tight, 5000);
     assert!(tight.stats().preemptions > 0, "the workload must preempt");
     assert_eq!(got, expected);
     assert_eq!(tight.block_manager().stats().used_blocks, 0);
+
+    // The default headroom (32 tokens, capped by max_tokens = 30: 13 - 5 = 8 blocks a sequence)
+    // admits a second 5-block prompt only with 5 + 8 + 8 = 21 > 15 blocks free: the sequences
+    // run one at a time, none is preempted, and the tokens are the same.
+    let mut headroom = Scheduler::new(config(20, 4)).unwrap();
+    workload(&mut headroom);
+    assert_eq!(run_to_end(&mut headroom, 5000), expected);
+    assert_eq!(headroom.stats().preemptions, 0);
+    assert_eq!(headroom.stats().peak_running, 1);
+}
+
+#[test]
+fn admission_keeps_headroom_for_the_growth_of_running_sequences() {
+    // 16 blocks of 4, 8 tokens of headroom a sequence (2 blocks here).
+    let mut cfg = config(16, 4);
+    cfg.admission_lookahead_tokens = Some(8);
+    let mut s = Scheduler::new(cfg.clone()).unwrap();
+    add(&mut s, "a", vec![1; 10], 50); // 3 blocks, headroom ceil(18 / 4) - 3 = 2
+    add(&mut s, "b", vec![2; 12], 50); // 3 blocks + 2: 3 + 2 + 2 = 7 <= 13 free
+    add(&mut s, "c", vec![3; 20], 50); // 5 blocks + 2: 5 + 2 + 4 = 11 > 10 free
+    let (out, _) = step(&mut s);
+    assert_eq!(out.stats.num_admitted, 2);
+    assert_eq!(out.context_lens, vec![10, 12]);
+    assert_eq!((s.num_running(), s.num_waiting()), (2, 1));
+    assert_eq!(s.block_manager().num_available_blocks(), 10);
+
+    // Without headroom c fits now (5 <= 10) and is admitted in the same step.
+    cfg.admission_lookahead_tokens = None;
+    let mut legacy = Scheduler::new(cfg).unwrap();
+    add(&mut legacy, "a", vec![1; 10], 50);
+    add(&mut legacy, "b", vec![2; 12], 50);
+    add(&mut legacy, "c", vec![3; 20], 50);
+    let (out, _) = step(&mut legacy);
+    assert_eq!(out.stats.num_admitted, 3);
+    assert_eq!(legacy.block_manager().num_available_blocks(), 5);
+}
+
+#[test]
+fn an_empty_batch_admits_the_head_whenever_it_fits() {
+    // 60 tokens take 15 of 16 blocks; the headroom (8 tokens: 2 blocks) does not fit, but
+    // nothing runs, so the head is admitted anyway and finishes without preemption.
+    let mut cfg = config(16, 4);
+    cfg.admission_lookahead_tokens = Some(8);
+    let mut s = Scheduler::new(cfg).unwrap();
+    add(&mut s, "big", vec![7; 60], 4);
+    add(&mut s, "small", vec![8; 2], 4);
+    let (out, _) = step(&mut s);
+    assert_eq!(out.stats.num_admitted, 1);
+    assert_eq!(out.context_lens, vec![60]);
+    assert_eq!(s.block_manager().num_available_blocks(), 1);
+    let outputs = run_to_end(&mut s, 100);
+    assert_eq!(outputs["big/0"].len(), 3, "after the first, sampled at step 0");
+    assert_eq!(outputs["small/0"].len(), 4);
+    assert_eq!(s.stats().preemptions, 0);
+}
+
+#[test]
+fn admission_reserves_the_rest_of_a_chunked_prompt() {
+    // Budget 16, at most 8 prompt tokens a sequence a step, no decode headroom: only the rest of
+    // the prompts is reserved. a (40 tokens, 10 blocks) is prefilled over 5 steps; b (28 tokens,
+    // 7 blocks) would need its first 2 blocks + 5 more + a's remaining 8, 6, 4, 2, 0 blocks:
+    // 15 > 14, 13 > 12, 11 > 10, 9 > 8, then 7 > 6 free. It waits until a finishes (step 6,
+    // a's second token) and is admitted at step 7, with no preemption.
+    let workload = |lookahead| {
+        let mut cfg = config(16, 4);
+        cfg.max_num_batched_tokens = 16;
+        cfg.long_prefill_token_threshold = 8;
+        cfg.admission_lookahead_tokens = lookahead;
+        let mut s = Scheduler::new(cfg).unwrap();
+        add(&mut s, "a", vec![1; 40], 2);
+        add(&mut s, "b", vec![2; 28], 2);
+        s
+    };
+    let mut s = workload(Some(0));
+    let mut admitted = Vec::new();
+    let mut outputs: HashMap<String, Vec<TokenId>> = HashMap::new();
+    while s.has_unfinished() {
+        let (out, produced) = step(&mut s);
+        admitted.push(out.stats.num_admitted);
+        for p in produced.produced {
+            outputs.entry(p.request_id.to_string()).or_default().push(p.token);
+        }
+    }
+    assert_eq!(admitted, vec![1, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0]);
+    assert_eq!(s.stats().preemptions, 0);
+    assert_eq!(s.stats().prefill_tokens, 40 + 28);
+
+    // Admitted at once, b's chunks take the blocks a's prompt needs: a preemption, and b's
+    // computed chunks are recomputed.
+    let mut legacy = workload(None);
+    let legacy_outputs = run_to_end(&mut legacy, 100);
+    assert_eq!(legacy.stats().preemptions, 1);
+    assert!(legacy.stats().prefill_tokens > 40 + 28);
+    assert_eq!(legacy_outputs["a/0"], outputs["a"]);
+    assert_eq!(legacy_outputs["b/0"], outputs["b"]);
 }
 
 #[test]
 fn the_victim_is_the_most_recently_admitted_sequence() {
-    // 4 blocks of 4: a (5 tokens) and b (3 tokens) take 2 + 1 blocks; a third prompt c fits 1.
-    let mut s = Scheduler::new(config(4, 4)).unwrap();
+    // 4 blocks of 4: a (5 tokens) and b (3 tokens) take 2 + 1 blocks; a third prompt c fits 1
+    // when admission keeps no headroom.
+    let mut cfg = config(4, 4);
+    cfg.admission_lookahead_tokens = None;
+    let mut s = Scheduler::new(cfg).unwrap();
     add(&mut s, "a", vec![1; 7], 10);
     add(&mut s, "b", vec![2; 3], 10);
     add(&mut s, "c", vec![3; 3], 10);
