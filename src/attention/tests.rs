@@ -227,8 +227,8 @@ fn long_decode_uses_partitions_and_matches_reference() {
     // One sequence, one KV head: only key partitions can spread the work over threads.
     let problem_threads = 4;
     let (q, context, qsl) = (vec![0.0f32; 4 * 64], [3000i32], [0i32, 1]);
-    let mut out = vec![0.0f32; q.len()];
-    let problem = Problem::validate(&q, 4, 1, 64, &context, &qsl, 1.0, &mut out).unwrap();
+    let out = vec![0.0f32; q.len()];
+    let problem = Problem::validate(&q, 4, 1, 64, &context, &qsl, 1.0, &out).unwrap();
     let plan = Plan::new(&problem, 16, 4, problem_threads);
     assert!(
         !plan.inline && plan.groups.len() == 1 && plan.groups[0].parts > 1,

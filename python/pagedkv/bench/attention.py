@@ -134,11 +134,15 @@ def _measure(case: Case, probe, samples: int) -> dict[str, list[float]]:
         _median_time(runners[name], case.layers)
     times: dict[str, list[float]] = {name: [] for name in names}
     times["bandwidth"] = []
+    if case.kind == "prefill":
+        times["fma_peak"] = []
     for sample in range(samples):
         # Interleave, rotating the order so no variant always follows the same one.
         for name in names[sample % len(names) :] + names[: sample % len(names)]:
             times[name].append(_median_time(runners[name], case.layers))
         times["bandwidth"].append(probe.sweep())
+        if case.kind == "prefill":
+            times["fma_peak"].append(_core.measure_fma_peak())
     return times
 
 
@@ -198,12 +202,15 @@ def run(args) -> int:
         layer_bytes = batch * context * NUM_KV_HEADS * HEAD_DIM * 2 * DTYPE_BYTES[dtype]
         if layer_bytes > MAX_LAYER_BYTES:
             continue
-        case = Case(kind, dtype, batch, context, new_tokens, bs, kv_target, rng)
+        # Prefill is compute-bound: one layer, no need to push its K/V out of the cache.
+        case = Case(kind, dtype, batch, context, new_tokens, bs, kv_target if kind == "decode" else 0, rng)
         times = _measure(case, probe, samples)
         bandwidth = statistics.median(times["bandwidth"])
         numpy_s = statistics.median(times["numpy"])
         contiguous_s = statistics.median(times["contiguous"])
-        for layout in [name for name in times if name not in ("numpy", "bandwidth")]:
+        fma_peak = statistics.median(times["fma_peak"]) if kind == "prefill" else None
+        layouts = [name for name in times if name not in ("numpy", "bandwidth", "fma_peak")]
+        for layout in layouts:
             seconds = statistics.median(times[layout])
             kv_gbps = case.kv_bytes() / seconds / 1e9
             results.append(
@@ -222,13 +229,15 @@ def run(args) -> int:
                     "fraction_of_bandwidth": kv_gbps / bandwidth,
                     "paged_over_contiguous": seconds / contiguous_s if layout != "contiguous" else None,
                     "gflops": case.flops() / seconds / 1e9,
+                    "fma_peak_gflops": fma_peak,
+                    "fraction_of_fma_peak": case.flops() / seconds / 1e9 / fma_peak if fma_peak else None,
                     "numpy_seconds_median": numpy_s,
                     "speedup_vs_numpy": numpy_s / seconds,
                     "kv_bytes_per_layer": case.kv_bytes(),
                     "layers_rotated": case.layers,
                 }
             )
-        _print_row(results[-len(times) + 2 :], header=len(results) <= len(times) - 2, file=table)
+        _print_row(results[-len(layouts) :], header=len(results) == len(layouts), file=table)
         del case
     report = {
         "threads": pagedkv.get_num_threads(),
@@ -253,14 +262,16 @@ def _print_row(rows: list[dict], header: bool, file) -> None:
     if header:
         print(
             f"{'kind':8}{'dtype':10}{'batch':>6}{'ctx':>6}{'new':>6}{'bs':>5} {'layout':11}{'ms':>9}"
-            f"{'KV GB/s':>9}{'BW GB/s':>9}{'frac':>6}{'p/c':>6}{'GFLOP/s':>9}{'xnumpy':>8}"
+            f"{'KV GB/s':>9}{'BW GB/s':>9}{'frac':>6}{'p/c':>6}{'GFLOP/s':>9}{'%peak':>6}{'xnumpy':>8}",
+            file=file,
         )
     for r in rows:
         ratio = "" if r["paged_over_contiguous"] is None else f"{r['paged_over_contiguous']:.2f}"
+        peak = "" if r["fraction_of_fma_peak"] is None else f"{100 * r['fraction_of_fma_peak']:.0f}"
         print(
             f"{r['kind']:8}{r['dtype']:10}{r['batch']:>6}{r['context']:>6}{r['new_tokens']:>6}{r['block_size']:>5} "
             f"{r['layout']:11}{r['seconds_median'] * 1e3:>9.3f}{r['kv_gbps']:>9.1f}{r['bandwidth_gbps']:>9.1f}"
-            f"{r['fraction_of_bandwidth']:>6.2f}{ratio:>6}{r['gflops']:>9.1f}{r['speedup_vs_numpy']:>8.1f}",
+            f"{r['fraction_of_bandwidth']:>6.2f}{ratio:>6}{r['gflops']:>9.1f}{peak:>6}{r['speedup_vs_numpy']:>8.1f}",
             file=file,
             flush=True,
         )
