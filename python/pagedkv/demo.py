@@ -28,8 +28,8 @@ from pagedkv.traces import load_trace
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="tiny", help="Hugging Face Llama checkpoint dir, or 'tiny' (random weights)")
     parser.add_argument("--requests", type=int, default=300)
-    parser.add_argument("--arrival-span", type=float, default=40.0, help="seconds over which requests arrive")
-    parser.add_argument("--num-blocks", type=int, default=400, help="KV blocks (16 tokens each)")
+    parser.add_argument("--arrival-span", type=float, default=30.0, help="seconds over which requests arrive")
+    parser.add_argument("--num-blocks", type=int, default=256, help="KV blocks (16 tokens each)")
     parser.add_argument("--max-num-seqs", type=int, default=48)
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
     parser.add_argument("--kv-dtype", default="float32", choices=["float32", "float16", "bfloat16"])
