@@ -118,6 +118,12 @@ pub(crate) unsafe fn run_item<K: Kernels, T: KvElement, L: KvLayout<T>>(
         resize(&mut scratch.max, rows, f32::NEG_INFINITY);
         resize(&mut scratch.sum, rows, 0.0);
 
+        // The first step's tiles are requested together, so their misses overlap.
+        for b in item.first_block..(item.first_block + blocks_per_step).min(item.end_block) {
+            let (keys, values) = layout.tile(item.seq, item.kv_head, b);
+            K::prefetch(keys);
+            K::prefetch(values);
+        }
         let mut block = item.first_block;
         while block < item.end_block {
             let step_end = (block + blocks_per_step).min(item.end_block);
@@ -127,8 +133,12 @@ pub(crate) unsafe fn run_item<K: Kernels, T: KvElement, L: KvLayout<T>>(
             let mut columns = 0;
             for b in block..step_end {
                 let (keys, _) = layout.tile(item.seq, item.kv_head, b);
-                if b + 1 < item.end_block {
-                    let (next_keys, next_values) = layout.tile(item.seq, item.kv_head, b + 1);
+                // Prefetch one whole step ahead (64+ keys): with shuffled blocks the hardware
+                // prefetcher cannot run ahead across tiles, and one block of distance is too
+                // short to cover memory latency.
+                let ahead = b + blocks_per_step;
+                if ahead < item.end_block {
+                    let (next_keys, next_values) = layout.tile(item.seq, item.kv_head, ahead);
                     K::prefetch(next_keys);
                     K::prefetch(next_values);
                 }
