@@ -14,8 +14,8 @@ use pyo3::types::{PyDict, PyList, PyTuple};
 use super::args::{invalid, non_negative, positive, token_ids};
 use super::errors::IntoPyResult;
 use crate::scheduler::{
-    FinishReason, Policy, RequestOptions, DEFAULT_ADMISSION_LOOKAHEAD_TOKENS, SamplingParams, Scheduler, SchedulerConfig, StepOutput,
-    UpdateOutput,
+    FinishReason, Policy, RequestOptions, SamplingParams, Scheduler, SchedulerConfig, StepOutput,
+    UpdateOutput, DEFAULT_ADMISSION_LOOKAHEAD_TOKENS,
 };
 
 /// Continuous-batching scheduler over a paged KV cache. Thread-safe; `schedule` and `update`

@@ -199,7 +199,11 @@ fn an_empty_batch_admits_the_head_whenever_it_fits() {
     assert_eq!(out.context_lens, vec![60]);
     assert_eq!(s.block_manager().num_available_blocks(), 1);
     let outputs = run_to_end(&mut s, 100);
-    assert_eq!(outputs["big/0"].len(), 3, "after the first, sampled at step 0");
+    assert_eq!(
+        outputs["big/0"].len(),
+        3,
+        "after the first, sampled at step 0"
+    );
     assert_eq!(outputs["small/0"].len(), 4);
     assert_eq!(s.stats().preemptions, 0);
 }
@@ -228,7 +232,10 @@ fn admission_reserves_the_rest_of_a_chunked_prompt() {
         let (out, produced) = step(&mut s);
         admitted.push(out.stats.num_admitted);
         for p in produced.produced {
-            outputs.entry(p.request_id.to_string()).or_default().push(p.token);
+            outputs
+                .entry(p.request_id.to_string())
+                .or_default()
+                .push(p.token);
         }
     }
     assert_eq!(admitted, vec![1, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0]);
