@@ -13,7 +13,7 @@ use super::args::{c_order, expect_shape, invalid, non_negative, positive, typed_
 use super::errors::IntoPyResult;
 use super::kv_cache::PyKVCache;
 use crate::attention::{self, AttentionBatch, ContiguousKv, KernelPath};
-use crate::KvDtype;
+use crate::{KvCache, KvDtype};
 
 /// The converted arguments of one attention call.
 struct Call<'a> {
@@ -25,6 +25,35 @@ struct Call<'a> {
     query_start_loc: Cow<'a, [i32]>,
     scale: f32,
     path: KernelPath,
+}
+
+impl Call<'_> {
+    /// Runs the kernel over `layer` of `cache` through `block_tables` (`[_, width]`) into `out`.
+    fn run_paged(
+        &self,
+        cache: &KvCache,
+        layer: usize,
+        block_tables: &[i32],
+        width: usize,
+        out: &mut [f32],
+    ) -> crate::Result<()> {
+        let batch = AttentionBatch {
+            block_tables,
+            max_blocks_per_seq: width,
+            context_lens: &self.context_lens,
+            query_start_loc: &self.query_start_loc,
+        };
+        attention::paged_attention_with(
+            self.path,
+            cache,
+            layer,
+            &self.query,
+            self.num_heads,
+            &batch,
+            self.scale,
+            out,
+        )
+    }
 }
 
 /// The numpy arrays of a call, kept alive while their data is borrowed.
@@ -106,24 +135,7 @@ pub(crate) fn cache_attention<'py>(
     let (tables, width) = table_slice(&tables);
     let mut out = vec![0.0f32; call.query.len()];
     cache
-        .read(py, |c| {
-            let batch = AttentionBatch {
-                block_tables: &tables,
-                max_blocks_per_seq: width,
-                context_lens: &call.context_lens,
-                query_start_loc: &call.query_start_loc,
-            };
-            attention::paged_attention_with(
-                call.path,
-                c,
-                layer,
-                &call.query,
-                call.num_heads,
-                &batch,
-                call.scale,
-                &mut out,
-            )
-        })
+        .read(py, |c| call.run_paged(c, layer, &tables, width, &mut out))
         .py_err()?;
     call.output(py, out)
 }
@@ -156,24 +168,9 @@ fn attention_kernel_seconds(
     let mut out = vec![0.0f32; call.query.len()];
     cache
         .read(py, |c| {
-            let batch = AttentionBatch {
-                block_tables: &tables,
-                max_blocks_per_seq: width,
-                context_lens: &call.context_lens,
-                query_start_loc: &call.query_start_loc,
-            };
             let start = Instant::now();
             for _ in 0..iterations {
-                attention::paged_attention_with(
-                    call.path,
-                    c,
-                    layer,
-                    &call.query,
-                    call.num_heads,
-                    &batch,
-                    call.scale,
-                    &mut out,
-                )?;
+                call.run_paged(c, layer, &tables, width, &mut out)?;
             }
             Ok(start.elapsed().as_secs_f64() / iterations as f64)
         })
