@@ -48,7 +48,7 @@ impl std::str::FromStr for KvDtype {
 }
 
 /// An element type the KV cache can store.
-pub trait KvElement: Copy + Default + Send + Sync + 'static {
+pub trait KvElement: bytemuck::Pod + Default + Send + Sync + 'static {
     const DTYPE: KvDtype;
     fn from_f32(x: f32) -> Self;
     fn to_f32(self) -> f32;

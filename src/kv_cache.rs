@@ -11,6 +11,7 @@ use half::{bf16, f16};
 use crate::block_manager::CopyOp;
 use crate::dtype::{KvDtype, KvElement};
 use crate::error::{ensure, Error, Result};
+use crate::memory::zeroed_vec;
 
 /// Dimensions of a KV cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -76,9 +77,9 @@ macro_rules! with_kv_buffer {
 impl KvBuffer {
     fn zeroed(dtype: KvDtype, len: usize) -> Self {
         match dtype {
-            KvDtype::F32 => KvBuffer::F32(vec![0.0; len]),
-            KvDtype::F16 => KvBuffer::F16(vec![f16::ZERO; len]),
-            KvDtype::Bf16 => KvBuffer::Bf16(vec![bf16::ZERO; len]),
+            KvDtype::F32 => KvBuffer::F32(zeroed_vec(len)),
+            KvDtype::F16 => KvBuffer::F16(zeroed_vec(len)),
+            KvDtype::Bf16 => KvBuffer::Bf16(zeroed_vec(len)),
         }
     }
 
@@ -243,7 +244,7 @@ impl KvCache {
             .enumerate()
         {
             let seed = seed.wrapping_add(i as u64);
-            with_kv_buffer!(buffer, buf => *buf = crate::attention::random_values(buf.len(), seed));
+            with_kv_buffer!(buffer, buf => crate::attention::fill_random_values(buf, seed));
         }
     }
 

@@ -118,7 +118,8 @@ pub(crate) unsafe fn run_item<K: Kernels, T: KvElement, L: KvLayout<T>>(
         resize(&mut scratch.max, rows, f32::NEG_INFINITY);
         resize(&mut scratch.sum, rows, 0.0);
 
-        // The first step's tiles are requested together, so their misses overlap.
+        // The first step's tiles are requested together, so their misses overlap; every later
+        // tile is prefetched a step ahead while the kernels work (see `Kernels::scores`).
         for b in item.first_block..(item.first_block + blocks_per_step).min(item.end_block) {
             let (keys, values) = layout.tile(item.seq, item.kv_head, b);
             K::prefetch(keys);
@@ -133,15 +134,15 @@ pub(crate) unsafe fn run_item<K: Kernels, T: KvElement, L: KvLayout<T>>(
             let mut columns = 0;
             for b in block..step_end {
                 let (keys, _) = layout.tile(item.seq, item.kv_head, b);
-                // Prefetch one whole step ahead (64+ keys): with shuffled blocks the hardware
-                // prefetcher cannot run ahead across tiles, and one block of distance is too
-                // short to cover memory latency.
-                let ahead = b + blocks_per_step;
-                if ahead < item.end_block {
-                    let (next_keys, next_values) = layout.tile(item.seq, item.kv_head, ahead);
-                    K::prefetch(next_keys);
-                    K::prefetch(next_values);
-                }
+                // A whole step ahead (64+ keys): with shuffled blocks the hardware prefetcher
+                // cannot run ahead across tiles, and one block of distance is too short to cover
+                // memory latency.
+                let (next_keys, _) = layout.tile_or_empty(
+                    item.seq,
+                    item.kv_head,
+                    b + blocks_per_step,
+                    item.end_block,
+                );
                 let valid = bs.min(last_position + 1 - b * bs);
                 K::scores(
                     &scratch.queries,
@@ -151,6 +152,7 @@ pub(crate) unsafe fn run_item<K: Kernels, T: KvElement, L: KvLayout<T>>(
                     d,
                     &mut scratch.scores[columns..],
                     stride,
+                    next_keys,
                 );
                 columns += valid;
             }
@@ -178,6 +180,12 @@ pub(crate) unsafe fn run_item<K: Kernels, T: KvElement, L: KvLayout<T>>(
             let mut column = 0;
             for b in block..step_end {
                 let (_, values) = layout.tile(item.seq, item.kv_head, b);
+                let (_, next_values) = layout.tile_or_empty(
+                    item.seq,
+                    item.kv_head,
+                    b + blocks_per_step,
+                    item.end_block,
+                );
                 let valid = bs.min(last_position + 1 - b * bs);
                 K::accumulate(
                     &scratch.scores[column..],
@@ -187,6 +195,7 @@ pub(crate) unsafe fn run_item<K: Kernels, T: KvElement, L: KvLayout<T>>(
                     valid,
                     d,
                     &mut scratch.acc,
+                    next_values,
                 );
                 column += valid;
             }

@@ -13,6 +13,16 @@ pub(crate) trait KvLayout<T>: Sync {
     fn block_size(&self) -> usize;
     /// The K and V tiles (each at least `valid rows × head_dim` elements).
     fn tile(&self, seq: usize, kv_head: usize, block: usize) -> (&[T], &[T]);
+
+    /// [`KvLayout::tile`] when `block < end`, else two empty slices (nothing to prefetch).
+    #[inline]
+    fn tile_or_empty(&self, seq: usize, kv_head: usize, block: usize, end: usize) -> (&[T], &[T]) {
+        if block < end {
+            self.tile(seq, kv_head, block)
+        } else {
+            (&[], &[])
+        }
+    }
 }
 
 /// The paged cache: layer buffers `[num_blocks, num_kv_heads, block_size, head_dim]` and block

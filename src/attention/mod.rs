@@ -255,19 +255,24 @@ impl ContiguousKv {
     }
 }
 
-/// Pseudo-random values in [-1, 1) (splitmix64): cheap, deterministic, no dependency.
+/// `len` pseudo-random values in [-1, 1), on huge pages where the system allows.
 pub(crate) fn random_values<T: KvElement>(len: usize, seed: u64) -> Vec<T> {
+    let mut values = crate::memory::zeroed_vec(len);
+    fill_random_values(&mut values, seed);
+    values
+}
+
+/// Overwrites `values` with pseudo-random values in [-1, 1) from `seed` (splitmix64).
+pub(crate) fn fill_random_values<T: KvElement>(values: &mut [T], seed: u64) {
     let mut state = seed;
-    (0..len)
-        .map(|_| {
-            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-            let mut z = state;
-            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-            z ^= z >> 31;
-            T::from_f32((z >> 40) as f32 / (1u64 << 23) as f32 - 1.0)
-        })
-        .collect()
+    for value in values {
+        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^= z >> 31;
+        *value = T::from_f32((z >> 40) as f32 / (1u64 << 23) as f32 - 1.0);
+    }
 }
 
 /// The validated query side of a call.
