@@ -16,7 +16,7 @@
 use std::cell::RefCell;
 
 use super::layout::KvLayout;
-use super::plan::{Group, Item};
+use super::plan::{Group, Heads, Item};
 use super::simd::Kernels;
 use super::Problem;
 use crate::dtype::KvElement;
@@ -94,21 +94,35 @@ pub(crate) unsafe fn run_item<K: Kernels, T: KvElement, L: KvLayout<T>>(
     SCRATCH.with(|scratch| {
         let scratch = &mut *scratch.borrow_mut();
         let (d, group, bs) = (problem.head_dim, problem.group_size(), layout.block_size());
-        let rows = item.queries * group;
+        // Rows are grouped by KV head: `head_rows` rows (query i / group, query head i % group of
+        // the KV head's group) per KV head of the item.
+        let head_rows = item.queries * group;
+        let rows = head_rows * item.heads.count;
         // Keys scored per online-softmax step: several small blocks at once, so the per-row
         // softmax bookkeeping is paid per 64 keys rather than per block.
         let blocks_per_step = (KEYS_PER_STEP / bs).max(1);
         let stride = (blocks_per_step * bs).next_multiple_of(8);
-        // Position of the tile's first query; row i belongs to query i / group.
+        // Tiles are visited block by block, KV head by KV head within a block; while one computes,
+        // the tile `ahead` places later in that order is prefetched: about `KEYS_PER_STEP` rows
+        // ahead. With shuffled blocks the hardware prefetcher cannot run ahead across tiles, one
+        // tile of 16 rows is too short to cover memory latency, and much more leaves L2 before use.
+        let ahead = (KEYS_PER_STEP / bs).max(1);
+        let heads = item.heads.count;
+        let tile_ahead = |b: usize, h: usize| {
+            let later = (b - item.first_block) * heads + h + ahead;
+            (item.first_block + later / heads, later % heads)
+        };
         let first_position =
             problem.context_len(item.seq) - problem.num_queries(item.seq) + item.first_query;
         let last_position = first_position + item.queries - 1;
+        let kv_head = |h: usize| item.heads.first + h;
 
         resize(&mut scratch.queries, rows * d, 0.0);
         let query_base = problem.query_offset(item.seq) + item.first_query;
         for (i, row) in scratch.queries.chunks_exact_mut(d).enumerate() {
-            let head = item.kv_head * group + i % group;
-            let at = ((query_base + i / group) * problem.num_heads + head) * d;
+            let (h, j) = (i / head_rows, i % head_rows);
+            let head = kv_head(h) * group + j % group;
+            let at = ((query_base + j / group) * problem.num_heads + head) * d;
             for (dst, &x) in row.iter_mut().zip(&problem.q[at..at + d]) {
                 *dst = x * problem.scale;
             }
@@ -118,10 +132,14 @@ pub(crate) unsafe fn run_item<K: Kernels, T: KvElement, L: KvLayout<T>>(
         resize(&mut scratch.max, rows, f32::NEG_INFINITY);
         resize(&mut scratch.sum, rows, 0.0);
 
-        // The first step's tiles are requested together, so their misses overlap; every later
-        // tile is prefetched a step ahead while the kernels work (see `Kernels::scores`).
-        for b in item.first_block..(item.first_block + blocks_per_step).min(item.end_block) {
-            let (keys, values) = layout.tile(item.seq, item.kv_head, b);
+        // The first tiles are requested together, so their misses overlap; every later tile is
+        // prefetched `ahead` blocks early while the kernels work (see `Kernels::scores`).
+        for t in 0..ahead {
+            let (b, h) = (item.first_block + t / heads, t % heads);
+            if b >= item.end_block {
+                break;
+            }
+            let (keys, values) = layout.tile(item.seq, kv_head(h), b);
             K::prefetch(keys);
             K::prefetch(values);
         }
@@ -133,31 +151,31 @@ pub(crate) unsafe fn run_item<K: Kernels, T: KvElement, L: KvLayout<T>>(
             // partial, so its keys occupy columns 0..columns without gaps.
             let mut columns = 0;
             for b in block..step_end {
-                let (keys, _) = layout.tile(item.seq, item.kv_head, b);
-                // A whole step ahead (64+ keys): with shuffled blocks the hardware prefetcher
-                // cannot run ahead across tiles, and one block of distance is too short to cover
-                // memory latency.
-                let (next_keys, _) = layout.tile_or_empty(
-                    item.seq,
-                    item.kv_head,
-                    b + blocks_per_step,
-                    item.end_block,
-                );
                 let valid = bs.min(last_position + 1 - b * bs);
-                K::scores(
-                    &scratch.queries,
-                    rows,
-                    keys,
-                    valid,
-                    d,
-                    &mut scratch.scores[columns..],
-                    stride,
-                    next_keys,
-                );
+                for h in 0..item.heads.count {
+                    let (keys, _) = layout.tile(item.seq, kv_head(h), b);
+                    let (next_block, next_head) = tile_ahead(b, h);
+                    let (next_keys, _) = layout.tile_or_empty(
+                        item.seq,
+                        kv_head(next_head),
+                        next_block,
+                        item.end_block,
+                    );
+                    K::scores(
+                        &scratch.queries[h * head_rows * d..],
+                        head_rows,
+                        keys,
+                        valid,
+                        d,
+                        &mut scratch.scores[h * head_rows * stride + columns..],
+                        stride,
+                        next_keys,
+                    );
+                }
                 columns += valid;
             }
             for i in 0..rows {
-                let position = first_position + i / group;
+                let position = first_position + (i % head_rows) / group;
                 let allowed = (position + 1).saturating_sub(first_key).min(columns);
                 let scores = &mut scratch.scores[i * stride..i * stride + columns];
                 scores[allowed..].fill(f32::NEG_INFINITY);
@@ -179,24 +197,27 @@ pub(crate) unsafe fn run_item<K: Kernels, T: KvElement, L: KvLayout<T>>(
             }
             let mut column = 0;
             for b in block..step_end {
-                let (_, values) = layout.tile(item.seq, item.kv_head, b);
-                let (_, next_values) = layout.tile_or_empty(
-                    item.seq,
-                    item.kv_head,
-                    b + blocks_per_step,
-                    item.end_block,
-                );
                 let valid = bs.min(last_position + 1 - b * bs);
-                K::accumulate(
-                    &scratch.scores[column..],
-                    stride,
-                    rows,
-                    values,
-                    valid,
-                    d,
-                    &mut scratch.acc,
-                    next_values,
-                );
+                for h in 0..item.heads.count {
+                    let (_, values) = layout.tile(item.seq, kv_head(h), b);
+                    let (next_block, next_head) = tile_ahead(b, h);
+                    let (_, next_values) = layout.tile_or_empty(
+                        item.seq,
+                        kv_head(next_head),
+                        next_block,
+                        item.end_block,
+                    );
+                    K::accumulate(
+                        &scratch.scores[h * head_rows * stride + column..],
+                        stride,
+                        head_rows,
+                        values,
+                        valid,
+                        d,
+                        &mut scratch.acc[h * head_rows * d..],
+                        next_values,
+                    );
+                }
                 column += valid;
             }
             block = step_end;
@@ -205,7 +226,14 @@ pub(crate) unsafe fn run_item<K: Kernels, T: KvElement, L: KvLayout<T>>(
             None => {
                 for i in 0..rows {
                     let dst = out.region(
-                        output_offset(problem, item.seq, item.kv_head, item.first_query, i),
+                        output_offset(
+                            problem,
+                            item.seq,
+                            item.heads,
+                            item.first_query,
+                            item.queries,
+                            i,
+                        ),
                         d,
                     );
                     let inverse = 1.0 / scratch.sum[i];
@@ -229,17 +257,20 @@ pub(crate) unsafe fn run_item<K: Kernels, T: KvElement, L: KvLayout<T>>(
     })
 }
 
-/// Offset in `out` of row `i` (query `i / group`, head `i % group` of the KV head's group) of a tile.
+/// Offset in `out` of row `i` of an item or group of `queries` query tokens over `heads` (rows
+/// ordered KV head, query token, query head of the group).
 fn output_offset(
     problem: &Problem<'_>,
     seq: usize,
-    kv_head: usize,
+    heads: Heads,
     first_query: usize,
+    queries: usize,
     i: usize,
 ) -> usize {
     let group = problem.group_size();
-    let token = problem.query_offset(seq) + first_query + i / group;
-    (token * problem.num_heads + kv_head * group + i % group) * problem.head_dim
+    let (h, j) = (i / (queries * group), i % (queries * group));
+    let token = problem.query_offset(seq) + first_query + j / group;
+    (token * problem.num_heads + (heads.first + h) * group + j % group) * problem.head_dim
 }
 
 /// Merges the partial results of a group's partitions into its output rows.
@@ -258,10 +289,17 @@ pub(crate) unsafe fn merge_group(
     let slots: Vec<&[f32]> = (0..group.parts)
         .map(|p| &*partials.region((group.first_slot + p) * slot_len, slot_len))
         .collect();
-    for i in 0..group.queries * problem.group_size() {
+    for i in 0..group.queries * problem.group_size() * group.heads.count {
         let global_max = slots.iter().map(|s| s[i]).fold(f32::NEG_INFINITY, f32::max);
         let dst = out.region(
-            output_offset(problem, group.seq, group.kv_head, group.first_query, i),
+            output_offset(
+                problem,
+                group.seq,
+                group.heads,
+                group.first_query,
+                group.queries,
+                i,
+            ),
             d,
         );
         dst.fill(0.0);

@@ -453,7 +453,7 @@ fn execute_on<K: Kernels, T: KvElement, L: KvLayout<T>>(
         std::mem::size_of::<T>(),
         threads,
     );
-    let max_rows = plan.tile_tokens * problem.group_size();
+    let max_rows = plan.max_rows;
     let mut partials =
         vec![0.0f32; plan.partial_slots() * partial_slot_len(max_rows, problem.head_dim)];
     let (out, partials) = (SharedOut::new(out), SharedOut::new(&mut partials));

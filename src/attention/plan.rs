@@ -1,8 +1,11 @@
 //! How one attention call is cut into independent work items.
 //!
-//! An item is (sequence, KV head, query tile, key partition): all query heads of the KV-head group
-//! for up to `tile_tokens` query tokens, against a contiguous range of that sequence's key
-//! blocks. Invariants:
+//! An item is (sequence, KV heads, query tile, key partition): all query heads of one KV head's
+//! group, or of every KV head when the tile is small enough (decode), for up to `tile_tokens`
+//! query tokens, against a contiguous range of that sequence's key blocks. An item over every KV
+//! head reads each block's K (and V) as one contiguous run of `num_kv_heads` tiles, which a
+//! shuffled block table of small blocks otherwise cuts into scattered 4–8 KiB pieces.
+//! Invariants:
 //! - Every (query token, query head) output row belongs to exactly one query tile; when the tile's
 //!   keys are split into several partitions (flash-decoding), each partition writes its own
 //!   partial-result slot and one [`Group`] merges them into the output rows.
@@ -32,7 +35,7 @@ const BYTES_PER_NANO: f64 = 20.0;
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Item {
     pub seq: usize,
-    pub kv_head: usize,
+    pub heads: Heads,
     /// First query token of the tile, counted within the sequence's queries.
     pub first_query: usize,
     pub queries: usize,
@@ -47,18 +50,25 @@ pub(crate) struct Item {
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Group {
     pub seq: usize,
-    pub kv_head: usize,
+    pub heads: Heads,
     pub first_query: usize,
     pub queries: usize,
     pub first_slot: usize,
     pub parts: usize,
 }
 
+/// The KV heads `first..first + count` an item or group covers.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Heads {
+    pub first: usize,
+    pub count: usize,
+}
+
 pub(crate) struct Plan {
     pub items: Vec<Item>,
     pub groups: Vec<Group>,
-    /// Query tokens per tile at most.
-    pub tile_tokens: usize,
+    /// Output rows (query tokens × query heads) of the largest item.
+    pub max_rows: usize,
     /// Whether the call is small enough to run on the calling thread.
     pub inline: bool,
 }
@@ -90,8 +100,21 @@ impl Plan {
         let kv_heads = problem.num_kv_heads;
         let estimate = kv_heads as f64 * (fmas / FMAS_PER_NANO).max(bytes / BYTES_PER_NANO);
         let inline = threads <= 1 || estimate < INLINE_NANOS;
+        // Whether a tile's items cover every KV head at once (see the module doc).
+        let all_heads = |queries: usize| queries * group * kv_heads <= TARGET_TILE_ROWS;
+        let head_sets = |queries: usize| {
+            let (count, sets) = if all_heads(queries) {
+                (kv_heads, 1)
+            } else {
+                (1, kv_heads)
+            };
+            (0..sets).map(move |set| Heads {
+                first: set * count,
+                count,
+            })
+        };
 
-        let base_items = tiles.len() * kv_heads;
+        let base_items: usize = tiles.iter().map(|t| head_sets(t.2).len()).sum();
         let wanted_parts = if inline {
             1
         } else {
@@ -102,13 +125,15 @@ impl Plan {
         let mut items = Vec::with_capacity(base_items * wanted_parts);
         let mut groups = Vec::new();
         let mut next_slot = 0;
+        let mut max_rows = 0;
         for &(seq, first_query, queries, blocks) in &tiles {
             let parts = wanted_parts.min(blocks / min_blocks).max(1);
-            for kv_head in 0..kv_heads {
+            for heads in head_sets(queries) {
+                max_rows = max_rows.max(queries * group * heads.count);
                 if parts > 1 {
                     groups.push(Group {
                         seq,
-                        kv_head,
+                        heads,
                         first_query,
                         queries,
                         first_slot: next_slot,
@@ -121,7 +146,7 @@ impl Plan {
                         (blocks * part / parts, blocks * (part + 1) / parts);
                     items.push(Item {
                         seq,
-                        kv_head,
+                        heads,
                         first_query,
                         queries,
                         first_block,
@@ -137,7 +162,7 @@ impl Plan {
         Plan {
             items,
             groups,
-            tile_tokens,
+            max_rows,
             inline,
         }
     }
