@@ -100,27 +100,44 @@ impl Plan {
         let kv_heads = problem.num_kv_heads;
         let estimate = kv_heads as f64 * (fmas / FMAS_PER_NANO).max(bytes / BYTES_PER_NANO);
         let inline = threads <= 1 || estimate < INLINE_NANOS;
-        // Whether a tile's items cover every KV head at once (see the module doc).
-        let all_heads = |queries: usize| queries * group * kv_heads <= TARGET_TILE_ROWS;
-        let head_sets = |queries: usize| {
-            let (count, sets) = if all_heads(queries) {
-                (kv_heads, 1)
-            } else {
-                (1, kv_heads)
+        let min_blocks = MIN_PARTITION_TOKENS.div_ceil(block_size);
+        // Items per tile and partitions per item, with small tiles' items covering every KV
+        // head (see the module doc) or not.
+        let layout = |merge_heads: bool| {
+            let head_count = move |queries: usize| {
+                if merge_heads && queries * group * kv_heads <= TARGET_TILE_ROWS {
+                    kv_heads
+                } else {
+                    1
+                }
             };
-            (0..sets).map(move |set| Heads {
+            let base_items: usize = tiles.iter().map(|t| kv_heads / head_count(t.2)).sum();
+            let wanted_parts = if inline {
+                1
+            } else {
+                (ITEMS_PER_THREAD * threads).div_ceil(base_items.max(1))
+            };
+            let items: usize = tiles
+                .iter()
+                .map(|t| kv_heads / head_count(t.2) * wanted_parts.min(t.3 / min_blocks).max(1))
+                .sum();
+            (head_count, base_items, wanted_parts, items)
+        };
+        // Merged heads only when they still give every thread an item (a short context of one
+        // sequence cannot be partitioned enough).
+        let merged = layout(true);
+        let (head_count, base_items, wanted_parts, _) = if inline || merged.3 >= threads {
+            merged
+        } else {
+            layout(false)
+        };
+        let head_sets = |queries: usize| {
+            let count = head_count(queries);
+            (0..kv_heads / count).map(move |set| Heads {
                 first: set * count,
                 count,
             })
         };
-
-        let base_items: usize = tiles.iter().map(|t| head_sets(t.2).len()).sum();
-        let wanted_parts = if inline {
-            1
-        } else {
-            (ITEMS_PER_THREAD * threads).div_ceil(base_items.max(1))
-        };
-        let min_blocks = MIN_PARTITION_TOKENS.div_ceil(block_size);
 
         let mut items = Vec::with_capacity(base_items * wanted_parts);
         let mut groups = Vec::new();
