@@ -1,10 +1,11 @@
 """Paged attention: decode near the memory-bandwidth limit, paged vs contiguous, prefill GFLOP/s.
 
 Each case times, interleaved round by round, paged decode over a shuffled block table and over a
-sequential one, the same loop over contiguous K/V (``ContiguousKV``), a numpy baseline on
-contiguous float32 K/V, and a read-only sweep of memory (``ReadBandwidthProbe``) on the same
-threads: every figure is compared with what the machine gave in the same minutes. The median of
-the samples is reported.
+sequential one, the same loop over contiguous K/V (``ContiguousKV``) and a read-only sweep of
+memory (``ReadBandwidthProbe``) on the same threads: every figure is compared with what the
+machine gave in the same minutes. A numpy baseline on contiguous float32 K/V is timed after them
+(its BLAS threads spin after each call and would slow whatever ran next). The median of the
+samples is reported.
 
 So that K/V come from memory rather than from the 32 MiB L3, every variant holds several
 "layers" of K/V, at least ``--kv-mib`` in all, and consecutive calls walk through them like the
@@ -129,6 +130,7 @@ class Case:
 
 def _measure(case: Case, probe, samples: int) -> dict[str, list[float]]:
     runners = case.runners()
+    numpy_runner = runners.pop("numpy")
     names = list(runners)
     for name in names:  # warm-up: page in, build the pool, fault the output buffers
         _median_time(runners[name], case.layers)
@@ -143,6 +145,10 @@ def _measure(case: Case, probe, samples: int) -> dict[str, list[float]]:
         times["bandwidth"].append(probe.sweep())
         if case.kind == "prefill":
             times["fma_peak"].append(_core.measure_fma_peak())
+    # numpy last, on its own: its BLAS worker threads keep spinning for a while after each call
+    # and would take the cores from whichever variant ran next.
+    _median_time(numpy_runner, case.layers)
+    times["numpy"] = [_median_time(numpy_runner, case.layers) for _ in range(samples)]
     return times
 
 
