@@ -9,7 +9,7 @@
 //! - Every argument is validated before anything is computed; an error leaves `out` untouched.
 //! - Only the used part of a block table (`ceil(context_len / block_size)` entries) is read;
 //!   padding is never dereferenced.
-//! - Work runs over (sequence, KV head, query tile, key partition) items (see [`plan`]); each K/V
+//! - Work runs over (sequence, KV heads, query tile, key partition) items (see [`plan`]); each K/V
 //!   tile is read once per KV-head group, all query heads of the group scored together.
 //! - Results do not depend on the thread count beyond f32 rounding of the partition merge.
 
