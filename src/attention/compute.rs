@@ -108,14 +108,16 @@ pub(crate) unsafe fn run_item<K: Kernels, T: KvElement, L: KvLayout<T>>(
         // tile of 16 rows is too short to cover memory latency, and much more leaves L2 before use.
         let ahead = (KEYS_PER_STEP / bs).max(1);
         let heads = item.heads.count;
-        let tile_ahead = |b: usize, h: usize| {
+        let kv_head = |h: usize| item.heads.first + h;
+        // The K and V tiles to prefetch while tile (b, h) computes (empty past the item's end).
+        let tiles_ahead = |b: usize, h: usize| {
             let later = (b - item.first_block) * heads + h + ahead;
-            (item.first_block + later / heads, later % heads)
+            let (block, head) = (item.first_block + later / heads, later % heads);
+            layout.tile_or_empty(item.seq, kv_head(head), block, item.end_block)
         };
         let first_position =
             problem.context_len(item.seq) - problem.num_queries(item.seq) + item.first_query;
         let last_position = first_position + item.queries - 1;
-        let kv_head = |h: usize| item.heads.first + h;
 
         resize(&mut scratch.queries, rows * d, 0.0);
         let query_base = problem.query_offset(item.seq) + item.first_query;
@@ -152,15 +154,9 @@ pub(crate) unsafe fn run_item<K: Kernels, T: KvElement, L: KvLayout<T>>(
             let mut columns = 0;
             for b in block..step_end {
                 let valid = bs.min(last_position + 1 - b * bs);
-                for h in 0..item.heads.count {
+                for h in 0..heads {
                     let (keys, _) = layout.tile(item.seq, kv_head(h), b);
-                    let (next_block, next_head) = tile_ahead(b, h);
-                    let (next_keys, _) = layout.tile_or_empty(
-                        item.seq,
-                        kv_head(next_head),
-                        next_block,
-                        item.end_block,
-                    );
+                    let (next_keys, _) = tiles_ahead(b, h);
                     K::scores(
                         &scratch.queries[h * head_rows * d..],
                         head_rows,
@@ -198,15 +194,9 @@ pub(crate) unsafe fn run_item<K: Kernels, T: KvElement, L: KvLayout<T>>(
             let mut column = 0;
             for b in block..step_end {
                 let valid = bs.min(last_position + 1 - b * bs);
-                for h in 0..item.heads.count {
+                for h in 0..heads {
                     let (_, values) = layout.tile(item.seq, kv_head(h), b);
-                    let (next_block, next_head) = tile_ahead(b, h);
-                    let (_, next_values) = layout.tile_or_empty(
-                        item.seq,
-                        kv_head(next_head),
-                        next_block,
-                        item.end_block,
-                    );
+                    let (_, next_values) = tiles_ahead(b, h);
                     K::accumulate(
                         &scratch.scores[h * head_rows * stride + column..],
                         stride,
