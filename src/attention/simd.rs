@@ -78,7 +78,8 @@ impl std::str::FromStr for KernelPath {
 /// available on this CPU.
 pub(crate) trait Kernels {
     /// `scores[i * stride + r] = q[i] · k[r]` for query rows `i < m` and key rows `r < rows`;
-    /// `q` is `m × head_dim`, `k` is at least `rows × head_dim`.
+    /// `q` is `m × head_dim`, `k` is at least `rows × head_dim`. `prefetch` (possibly empty) is a
+    /// later tile to request into L2 a line at a time between the arithmetic.
     unsafe fn scores<T: KvElement>(
         q: &[f32],
         m: usize,
@@ -97,6 +98,7 @@ pub(crate) trait Kernels {
     unsafe fn exp_sub_sum(row: &mut [f32], max: f32) -> f32;
 
     /// `acc[i] += Σ_r p[i * stride + r] · v[r]` for `i < m`, `r < rows`; `acc` is `m × head_dim`.
+    /// `prefetch` as in [`Kernels::scores`].
     unsafe fn accumulate<T: KvElement>(
         p: &[f32],
         stride: usize,
@@ -111,7 +113,8 @@ pub(crate) trait Kernels {
     /// Multiplies every element of `row` by `factor`.
     unsafe fn scale(row: &mut [f32], factor: f32);
 
-    /// Asks the cache to start loading `tile` (the next block's K or V) while this one computes.
+    /// Asks the cache to start loading all of `tile` at once (an item's first tiles, before any
+    /// arithmetic to pace the requests with).
     unsafe fn prefetch<T>(tile: &[T]);
 
     /// Sum of `data` (the read-bandwidth probe): the same loads as the attention loop, no compute.
@@ -242,14 +245,14 @@ mod avx2 {
     /// 128+ prefetches per tile fills the miss buffers and stalls the core with the arithmetic
     /// it could have overlapped (0.33–0.36 of the read bandwidth); one line requested per 8 FMAs,
     /// about one line per line of f32 K/V consumed, reached 0.57–0.74.
-    pub(super) struct Ahead {
+    struct Ahead {
         start: *const i8,
         next: *const i8,
         end: *const i8,
     }
 
     impl Ahead {
-        pub(super) fn new<T>(tile: &[T]) -> Self {
+        fn new<T>(tile: &[T]) -> Self {
             let range = tile.as_ptr_range();
             Ahead {
                 start: range.start.cast(),
