@@ -226,7 +226,7 @@ def test_config_reads_hugging_face_keys() -> None:
 
 
 @pytest.mark.parametrize("change, message", [
-    ({"rope_scaling": {"type": "llama3", "factor": 8.0}}, "rope_scaling"),
+    ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_scaling"),
     ({"num_key_value_heads": 4}, "multiple"),
     ({"model_type": "gpt2"}, "model_type"),
     ({"attention_bias": True}, "attention_bias"),

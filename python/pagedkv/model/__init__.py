@@ -1,14 +1,15 @@
 """The model side of pagedkv: a Llama decoder running on the paged KV cache, its checkpoints,
 sampling, tokenizers, a dense reference (the test oracle) and a simulated model for large runs.
 
-One concept per module: :mod:`~pagedkv.model.config`, :mod:`~pagedkv.model.weights`,
+One concept per module: :mod:`~pagedkv.model.config`, :mod:`~pagedkv.model.files` (safe opening of
+checkpoint files), :mod:`~pagedkv.model.weights`, :mod:`~pagedkv.model.rope`,
 :mod:`~pagedkv.model.step`, :mod:`~pagedkv.model.llama`, :mod:`~pagedkv.model.reference`,
 :mod:`~pagedkv.model.sampling`, :mod:`~pagedkv.model.tokenizer`, :mod:`~pagedkv.model.simulated`.
 """
 
 from __future__ import annotations
 
-from pagedkv.model.config import LlamaConfig
+from pagedkv.model.config import LlamaConfig, RopeScaling
 from pagedkv.model.llama import LlamaModel
 from pagedkv.model.reference import DenseReference
 from pagedkv.model.sampling import SamplingParams, sample
@@ -19,6 +20,7 @@ from pagedkv.model.weights import LayerWeights, LlamaWeights, load_checkpoint, l
 
 __all__ = [
     "LlamaConfig",
+    "RopeScaling",
     "LlamaWeights",
     "LayerWeights",
     "load_config",

@@ -1,23 +1,72 @@
-"""The shape of a Llama-architecture decoder: :class:`LlamaConfig`."""
+"""The shape of a Llama-architecture decoder: :class:`LlamaConfig`, with its rotary scaling
+:class:`RopeScaling`, and how both are read from a Hugging Face ``config.json``.
+
+Invariants: a constructed config is valid (``__post_init__`` checks every range); JSON types are
+checked by one reader, :class:`_Fields`, whose errors name the offending key; a setting the model
+does not implement is refused, never ignored.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import sys
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, NoReturn, TypeVar
 
 from pagedkv.errors import InvalidArgumentError
 
-__all__ = ["LlamaConfig"]
+__all__ = ["LlamaConfig", "RopeScaling", "generation_eos_token_ids"]
 
-# Hugging Face ``config.json`` keys a Llama checkpoint must have -> LlamaConfig field.
-_REQUIRED_HF_KEYS = {
-    "vocab_size": "vocab_size",
-    "hidden_size": "hidden_size",
-    "intermediate_size": "intermediate_size",
-    "num_hidden_layers": "num_layers",
-    "num_attention_heads": "num_heads",
-}
+T = TypeVar("T")
+
+# Dataclass field -> its config.json key, where they differ (for error messages).
+_HF_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads"}
+
+# Keys of a rope settings object (config.json "rope_parameters" or "rope_scaling") this model reads.
+_ROPE_KEYS = {"rope_type", "type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """A rescaling of the rotary frequencies for contexts longer than pretraining, as transformers
+    defines it (the frequencies are computed by :func:`pagedkv.model.rope.rope_frequencies`).
+
+    - ``"linear"``: every frequency divided by ``factor``; the other fields are None.
+    - ``"llama3"`` (Llama 3.1 and later): wavelengths shorter than
+      ``original_max_position_embeddings / high_freq_factor`` keep their frequency, those longer
+      than ``original_max_position_embeddings / low_freq_factor`` are divided by ``factor``, and
+      those between are interpolated smoothly between the two.
+    """
+
+    rope_type: str
+    factor: float
+    low_freq_factor: float | None = None
+    high_freq_factor: float | None = None
+    original_max_position_embeddings: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in ("linear", "llama3"):
+            raise InvalidArgumentError(f"rope_type {self.rope_type!r} is not supported (default, linear, llama3)")
+        if not _is_positive_number(self.factor):
+            raise InvalidArgumentError(f"rope factor must be a positive number, got {self.factor!r}")
+        llama3 = (self.low_freq_factor, self.high_freq_factor, self.original_max_position_embeddings)
+        if self.rope_type == "linear":
+            if any(value is not None for value in llama3):
+                raise InvalidArgumentError("linear rope scaling takes only a factor")
+            return
+        low, high, original = llama3
+        if not (_is_positive_number(low) and _is_positive_number(high) and low < high):  # type: ignore[operator]
+            raise InvalidArgumentError(
+                f"llama3 rope needs 0 < low_freq_factor < high_freq_factor, got {low!r} and {high!r}"
+            )
+        if not isinstance(original, int) or isinstance(original, bool) or original <= 0:
+            raise InvalidArgumentError(f"llama3 rope original_max_position_embeddings must be a positive integer, got {original!r}")
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """The ``rope_scaling`` object of a ``config.json``."""
+        fields = {"rope_type": self.rope_type, **dataclasses.asdict(self)}
+        return {key: value for key, value in fields.items() if value is not None}
 
 
 @dataclass(frozen=True)
@@ -26,8 +75,9 @@ class LlamaConfig:
     position embedding, grouped-query attention, SwiGLU MLP, LM head).
 
     ``num_heads`` query heads share ``num_kv_heads`` K/V heads (grouped-query attention), so
-    ``num_heads`` must be a multiple of ``num_kv_heads``. ``eos_token_ids`` is a tuple because
-    some checkpoints (Llama 3) stop on several tokens.
+    ``num_heads`` must be a multiple of ``num_kv_heads``. ``rope_scaling`` None is plain rotary
+    embedding. ``eos_token_ids`` holds every id that ends generation (Llama 3 has several);
+    generation stops on any of them.
     """
 
     vocab_size: int
@@ -43,26 +93,30 @@ class LlamaConfig:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = 1
     eos_token_ids: tuple[int, ...] = (2,)
+    rope_scaling: RopeScaling | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
                      "num_kv_heads", "head_dim", "max_position_embeddings"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise InvalidArgumentError(f"LlamaConfig.{name} must be a positive integer, got {value!r}")
+                hf_name = f" ({_HF_NAMES[name]} in config.json)" if name in _HF_NAMES else ""
+                raise InvalidArgumentError(f"{name}{hf_name} must be a positive integer, got {value!r}")
         if self.num_heads % self.num_kv_heads:
             raise InvalidArgumentError(
                 f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
         if self.head_dim % 2:
             raise InvalidArgumentError(f"head_dim must be even for rotary embedding, got {self.head_dim}")
-        if not self.rope_theta > 0:
-            raise InvalidArgumentError(f"rope_theta must be positive, got {self.rope_theta!r}")
-        if not self.rms_norm_eps > 0:
-            raise InvalidArgumentError(f"rms_norm_eps must be positive, got {self.rms_norm_eps!r}")
+        if not _is_positive_number(self.rope_theta):
+            raise InvalidArgumentError(f"rope_theta must be a positive number, got {self.rope_theta!r}")
+        if not _is_positive_number(self.rms_norm_eps):
+            raise InvalidArgumentError(f"rms_norm_eps must be a positive number, got {self.rms_norm_eps!r}")
+        if not isinstance(self.tie_word_embeddings, bool):
+            raise InvalidArgumentError(f"tie_word_embeddings must be a bool, got {self.tie_word_embeddings!r}")
         special = [self.bos_token_id, *self.eos_token_ids]
-        if any(t is not None and not 0 <= t < self.vocab_size for t in special):
-            raise InvalidArgumentError(f"special token ids {special} must lie in [0, {self.vocab_size})")
+        if any(t is not None and not (_is_int(t) and 0 <= t < self.vocab_size) for t in special):
+            raise InvalidArgumentError(f"special token ids {special} must be integers in [0, {self.vocab_size})")
 
     @property
     def num_queries_per_kv(self) -> int:
@@ -92,39 +146,47 @@ class LlamaConfig:
 
     @classmethod
     def from_hf_dict(cls, hf: Mapping[str, Any]) -> LlamaConfig:
-        """Reads a Hugging Face Llama ``config.json`` (already parsed). Raises
-        :class:`InvalidArgumentError` for a missing key or an architecture feature this model does
-        not implement (rope scaling, attention or MLP biases, an activation other than SiLU)."""
-        missing = [key for key in _REQUIRED_HF_KEYS if key not in hf]
-        if missing:
-            raise InvalidArgumentError(f"config is missing required keys {missing}")
-        model_type = hf.get("model_type", "llama")
+        """Reads a Hugging Face Llama ``config.json`` (already parsed). A JSON null counts as an
+        absent key. Rope settings are read from ``rope_parameters`` (transformers ≥ 5) or
+        ``rope_theta`` + ``rope_scaling`` (earlier), which must agree where both are given.
+        ``eos_token_id`` may be an id or a list of ids. Raises :class:`InvalidArgumentError`,
+        naming the key, for a missing key, a value of the wrong type or range, or an
+        architecture feature this model does not implement (rope types other than default,
+        linear and llama3, partial rotary embedding, attention or MLP biases, an activation
+        other than SiLU)."""
+        f = _Fields(hf)
+        model_type = f.str_("model_type", "llama")
         if model_type != "llama":
             raise InvalidArgumentError(f"model_type {model_type!r} is not supported (only 'llama')")
-        unsupported = {
-            "rope_scaling": hf.get("rope_scaling") is not None,
-            "attention_bias": bool(hf.get("attention_bias", False)),
-            "mlp_bias": bool(hf.get("mlp_bias", False)),
-            "hidden_act": hf.get("hidden_act", "silu") != "silu",
-        }
-        for key, present in unsupported.items():
-            if present:
-                raise InvalidArgumentError(f"config {key}={hf[key]!r} is not supported")
-        num_heads = hf["num_attention_heads"]
-        eos = hf.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
-        fields: dict[str, Any] = {field: hf[key] for key, field in _REQUIRED_HF_KEYS.items()}
-        fields.update(
-            num_kv_heads=hf.get("num_key_value_heads") or num_heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
-            rope_theta=float(hf.get("rope_theta", 10000.0)),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            max_position_embeddings=hf.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            bos_token_id=hf.get("bos_token_id"),
-            eos_token_ids=eos_ids,
+        hidden_act = f.str_("hidden_act", "silu")
+        if hidden_act != "silu":
+            raise InvalidArgumentError(f"hidden_act {hidden_act!r} is not supported (only 'silu')")
+        for key in ("attention_bias", "mlp_bias"):
+            if f.bool_(key, False):
+                raise InvalidArgumentError(f"{key}=true is not supported")
+        if f.number("partial_rotary_factor", 1.0) != 1.0:
+            raise InvalidArgumentError(f"partial_rotary_factor={hf['partial_rotary_factor']!r} is not supported (only 1.0)")
+        hidden_size = f.int_("hidden_size")
+        num_heads = f.int_("num_attention_heads")
+        # A non-positive num_heads derives no head_dim; __post_init__ then reports num_heads.
+        derived_head_dim = hidden_size // num_heads if num_heads > 0 else 0
+        rope_theta, rope_scaling = _read_rope(f)
+        return cls(
+            vocab_size=f.int_("vocab_size"),
+            hidden_size=hidden_size,
+            intermediate_size=f.int_("intermediate_size"),
+            num_layers=f.int_("num_hidden_layers"),
+            num_heads=num_heads,
+            num_kv_heads=f.int_("num_key_value_heads", num_heads),
+            head_dim=f.int_("head_dim", derived_head_dim),
+            rope_theta=rope_theta,
+            rms_norm_eps=f.number("rms_norm_eps", 1e-6),
+            max_position_embeddings=f.int_("max_position_embeddings", 2048),
+            tie_word_embeddings=f.bool_("tie_word_embeddings", False),
+            bos_token_id=f.get("bos_token_id", _is_int, "an integer", None),
+            eos_token_ids=f.token_ids("eos_token_id"),
+            rope_scaling=rope_scaling,
         )
-        return cls(**fields)
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The Hugging Face ``config.json`` content describing this model."""
@@ -143,6 +205,7 @@ class LlamaConfig:
             "head_dim": self.head_dim,
             "hidden_act": "silu",
             "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling.to_hf_dict() if self.rope_scaling else None,
             "rms_norm_eps": self.rms_norm_eps,
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,
@@ -153,3 +216,123 @@ class LlamaConfig:
     def replace(self, **changes: Any) -> LlamaConfig:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
+
+
+def generation_eos_token_ids(generation_config: Mapping[str, Any]) -> tuple[int, ...]:
+    """The ``eos_token_id`` (an id or a list of ids) of a parsed ``generation_config.json``."""
+    return _Fields(generation_config).token_ids("eos_token_id")
+
+
+def union_token_ids(*groups: tuple[int, ...]) -> tuple[int, ...]:
+    """The ids of every group, each once, in order of first appearance."""
+    return tuple(dict.fromkeys(t for group in groups for t in group))
+
+
+def _read_rope(f: _Fields) -> tuple[float, RopeScaling | None]:
+    """``(rope_theta, rope_scaling)`` from ``rope_parameters`` and/or the older ``rope_theta`` +
+    ``rope_scaling``; a value given in both places must be the same."""
+    sources = [(key, sub) for key in ("rope_parameters", "rope_scaling") if (sub := f.object_(key)) is not None]
+    thetas: dict[str, float] = {}
+    if (top_theta := f.number("rope_theta", None)) is not None:
+        thetas["rope_theta"] = top_theta
+    scalings: dict[str, RopeScaling | None] = {}
+    for key, sub in sources:
+        if (theta := sub.number("rope_theta", None)) is not None:
+            thetas[f"{key}.rope_theta"] = theta
+        scalings[key] = sub.rope_scaling()
+    if len(set(thetas.values())) > 1:
+        raise InvalidArgumentError(f"conflicting rope theta: {thetas}")
+    if len(set(scalings.values())) > 1:
+        raise InvalidArgumentError(f"rope_parameters and rope_scaling disagree: {dict(f.raw(k) for k in scalings)}")
+    theta = next(iter(thetas.values()), 10000.0)
+    return theta, next(iter(scalings.values()), None)
+
+
+class _Fields:
+    """Typed reads of one JSON object: each method returns the value of a key, checked to be of
+    the expected JSON type, or the default when the key is absent or null (no default: the key is
+    required). Errors name the key (``where`` prefixes keys of nested objects)."""
+
+    def __init__(self, obj: Mapping[str, Any], where: str = "") -> None:
+        self._obj = obj
+        self._where = where
+
+    def get(self, key: str, check: Callable[[Any], bool], expected: str, default: Any = ...) -> Any:
+        value = self._obj.get(key)
+        if value is None:
+            if default is ...:
+                raise InvalidArgumentError(f"missing required key {self._where}{key}")
+            return default
+        if not check(value):
+            self._fail(key, expected, value)
+        return value
+
+    def int_(self, key: str, default: Any = ...) -> Any:
+        return self.get(key, _is_int, "an integer", default)
+
+    def number(self, key: str, default: Any = ...) -> Any:
+        """A JSON number, as a float."""
+        value = self.get(key, _is_float_like, "a number", default)
+        return float(value) if value is not None else None
+
+    def bool_(self, key: str, default: Any = ...) -> Any:
+        return self.get(key, lambda v: isinstance(v, bool), "true or false", default)
+
+    def str_(self, key: str, default: Any = ...) -> Any:
+        return self.get(key, lambda v: isinstance(v, str), "a string", default)
+
+    def object_(self, key: str) -> _Fields | None:
+        value = self.get(key, lambda v: isinstance(v, dict), "an object", None)
+        return None if value is None else _Fields(value, f"{self._where}{key}.")
+
+    def token_ids(self, key: str) -> tuple[int, ...]:
+        """An id or a list of ids (absent or null: none), each once, in order."""
+        value = self.get(key, lambda v: _is_int(v) or (isinstance(v, list) and all(map(_is_int, v))),
+                         "a token id or a list of token ids", None)
+        return () if value is None else union_token_ids(tuple(value) if isinstance(value, list) else (value,))
+
+    def rope_scaling(self) -> RopeScaling | None:
+        """This object read as rope settings (None for the default rope type)."""
+        unknown = sorted(set(self._obj) - _ROPE_KEYS)
+        if unknown:
+            raise InvalidArgumentError(f"{self._where}{unknown[0]} is not supported")
+        rope_type = self.str_("rope_type", None) or self.str_("type", "default")
+        if rope_type == "default":
+            return None
+        if rope_type not in ("linear", "llama3"):
+            raise InvalidArgumentError(f"{self._where}rope_type {rope_type!r} is not supported (default, linear, llama3)")
+        llama3 = rope_type == "llama3"
+        try:
+            return RopeScaling(
+                rope_type=rope_type,
+                factor=self.number("factor"),
+                low_freq_factor=self.number("low_freq_factor", ... if llama3 else None),
+                high_freq_factor=self.number("high_freq_factor", ... if llama3 else None),
+                original_max_position_embeddings=self.int_("original_max_position_embeddings", ... if llama3 else None),
+            )
+        except InvalidArgumentError as error:
+            raise InvalidArgumentError(f"{self._where[:-1]}: {error}") from None
+
+    def raw(self, key: str) -> tuple[str, Any]:
+        return f"{self._where}{key}", self._obj.get(key)
+
+    def _fail(self, key: str, expected: str, value: Any) -> NoReturn:
+        shown = repr(value)
+        shown = shown if len(shown) <= 60 else shown[:57] + "..."
+        raise InvalidArgumentError(f"{self._where}{key} must be {expected}, got {shown}")
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_float_like(value: object) -> bool:
+    """An int or float that converts to a float (JSON integers may have hundreds of digits)."""
+    return isinstance(value, float) or (_is_int(value) and abs(value) <= _FLOAT_MAX)  # type: ignore[arg-type]
+
+
+def _is_positive_number(value: object) -> bool:
+    return _is_float_like(value) and math.isfinite(value) and value > 0  # type: ignore[arg-type]
+
+
+_FLOAT_MAX = int(sys.float_info.max)

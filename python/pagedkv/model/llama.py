@@ -3,7 +3,8 @@
 One call runs one scheduler step, any mix of prefill chunks and decode tokens: each token's K/V
 is written into the cache at its slot, and attention reads every sequence's context through its
 block table with ``KVCache.attention`` (the Rust paged kernel). Positions come from the step, so
-chunked prefill, prefix-cache hits and recompute after preemption need nothing special here.
+chunked prefill, prefix-cache hits and recompute after preemption need nothing special here; the
+rotary angles are computed for those positions only (no table over ``max_position_embeddings``).
 Matrix products run in numpy float32 on the whole batch; there is no per-token Python loop.
 """
 
@@ -17,37 +18,17 @@ from threadpoolctl import ThreadpoolController
 
 from pagedkv._core import KVCache
 from pagedkv.errors import InvalidArgumentError, ShapeError
-from pagedkv.model.config import LlamaConfig
+from pagedkv.model.rope import apply_rope, rope_cos_sin, rope_frequencies
 from pagedkv.model.step import ModelStep
 from pagedkv.model.weights import LlamaWeights
 
-__all__ = ["LlamaModel", "rms_norm", "rope_tables", "apply_rope"]
+__all__ = ["LlamaModel", "rms_norm"]
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     """``x / sqrt(mean(x**2) + eps) * weight`` over the last axis, in float32."""
     mean_square = np.mean(np.square(x), axis=-1, keepdims=True)
     return x * (1.0 / np.sqrt(mean_square + np.float32(eps))) * weight
-
-
-def rope_tables(config: LlamaConfig) -> tuple[np.ndarray, np.ndarray]:
-    """Cosine and sine of the rotary angles, float32 ``[max_position_embeddings, head_dim // 2]``:
-    position ``p`` and frequency ``i`` turn by ``p * rope_theta ** (-2i / head_dim)``. Computed in
-    float64, stored in float32."""
-    half = config.head_dim // 2
-    inv_freq = config.rope_theta ** (-np.arange(half, dtype=np.float64) * 2.0 / config.head_dim)
-    angles = np.outer(np.arange(config.max_position_embeddings, dtype=np.float64), inv_freq)
-    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
-
-
-def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    """Rotates ``x`` ``[tokens, heads, head_dim]`` by per-token angles (``cos``/``sin``
-    ``[tokens, head_dim // 2]``) in the Hugging Face Llama convention: the first and second halves
-    of the head dimension form the pairs (``rotate_half``), not adjacent elements."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    c, s = cos[:, None, :], sin[:, None, :]
-    return np.concatenate((x1 * c - x2 * s, x2 * c + x1 * s), axis=-1)
 
 
 class LlamaModel:
@@ -88,7 +69,7 @@ class LlamaModel:
             )
             for layer in weights.layers
         ]
-        self._cos, self._sin = rope_tables(c)
+        self._rope_frequencies = rope_frequencies(c)
 
     def new_kv_cache(self, num_blocks: int, block_size: int = 16, dtype: str = "float32") -> KVCache:
         """A KV cache shaped for this model (one K and V buffer per layer)."""
@@ -120,7 +101,7 @@ class LlamaModel:
         if copy_ops:
             kv_cache.copy_blocks(copy_ops)
 
-        cos, sin = self._cos[positions], self._sin[positions]
+        cos, sin = rope_cos_sin(self._rope_frequencies, positions)
         hidden = self._embed[input_ids]
         for index, layer in enumerate(self._layers):
             x = rms_norm(hidden, layer.input_norm, c.rms_norm_eps)

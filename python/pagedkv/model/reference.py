@@ -3,7 +3,8 @@
 No KV cache and no batching: every call recomputes the whole sequence in float64 with a dense
 causal mask. It is written independently of :mod:`pagedkv.model.llama` (rotary embedding as a
 complex rotation, K/V heads repeated for grouped-query attention) so that the two agree only if
-both are right.
+both are right. Both take the rotary frequencies from :func:`pagedkv.model.rope.rope_frequencies`,
+which the tests check on their own against the formulas.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Sequence
 import numpy as np
 
 from pagedkv.errors import InvalidArgumentError
+from pagedkv.model.rope import rope_frequencies
 from pagedkv.model.weights import LlamaWeights
 
 __all__ = ["DenseReference"]
@@ -74,8 +76,7 @@ class DenseReference:
 
     def _rotation(self, n: int) -> np.ndarray:
         """``exp(i * position * frequency)``, complex ``[n, head_dim // 2]``."""
-        c = self.config
-        frequencies = 1.0 / c.rope_theta ** (np.arange(0, c.head_dim, 2, dtype=np.float64) / c.head_dim)
+        frequencies = rope_frequencies(self.config)
         return np.exp(1j * np.arange(n, dtype=np.float64)[:, None] * frequencies[None, :])
 
     @staticmethod

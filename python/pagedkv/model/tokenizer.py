@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Protocol, Sequence, Union
 
 from pagedkv.errors import CheckpointError, InvalidArgumentError
+from pagedkv.model.files import CheckpointFile, is_present
 
 __all__ = ["Tokenizer", "ByteTokenizer", "HFTokenizer", "load_tokenizer", "TOKENIZER_FILE"]
 
@@ -64,12 +65,17 @@ class ByteTokenizer:
 class HFTokenizer:
     """A Hugging Face ``tokenizer.json`` (any model the ``tokenizers`` package reads)."""
 
-    def __init__(self, path: Union[str, Path]) -> None:
+    def __init__(self, file: Union[str, Path, CheckpointFile]) -> None:
+        """Loads ``file``: a :class:`CheckpointFile`, or a path, which must be a regular file
+        inside its own directory."""
         from tokenizers import Tokenizer as _Tokenizer
 
-        self.path = Path(path)
+        if not isinstance(file, CheckpointFile):
+            file = CheckpointFile.locate(Path(file).parent, Path(file).name)
+        self.path = file.path
+        text = file.read_text()
         try:
-            self._tokenizer = _Tokenizer.from_file(str(self.path))
+            self._tokenizer = _Tokenizer.from_str(text)
         except Exception as error:  # the tokenizers package raises a bare Exception on bad files
             raise CheckpointError(self.path, f"cannot load tokenizer: {error}") from error
 
@@ -88,13 +94,17 @@ class HFTokenizer:
 
 
 def load_tokenizer(checkpoint_dir: Union[str, Path, None], vocab_size: int) -> Tokenizer:
-    """The tokenizer for a model of ``vocab_size`` ids: ``checkpoint_dir/tokenizer.json`` if it
-    exists, else a :class:`ByteTokenizer`. Raises :class:`InvalidArgumentError` when the chosen
-    tokenizer produces ids the model does not have."""
+    """The tokenizer for a model of ``vocab_size`` ids: ``checkpoint_dir/tokenizer.json`` if the
+    directory has that entry, else a :class:`ByteTokenizer`. Raises :class:`CheckpointError` when
+    the entry is not a regular file inside the directory or not a tokenizer, and
+    :class:`InvalidArgumentError` when the chosen tokenizer produces ids the model does not have."""
     tokenizer: Tokenizer
-    path = Path(checkpoint_dir) / TOKENIZER_FILE if checkpoint_dir is not None else None
-    tokenizer = HFTokenizer(path) if path is not None and path.is_file() else ByteTokenizer()
+    directory = Path(checkpoint_dir) if checkpoint_dir is not None else None
+    if directory is not None and is_present(directory, TOKENIZER_FILE):
+        tokenizer = HFTokenizer(CheckpointFile.locate(directory, TOKENIZER_FILE))
+    else:
+        tokenizer = ByteTokenizer()
     if tokenizer.vocab_size > vocab_size:
-        source = path if isinstance(tokenizer, HFTokenizer) else "the byte tokenizer"
+        source = tokenizer.path if isinstance(tokenizer, HFTokenizer) else "the byte tokenizer"
         raise InvalidArgumentError(f"{source} has {tokenizer.vocab_size} ids but the model only {vocab_size}")
     return tokenizer

@@ -3,26 +3,38 @@ directories (``config.json`` + ``*.safetensors``, sharded or not) read and writt
 
 Tensors keep the Hugging Face layout (a linear layer's weight is ``[out_features, in_features]``)
 and are float32 in memory whatever their dtype on disk (float32, float16 or bfloat16).
+
+Loading invariants: files are opened only through :class:`~pagedkv.model.files.CheckpointFile`
+(regular files inside the directory); nothing costs time or memory per layer the config claims
+before the safetensors headers have shown those layers' tensors exist; tensor data is read only
+after every header check passed, so a refused checkpoint allocates no weights.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Container, Iterator, Mapping, Union
+from typing import Any, Callable, Iterator, Mapping, TypeVar, Union
 
 import numpy as np
 
 from pagedkv.errors import CheckpointError, InvalidArgumentError
-from pagedkv.model.config import LlamaConfig
+from pagedkv.model.config import LlamaConfig, generation_eos_token_ids, union_token_ids
+from pagedkv.model.files import CheckpointFile, is_present
 
-__all__ = ["LayerWeights", "LlamaWeights", "load_config", "load_checkpoint", "save_checkpoint", "CONFIG_FILE", "INDEX_FILE"]
+__all__ = ["LayerWeights", "LlamaWeights", "load_config", "load_checkpoint", "save_checkpoint", "CONFIG_FILE", "INDEX_FILE",
+           "GENERATION_CONFIG_FILE"]
 
 PathLike = Union[str, Path]
+T = TypeVar("T")
 
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
+GENERATION_CONFIG_FILE = "generation_config.json"
 SINGLE_FILE = "model.safetensors"
 
 # On-disk dtype names of the safetensors header -> how to read them.
@@ -127,67 +139,115 @@ class LlamaWeights:
         return cls(config, embed, layers, tensors["model.norm.weight"], lm_head)
 
 
-def _expected_shapes(c: LlamaConfig) -> dict[str, tuple[int, ...]]:
-    """Hugging Face tensor name -> shape implied by the config (``lm_head`` only when untied)."""
+def _expected_shape(c: LlamaConfig, name: str) -> tuple[int, ...] | None:
+    """The shape the config implies for the Hugging Face tensor ``name``; None when the model has
+    no such tensor. Parses the name, so checking a file's tensors costs nothing per config layer."""
     q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-    per_layer: dict[str, tuple[int, ...]] = {
-        "input_layernorm.weight": (c.hidden_size,),
-        "self_attn.q_proj.weight": (q_dim, c.hidden_size),
-        "self_attn.k_proj.weight": (kv_dim, c.hidden_size),
-        "self_attn.v_proj.weight": (kv_dim, c.hidden_size),
-        "self_attn.o_proj.weight": (c.hidden_size, q_dim),
-        "post_attention_layernorm.weight": (c.hidden_size,),
-        "mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
-        "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
-        "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size),
-    }
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size)}
+    if name.startswith("model.layers."):
+        index, _, suffix = name[len("model.layers."):].partition(".")
+        if not (index.isascii() and index.isdigit() and len(index) < 20 and index == str(int(index))
+                and int(index) < c.num_layers):
+            return None
+        return {
+            "input_layernorm.weight": (c.hidden_size,),
+            "self_attn.q_proj.weight": (q_dim, c.hidden_size),
+            "self_attn.k_proj.weight": (kv_dim, c.hidden_size),
+            "self_attn.v_proj.weight": (kv_dim, c.hidden_size),
+            "self_attn.o_proj.weight": (c.hidden_size, q_dim),
+            "post_attention_layernorm.weight": (c.hidden_size,),
+            "mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
+            "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
+            "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size),
+        }.get(suffix)
+    return {
+        "model.embed_tokens.weight": (c.vocab_size, c.hidden_size),
+        "model.norm.weight": (c.hidden_size,),
+        "lm_head.weight": None if c.tie_word_embeddings else (c.vocab_size, c.hidden_size),
+    }.get(name)
+
+
+def _expected_names(c: LlamaConfig) -> Iterator[str]:
+    """Every tensor name the config implies, lazily (a config may claim a million layers)."""
+    yield "model.embed_tokens.weight"
     for i in range(c.num_layers):
-        shapes.update({f"model.layers.{i}.{suffix}": shape for suffix, shape in per_layer.items()})
-    shapes["model.norm.weight"] = (c.hidden_size,)
+        for suffix in _LAYER_TENSORS.values():
+            yield f"model.layers.{i}.{suffix}"
+    yield "model.norm.weight"
     if not c.tie_word_embeddings:
-        shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
-    return shapes
+        yield "lm_head.weight"
+
+
+def _num_expected(c: LlamaConfig) -> int:
+    """How many names :func:`_expected_names` yields."""
+    return 2 + len(_LAYER_TENSORS) * c.num_layers + (0 if c.tie_word_embeddings else 1)
 
 
 def load_config(directory: PathLike) -> LlamaConfig:
-    """Reads ``config.json`` of a checkpoint directory. Raises :class:`CheckpointError` naming the
-    file when it is missing, is not JSON, or describes an unsupported model."""
-    path = Path(directory) / CONFIG_FILE
-    hf = _read_json(path)
-    if not isinstance(hf, dict):
-        raise CheckpointError(path, "expected a JSON object")
+    """Reads ``config.json`` of a checkpoint directory, and ``generation_config.json`` when it is
+    present: its ``eos_token_id`` ids are added after those of ``config.json`` (each id once, in
+    order), since generation stops on any of them. Raises :class:`CheckpointError` naming the
+    file (and the key) when a file is missing, unsafe, not UTF-8 JSON, or describes a model of the
+    wrong types or one this package does not implement."""
+    directory = Path(directory)
+    file = CheckpointFile.locate(directory, CONFIG_FILE)
+    config = _parse(file, LlamaConfig.from_hf_dict)
+    if is_present(directory, GENERATION_CONFIG_FILE):
+        generation = CheckpointFile.locate(directory, GENERATION_CONFIG_FILE)
+        eos = union_token_ids(config.eos_token_ids, _parse(generation, generation_eos_token_ids))
+        config = _parse(generation, lambda _: config.replace(eos_token_ids=eos))
+    return config
+
+
+def _parse(file: CheckpointFile, read: Callable[[Mapping[str, Any]], T]) -> T:
+    """``read`` applied to the JSON object in ``file``; its InvalidArgumentError becomes a
+    CheckpointError naming the file."""
+    content = file.read_json()
+    if not isinstance(content, dict):
+        raise CheckpointError(file.path, "expected a JSON object")
     try:
-        return LlamaConfig.from_hf_dict(hf)
+        return read(content)
     except InvalidArgumentError as error:
-        raise CheckpointError(path, str(error)) from error
+        raise CheckpointError(file.path, str(error)) from error
 
 
 def load_checkpoint(directory: PathLike) -> LlamaWeights:
-    """Loads a Hugging Face Llama checkpoint directory: ``config.json`` and either
+    """Loads a Hugging Face Llama checkpoint directory: ``config.json`` (with
+    ``generation_config.json``, see :func:`load_config`) and either
     ``model.safetensors.index.json`` with the shards it names or every ``*.safetensors`` file.
-    Each tensor is converted to float32 and checked against the shape the config implies.
+    Every file must be a regular file inside the directory (symlinks resolved).
 
-    Raises :class:`CheckpointError`, naming the file, for a missing or malformed config, no
-    safetensors file, an unreadable file, an unsupported tensor dtype, a wrong shape, or a
-    missing tensor.
+    The files' headers are checked against the config before any tensor is read: every tensor
+    the config implies must be present once, with that shape and a supported dtype (float32,
+    float16, bfloat16), so memory is only allocated for tensors the files actually hold. Each
+    is then read and converted to float32.
+
+    Raises :class:`CheckpointError`, naming the file, for a missing, unsafe or malformed config
+    or index, no safetensors file, an unreadable or malformed file, an unsupported tensor dtype, a
+    wrong shape, a tensor in two files, or a missing tensor.
     """
     directory = Path(directory)
     config = load_config(directory)
-    expected = _expected_shapes(config)
-    tensors: dict[str, np.ndarray] = {}
-    for path in _weight_files(directory):
-        for name, array in _read_safetensors(path, wanted=expected.keys()):
-            if array.shape != expected[name]:
+    found: dict[str, _Tensor] = {}
+    for file in _weight_files(directory):
+        for name, tensor in _read_header(file).items():
+            expected = _expected_shape(config, name)
+            if expected is None:
+                continue  # not part of the model (e.g. rotary caches some exporters add)
+            if name in found:
+                raise CheckpointError(file.path, f"tensor {name} is also in {found[name].file.path.name}")
+            if tensor.shape != expected:
                 raise CheckpointError(
-                    path, f"tensor {name} has shape {array.shape}, but {CONFIG_FILE} implies {expected[name]}"
+                    file.path, f"tensor {name} has shape {tensor.shape}, but {CONFIG_FILE} implies {expected}"
                 )
-            tensors[name] = array
-    missing = [name for name in expected if name not in tensors]
-    if missing:
-        listed = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more" if len(missing) > 3 else "")
-        raise CheckpointError(directory, f"tensors missing from the safetensors files: {listed}")
-    return LlamaWeights.from_named_tensors(config, tensors)
+            if tensor.dtype not in _DISK_DTYPES:
+                raise CheckpointError(file.path, f"tensor {name} has dtype {tensor.dtype}; supported: {', '.join(_DISK_DTYPES)}")
+            found[name] = tensor
+    num_missing = _num_expected(config) - len(found)
+    if num_missing:
+        listed = ", ".join(itertools.islice((n for n in _expected_names(config) if n not in found), 3))
+        more = f" and {num_missing - 3} more" if num_missing > 3 else ""
+        raise CheckpointError(directory, f"tensors missing from the safetensors files: {listed}{more}")
+    return LlamaWeights.from_named_tensors(config, _read_tensors(found))
 
 
 def save_checkpoint(
@@ -226,61 +286,93 @@ def save_checkpoint(
     (directory / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
 
 
-def _read_json(path: Path) -> object:
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise CheckpointError(path, "file not found") from None
-    except OSError as error:
-        raise CheckpointError(path, f"cannot read: {error}") from error
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as error:
-        raise CheckpointError(path, f"malformed JSON: {error}") from error
-
-
-def _weight_files(directory: Path) -> list[Path]:
+def _weight_files(directory: Path) -> list[CheckpointFile]:
     """The safetensors files of a checkpoint: those its index names, else every ``*.safetensors``."""
-    index_path = directory / INDEX_FILE
-    if index_path.exists():
-        index = _read_json(index_path)
+    if is_present(directory, INDEX_FILE):
+        index_file = CheckpointFile.locate(directory, INDEX_FILE)
+        index = index_file.read_json()
         weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
-            raise CheckpointError(index_path, 'expected an object with a "weight_map" of tensor name -> file name')
-        files = [directory / name for name in sorted(set(weight_map.values()))]
-        for path in files:
-            if not path.is_file():
-                raise CheckpointError(path, f"file not found (named by {INDEX_FILE})")
-        return files
-    files = sorted(directory.glob("*.safetensors"))
+            raise CheckpointError(index_file.path, 'expected an object with a "weight_map" of tensor name -> file name')
+        return [CheckpointFile.locate(directory, name, named_by=INDEX_FILE) for name in sorted(set(weight_map.values()))]
+    files = [CheckpointFile.locate(directory, path.name) for path in sorted(directory.glob("*.safetensors"))]
     if not files:
         raise CheckpointError(directory, "no *.safetensors file in the checkpoint directory")
     return files
 
 
-def _read_safetensors(path: Path, wanted: Container[str]) -> Iterator[tuple[str, np.ndarray]]:
-    """Yields the float32 tensors of a safetensors file whose names are in ``wanted`` (others,
-    such as rotary caches some exporters add, are skipped). Reads the whole file: numpy has no
-    bfloat16, so tensors come out of :func:`safetensors.deserialize` as raw bytes and are
-    widened here."""
-    from safetensors import SafetensorError, deserialize
+@dataclass(frozen=True)
+class _Tensor:
+    """Where one tensor lies in a safetensors file, as its header says."""
 
+    file: CheckpointFile
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int  # of its first byte, from the start of the file
+    nbytes: int
+
+
+def _read_header(file: CheckpointFile) -> dict[str, _Tensor]:
+    """The tensors a safetensors file declares (an 8-byte little-endian header length, a JSON
+    header of name -> dtype, shape, data_offsets, then the data). Reads only the header; its
+    length is checked against the file's size before it is read, and every tensor's byte range
+    against the data that follows."""
+    def invalid(detail: str) -> CheckpointError:
+        return CheckpointError(file.path, f"not a valid safetensors file: {detail}")
+
+    with file.open() as f:
+        size = os.fstat(f.fileno()).st_size
+        prefix = f.read(8)
+        header_len = int.from_bytes(prefix, "little")
+        if len(prefix) < 8 or header_len > size - 8:
+            raise invalid(f"header length {header_len} does not fit in the file's {size} bytes")
+        raw_header = f.read(header_len)
     try:
-        entries = deserialize(path.read_bytes())
-    except OSError as error:
-        raise CheckpointError(path, f"cannot read: {error}") from error
-    except SafetensorError as error:
-        raise CheckpointError(path, f"not a valid safetensors file: {error}") from error
-    for name, entry in entries:  # entry: {"dtype": "F32", "shape": [...], "data": bytes}
-        if name not in wanted:
+        header = json.loads(raw_header.decode("utf-8"))
+    except (ValueError, RecursionError) as error:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise invalid(f"header is not JSON: {error}") from None
+    if not isinstance(header, dict):
+        raise invalid("header is not a JSON object")
+    data_start, data_len = 8 + header_len, size - 8 - header_len
+    tensors: dict[str, _Tensor] = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
             continue
-        disk_dtype = _DISK_DTYPES.get(entry["dtype"])
-        if disk_dtype is None:
-            raise CheckpointError(
-                path, f"tensor {name} has dtype {entry['dtype']}; supported: {', '.join(_DISK_DTYPES)}"
-            )
-        raw = np.frombuffer(entry["data"], dtype=disk_dtype).reshape(entry["shape"])
-        yield name, _widen(raw, entry["dtype"])
+        dtype, shape, offsets = (entry.get(k) for k in ("dtype", "shape", "data_offsets")) if isinstance(entry, dict) else (None,) * 3
+        if not (isinstance(dtype, str) and isinstance(shape, list) and all(_is_size(d) for d in shape)
+                and isinstance(offsets, list) and len(offsets) == 2 and all(_is_size(o) for o in offsets)
+                and offsets[0] <= offsets[1] <= data_len):
+            raise invalid(f"tensor {name!r} has a malformed entry {str(entry)[:80]}")
+        nbytes = offsets[1] - offsets[0]
+        itemsize = _DISK_DTYPES[dtype].itemsize if dtype in _DISK_DTYPES else None
+        if itemsize is not None and nbytes != math.prod(shape) * itemsize:
+            raise invalid(f"tensor {name} holds {nbytes} bytes, not the {math.prod(shape) * itemsize} of {dtype} {shape}")
+        tensors[name] = _Tensor(file, dtype, tuple(shape), data_start + offsets[0], nbytes)
+    return tensors
+
+
+def _is_size(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _read_tensors(tensors: Mapping[str, _Tensor]) -> dict[str, np.ndarray]:
+    """The float32 arrays of ``tensors`` (already checked against their file's header), each file
+    opened once."""
+    by_file: dict[Path, list[tuple[str, _Tensor]]] = {}
+    for name, tensor in tensors.items():
+        by_file.setdefault(tensor.file.real, []).append((name, tensor))
+    arrays: dict[str, np.ndarray] = {}
+    for group in by_file.values():
+        file = group[0][1].file
+        with file.open() as f:
+            for name, tensor in group:
+                f.seek(tensor.offset)
+                data = f.read(tensor.nbytes)
+                if len(data) != tensor.nbytes:
+                    raise CheckpointError(file.path, f"tensor {name} is cut short ({len(data)} of {tensor.nbytes} bytes)")
+                raw = np.frombuffer(data, dtype=_DISK_DTYPES[tensor.dtype]).reshape(tensor.shape)
+                arrays[name] = _widen(raw, tensor.dtype)
+    return arrays
 
 
 def _widen(raw: np.ndarray, disk_dtype: str) -> np.ndarray:

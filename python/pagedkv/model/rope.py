@@ -1,0 +1,52 @@
+"""Rotary position embedding: the frequencies a :class:`LlamaConfig` implies
+(:func:`rope_frequencies`, with its linear or llama3 scaling) and the rotation of queries and keys
+(:func:`rope_cos_sin`, :func:`apply_rope`).
+
+Invariants: frequencies are computed in float64 in one place, shared by the paged model and the
+dense reference. Angles are computed per step for the positions the step holds, so no table is
+sized by ``max_position_embeddings`` (millions for some checkpoints), whatever the cache allows.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pagedkv.model.config import LlamaConfig
+
+__all__ = ["rope_frequencies", "rope_cos_sin", "apply_rope"]
+
+
+def rope_frequencies(config: LlamaConfig) -> np.ndarray:
+    """float64 ``[head_dim // 2]``: frequency ``i`` turns by ``rope_theta ** (-2i / head_dim)``
+    radians per position, then rescaled by ``config.rope_scaling`` as transformers does."""
+    inv_freq = config.rope_theta ** (-np.arange(0, config.head_dim, 2, dtype=np.float64) / config.head_dim)
+    scaling = config.rope_scaling
+    if scaling is None:
+        return inv_freq
+    if scaling.rope_type == "linear":
+        return inv_freq / scaling.factor
+    # llama3: by wavelength (positions per turn) against the pretraining context.
+    original = scaling.original_max_position_embeddings
+    low, high = scaling.low_freq_factor, scaling.high_freq_factor
+    assert original is not None and low is not None and high is not None  # RopeScaling checked them
+    wavelength = 2.0 * np.pi / inv_freq
+    # 0 where the frequency is divided by factor, 1 where it is kept, linear in turns per context between.
+    keep = np.clip((original / wavelength - low) / (high - low), 0.0, 1.0)
+    return inv_freq * (keep + (1.0 - keep) / scaling.factor)
+
+
+def rope_cos_sin(frequencies: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """float32 cosine and sine ``[len(positions), len(frequencies)]`` of each position's angles,
+    computed in float64."""
+    angles = np.outer(np.asarray(positions, dtype=np.float64), frequencies)
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
+    """Rotates ``x`` ``[tokens, heads, head_dim]`` by per-token angles (``cos``/``sin``
+    ``[tokens, head_dim // 2]``) in the Hugging Face Llama convention: the first and second halves
+    of the head dimension form the pairs (``rotate_half``), not adjacent elements."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    c, s = cos[:, None, :], sin[:, None, :]
+    return np.concatenate((x1 * c - x2 * s, x2 * c + x1 * s), axis=-1)
