@@ -16,7 +16,7 @@ from typing import Any, Callable, Mapping, NoReturn, TypeVar
 
 from pagedkv.errors import InvalidArgumentError
 
-__all__ = ["LlamaConfig", "RopeScaling", "generation_eos_token_ids"]
+__all__ = ["LlamaConfig", "RopeScaling", "generation_eos_token_ids", "union_token_ids"]
 
 T = TypeVar("T")
 
@@ -46,8 +46,7 @@ class RopeScaling:
     original_max_position_embeddings: int | None = None
 
     def __post_init__(self) -> None:
-        if self.rope_type not in ("linear", "llama3"):
-            raise InvalidArgumentError(f"rope_type {self.rope_type!r} is not supported (default, linear, llama3)")
+        _check_rope_type(self.rope_type)
         if not _is_positive_number(self.factor):
             raise InvalidArgumentError(f"rope factor must be a positive number, got {self.factor!r}")
         llama3 = (self.low_freq_factor, self.high_freq_factor, self.original_max_position_embeddings)
@@ -65,8 +64,7 @@ class RopeScaling:
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The ``rope_scaling`` object of a ``config.json``."""
-        fields = {"rope_type": self.rope_type, **dataclasses.asdict(self)}
-        return {key: value for key, value in fields.items() if value is not None}
+        return {key: value for key, value in dataclasses.asdict(self).items() if value is not None}
 
 
 @dataclass(frozen=True)
@@ -239,13 +237,41 @@ def _read_rope(f: _Fields) -> tuple[float, RopeScaling | None]:
     for key, sub in sources:
         if (theta := sub.number("rope_theta", None)) is not None:
             thetas[f"{key}.rope_theta"] = theta
-        scalings[key] = sub.rope_scaling()
+        scalings[key] = _read_rope_scaling(sub)
     if len(set(thetas.values())) > 1:
         raise InvalidArgumentError(f"conflicting rope theta: {thetas}")
     if len(set(scalings.values())) > 1:
         raise InvalidArgumentError(f"rope_parameters and rope_scaling disagree: {dict(f.raw(k) for k in scalings)}")
     theta = next(iter(thetas.values()), 10000.0)
     return theta, next(iter(scalings.values()), None)
+
+
+def _read_rope_scaling(rope: _Fields) -> RopeScaling | None:
+    """A rope settings object (None for the default rope type). Keys this model does not read are
+    refused: any of them could change the rotation."""
+    unknown = sorted(rope.keys() - _ROPE_KEYS)
+    if unknown:
+        raise InvalidArgumentError(f"{rope.name(unknown[0])} is not supported")
+    rope_type = rope.str_("rope_type", None) or rope.str_("type", "default")
+    if rope_type == "default":
+        return None
+    try:
+        _check_rope_type(rope_type)  # before reading the keys that type needs
+        needed = ... if rope_type == "llama3" else None
+        return RopeScaling(
+            rope_type=rope_type,
+            factor=rope.number("factor"),
+            low_freq_factor=rope.number("low_freq_factor", needed),
+            high_freq_factor=rope.number("high_freq_factor", needed),
+            original_max_position_embeddings=rope.int_("original_max_position_embeddings", needed),
+        )
+    except InvalidArgumentError as error:
+        raise InvalidArgumentError(f"{rope.name()}: {error}") from None
+
+
+def _check_rope_type(rope_type: str) -> None:
+    if rope_type not in ("linear", "llama3"):
+        raise InvalidArgumentError(f"rope_type {rope_type!r} is not supported (default, linear, llama3)")
 
 
 class _Fields:
@@ -291,30 +317,15 @@ class _Fields:
                          "a token id or a list of token ids", None)
         return () if value is None else union_token_ids(tuple(value) if isinstance(value, list) else (value,))
 
-    def rope_scaling(self) -> RopeScaling | None:
-        """This object read as rope settings (None for the default rope type)."""
-        unknown = sorted(set(self._obj) - _ROPE_KEYS)
-        if unknown:
-            raise InvalidArgumentError(f"{self._where}{unknown[0]} is not supported")
-        rope_type = self.str_("rope_type", None) or self.str_("type", "default")
-        if rope_type == "default":
-            return None
-        if rope_type not in ("linear", "llama3"):
-            raise InvalidArgumentError(f"{self._where}rope_type {rope_type!r} is not supported (default, linear, llama3)")
-        llama3 = rope_type == "llama3"
-        try:
-            return RopeScaling(
-                rope_type=rope_type,
-                factor=self.number("factor"),
-                low_freq_factor=self.number("low_freq_factor", ... if llama3 else None),
-                high_freq_factor=self.number("high_freq_factor", ... if llama3 else None),
-                original_max_position_embeddings=self.int_("original_max_position_embeddings", ... if llama3 else None),
-            )
-        except InvalidArgumentError as error:
-            raise InvalidArgumentError(f"{self._where[:-1]}: {error}") from None
+    def keys(self) -> set[str]:
+        return set(self._obj)
+
+    def name(self, key: str = "") -> str:
+        """How errors name ``key`` of this object (the object itself when empty)."""
+        return f"{self._where}{key}" if key else self._where.rstrip(".")
 
     def raw(self, key: str) -> tuple[str, Any]:
-        return f"{self._where}{key}", self._obj.get(key)
+        return self.name(key), self._obj.get(key)
 
     def _fail(self, key: str, expected: str, value: Any) -> NoReturn:
         shown = repr(value)
@@ -328,11 +339,14 @@ def _is_int(value: object) -> bool:
 
 def _is_float_like(value: object) -> bool:
     """An int or float that converts to a float (JSON integers may have hundreds of digits)."""
-    return isinstance(value, float) or (_is_int(value) and abs(value) <= _FLOAT_MAX)  # type: ignore[arg-type]
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, float) or (isinstance(value, int) and abs(value) <= _FLOAT_MAX)
 
 
 def _is_positive_number(value: object) -> bool:
-    return _is_float_like(value) and math.isfinite(value) and value > 0  # type: ignore[arg-type]
+    """A finite number above 0 (NaN is not)."""
+    return _is_float_like(value) and math.isfinite(value) and value > 0  # type: ignore[arg-type, operator]
 
 
 _FLOAT_MAX = int(sys.float_info.max)

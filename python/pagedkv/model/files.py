@@ -44,8 +44,10 @@ class CheckpointFile:
         relative = PurePosixPath(name)
         if not name or "\0" in name or relative.is_absolute() or ".." in relative.parts:
             raise CheckpointError(path, f"refused: not a file name inside the checkpoint directory{source}")
-        root = directory.resolve()
-        real = path.resolve()
+        try:
+            root, real = directory.resolve(), path.resolve()
+        except (OSError, RuntimeError) as error:  # RuntimeError: a symlink loop (Python < 3.13)
+            raise CheckpointError(path, f"cannot resolve: {error}") from None
         if not real.is_relative_to(root):
             raise CheckpointError(path, f"refused: resolves to {real}, outside the checkpoint directory {root}{source}")
         try:

@@ -189,13 +189,14 @@ def load_config(directory: PathLike) -> LlamaConfig:
     file (and the key) when a file is missing, unsafe, not UTF-8 JSON, or describes a model of the
     wrong types or one this package does not implement."""
     directory = Path(directory)
-    file = CheckpointFile.locate(directory, CONFIG_FILE)
-    config = _parse(file, LlamaConfig.from_hf_dict)
-    if is_present(directory, GENERATION_CONFIG_FILE):
-        generation = CheckpointFile.locate(directory, GENERATION_CONFIG_FILE)
-        eos = union_token_ids(config.eos_token_ids, _parse(generation, generation_eos_token_ids))
-        config = _parse(generation, lambda _: config.replace(eos_token_ids=eos))
-    return config
+    config = _parse(CheckpointFile.locate(directory, CONFIG_FILE), LlamaConfig.from_hf_dict)
+    if not is_present(directory, GENERATION_CONFIG_FILE):
+        return config
+
+    def add_eos(generation: Mapping[str, Any]) -> LlamaConfig:
+        return config.replace(eos_token_ids=union_token_ids(config.eos_token_ids, generation_eos_token_ids(generation)))
+
+    return _parse(CheckpointFile.locate(directory, GENERATION_CONFIG_FILE), add_eos)
 
 
 def _parse(file: CheckpointFile, read: Callable[[Mapping[str, Any]], T]) -> T:
@@ -301,6 +302,10 @@ def _weight_files(directory: Path) -> list[CheckpointFile]:
     return files
 
 
+# The safetensors format's own limit on the JSON header.
+_MAX_HEADER_BYTES = 100_000_000
+
+
 @dataclass(frozen=True)
 class _Tensor:
     """Where one tensor lies in a safetensors file, as its header says."""
@@ -324,8 +329,9 @@ def _read_header(file: CheckpointFile) -> dict[str, _Tensor]:
         size = os.fstat(f.fileno()).st_size
         prefix = f.read(8)
         header_len = int.from_bytes(prefix, "little")
-        if len(prefix) < 8 or header_len > size - 8:
-            raise invalid(f"header length {header_len} does not fit in the file's {size} bytes")
+        if len(prefix) < 8 or header_len > min(size - 8, _MAX_HEADER_BYTES):
+            raise invalid(f"header length {header_len} does not fit in the file's {size} bytes "
+                          f"or the {_MAX_HEADER_BYTES}-byte limit")
         raw_header = f.read(header_len)
     try:
         header = json.loads(raw_header.decode("utf-8"))
