@@ -112,6 +112,8 @@ class LlamaConfig:
             raise InvalidArgumentError(f"rms_norm_eps must be a positive number, got {self.rms_norm_eps!r}")
         if not isinstance(self.tie_word_embeddings, bool):
             raise InvalidArgumentError(f"tie_word_embeddings must be a bool, got {self.tie_word_embeddings!r}")
+        if self.rope_scaling is not None and not isinstance(self.rope_scaling, RopeScaling):
+            raise InvalidArgumentError(f"rope_scaling must be a RopeScaling or None, got {self.rope_scaling!r}")
         special = [self.bos_token_id, *self.eos_token_ids]
         if any(t is not None and not (_is_int(t) and 0 <= t < self.vocab_size) for t in special):
             raise InvalidArgumentError(f"special token ids {special} must be integers in [0, {self.vocab_size})")
