@@ -1,7 +1,11 @@
 """Command line: ``python -m pagedkv demo`` and ``python -m pagedkv bench <name> [--json]``.
 
-Wiring only: each subcommand lives in its own module exposing ``add_arguments(parser)`` and
-``run(args) -> int``.
+Wiring only: each subcommand lives in its own module exposing ``add_arguments(parser)`` (its flags
+typed with :mod:`pagedkv.cli`) and ``run(args) -> int``. A bad flag is a usage error: exit 2 and a
+message naming it, from argparse, or from the library's ``InvalidArgumentError`` /
+``CheckpointError`` when the value only fails in context (a limit against another). Any other
+pagedkv error (an engine that failed, a port taken) exits 1 with its message; no traceback for
+either. Anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ import argparse
 import importlib
 import sys
 from typing import Sequence
+
+from pagedkv.errors import CheckpointError, InvalidArgumentError, PagedKVError
 
 # subcommand name -> module implementing it
 COMMANDS = {"demo": "pagedkv.demo"}
@@ -25,7 +31,7 @@ def _add(subparsers: argparse._SubParsersAction, name: str, module_name: str) ->
     module = importlib.import_module(module_name)
     parser = subparsers.add_parser(name, help=(module.__doc__ or "").strip().splitlines()[0])
     module.add_arguments(parser)
-    parser.set_defaults(run=module.run)
+    parser.set_defaults(run=module.run, usage_parser=parser)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,7 +48,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.run(args) or 0)
+    parser: argparse.ArgumentParser = args.usage_parser
+    try:
+        return int(args.run(args) or 0)
+    except (InvalidArgumentError, CheckpointError) as error:
+        parser.error(str(error))  # exits 2
+    except (PagedKVError, OSError, MemoryError) as error:
+        parser.exit(1, f"{parser.prog}: error: {type(error).__name__}: {error}\n")
 
 
 if __name__ == "__main__":
