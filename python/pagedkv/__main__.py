@@ -3,7 +3,8 @@
 Wiring only: each subcommand lives in its own module exposing ``add_arguments(parser)`` (its flags
 typed with :mod:`pagedkv.cli`) and ``run(args) -> int``. A bad flag is a usage error: exit 2 and a
 message naming it, from argparse, or from the library's ``InvalidArgumentError`` /
-``CheckpointError`` when the value only fails in context (a limit against another). Any other
+``CheckpointError`` (or ``OverflowError``, a number past what the core takes) when the value only
+fails in context (a limit against another). Any other
 pagedkv error (an engine that failed, a port taken) exits 1 with its message; no traceback for
 either. Anything else is a bug and keeps its traceback.
 """
@@ -51,10 +52,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser: argparse.ArgumentParser = args.usage_parser
     try:
         return int(args.run(args) or 0)
-    except (InvalidArgumentError, CheckpointError) as error:
-        parser.error(str(error))  # exits 2
+    except (InvalidArgumentError, CheckpointError, OverflowError) as error:
+        parser.error(_message(error))  # exits 2
     except (PagedKVError, OSError, MemoryError) as error:
-        parser.exit(1, f"{parser.prog}: error: {type(error).__name__}: {error}\n")
+        parser.exit(1, f"{parser.prog}: error: {type(error).__name__}: {_message(error)}\n")
+
+
+def _message(error: BaseException) -> str:
+    """The error's text with its notes (PyO3 notes which argument a conversion failed on)."""
+    return " ".join([str(error), *getattr(error, "__notes__", [])])
 
 
 if __name__ == "__main__":

@@ -72,12 +72,12 @@ class _Feeder(threading.Thread):
         self.engine, self.workload, self.start_time = engine, workload, start
         self.handles: list[RequestHandle] = []
         self.error: BaseException | None = None
-        self._stop = threading.Event()
+        self._stopping = threading.Event()
 
     def run(self) -> None:
         try:
             for index, (offset, prompt, max_tokens) in enumerate(self.workload):
-                if self._stop.wait(max(0.0, self.start_time + offset - time.perf_counter())):
+                if self._stopping.wait(max(0.0, self.start_time + offset - time.perf_counter())):
                     return
                 params = SamplingParams(max_tokens=max_tokens, temperature=0.8, top_p=0.95, seed=index, ignore_eos=True)
                 try:
@@ -89,7 +89,7 @@ class _Feeder(threading.Thread):
 
     def stop(self) -> None:
         """Submits nothing more (a submit blocked on a full queue ends when the engine shuts down)."""
-        self._stop.set()
+        self._stopping.set()
 
 
 def run(args: argparse.Namespace) -> int:
