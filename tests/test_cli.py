@@ -74,6 +74,10 @@ def test_a_plot_path_that_is_a_file_is_refused(tmp_path: Path) -> None:
     assert_usage_error(run_cli("bench", "serve", "--plot", str(file)), "--plot", "not a directory")
 
 
+def test_a_directory_that_is_no_checkpoint_is_a_usage_error(tmp_path: Path) -> None:
+    assert_usage_error(run_cli("demo", "--model", str(tmp_path)), "config.json")
+
+
 def test_a_malformed_trace_names_the_file_and_row(tmp_path: Path) -> None:
     trace = tmp_path / "trace.csv"
     trace.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,12,3\n2023-11-16 18:15:47,many,3\n")

@@ -32,8 +32,7 @@ def scrape(port: int) -> str:
 
 
 def connect(port: int) -> socket.socket:
-    client = socket.create_connection(("127.0.0.1", port), timeout=10)
-    return client
+    return socket.create_connection(("127.0.0.1", port), timeout=10)
 
 
 def seconds_until_closed(client: socket.socket, started: float, limit: float = 10.0) -> float:

@@ -33,61 +33,28 @@ T = TypeVar("T")
 MAX_PORT = 65535
 
 
-def _int(text: str, what: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+def _number(name: str, convert: Callable[[str], T], what: str, accept: Callable[[T], bool]) -> Callable[[str], T]:
+    """A type parsing ``convert(text)`` and refusing what ``accept`` does not, as ``what``."""
+
+    def parse(text: str) -> T:
+        try:
+            value = convert(text)
+        except ValueError:
+            value = None
+        if value is None or not accept(value):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+
+    parse.__name__ = parse.__qualname__ = name
+    parse.__doc__ = what[0].upper() + what[1:] + "."
+    return parse
 
 
-def _float(text: str, what: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
-    return value
-
-
-def positive_int(text: str) -> int:
-    """An integer ≥ 1 (a count or a size)."""
-    value = _int(text, "an integer ≥ 1")
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer ≥ 1, got {text!r}")
-    return value
-
-
-def non_negative_int(text: str) -> int:
-    """An integer ≥ 0 (a seed, a threshold, a count where 0 means none)."""
-    value = _int(text, "an integer ≥ 0")
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer ≥ 0, got {text!r}")
-    return value
-
-
-def port(text: str) -> int:
-    """A TCP port, 0 (any free one) to 65535."""
-    value = _int(text, f"a port in [0, {MAX_PORT}]")
-    if not 0 <= value <= MAX_PORT:
-        raise argparse.ArgumentTypeError(f"expected a port in [0, {MAX_PORT}], got {text!r}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    """A finite number > 0 (a rate, a speed-up)."""
-    value = _float(text, "a finite number > 0")
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a finite number > 0, got {text!r}")
-    return value
-
-
-def non_negative_float(text: str) -> float:
-    """A finite number ≥ 0 (a duration, where 0 means at once)."""
-    value = _float(text, "a finite number ≥ 0")
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected a finite number ≥ 0, got {text!r}")
-    return value
+positive_int = _number("positive_int", int, "an integer ≥ 1", lambda v: v >= 1)  # a count or a size
+non_negative_int = _number("non_negative_int", int, "an integer ≥ 0", lambda v: v >= 0)  # a seed, a threshold
+port = _number("port", int, f"a port in [0, {MAX_PORT}] (0: any free one)", lambda v: 0 <= v <= MAX_PORT)
+positive_float = _number("positive_float", float, "a finite number > 0", lambda v: math.isfinite(v) and v > 0)  # a rate
+non_negative_float = _number("non_negative_float", float, "a finite number ≥ 0", lambda v: math.isfinite(v) and v >= 0)  # a span
 
 
 def existing_file(text: str) -> Path:

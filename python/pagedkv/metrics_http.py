@@ -52,12 +52,13 @@ def _read_head(connection: socket.socket, timeout: float) -> bytes | None:
 
 
 class _Handler(MetricsHandler):
-    """prometheus_client's handler, fed a request head read under a deadline."""
+    """prometheus_client's handler, fed a request head read under a deadline (MetricsServer
+    subclasses it per server, setting ``registry`` and ``seconds``)."""
 
-    timeout: float  # set per server by MetricsServer
+    seconds: float = 5.0  # the connection's timeout
 
     def handle(self) -> None:
-        head = _read_head(self.connection, self.timeout)
+        head = _read_head(self.connection, self.seconds)
         if head is None:
             return
         self.rfile = io.BytesIO(head)
@@ -105,7 +106,7 @@ class MetricsServer:
     ) -> None:
         if not timeout > 0 or max_connections < 1:
             raise InvalidArgumentError(f"timeout must be > 0 and max_connections ≥ 1, got {timeout!r}, {max_connections!r}")
-        handler = type("_RegistryHandler", (_Handler,), {"registry": registry, "timeout": timeout})
+        handler = type("_RegistryHandler", (_Handler,), {"registry": registry, "seconds": timeout})
         self._server = _PooledServer((addr, port), handler, max_connections, timeout)
         self._thread = threading.Thread(target=self._server.serve_forever, name="pagedkv-metrics-accept", daemon=True)
         self._thread.start()

@@ -17,7 +17,6 @@ import json
 import math
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 from rich.console import Console
