@@ -123,3 +123,28 @@ def test_demo_exits_nonzero_when_its_feeder_thread_fails(monkeypatch: pytest.Mon
         main(["demo", "--requests", "3", "--arrival-span", "0", "--num-blocks", "64"])
     assert exit_info.value.code == 1
     assert "injected failure of the second submit" in capsys.readouterr().err
+
+
+def test_bench_all_runs_every_benchmark_with_its_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    # `make bench` runs `bench all`, which did not exist. Each benchmark's run is replaced by a
+    # recorder: the wiring is under test, not the benchmarks.
+    import importlib
+
+    from pagedkv.bench import BENCHES
+
+    calls: dict[str, object] = {}
+
+    def recorder(name: str):  # type: ignore[no-untyped-def]
+        def run(args: object) -> int:
+            calls[name] = args
+            return 0
+
+        return run
+
+    for name, module_name in BENCHES.items():
+        if name != "all":
+            monkeypatch.setattr(importlib.import_module(module_name), "run", recorder(name))
+    assert main(["bench", "all", "--quick"]) == 0
+    assert list(calls) == ["blocks", "attention", "scheduler", "serve"]
+    assert calls["attention"].quick and calls["serve"].quick  # type: ignore[attr-defined]
+    assert calls["blocks"].repeats == 5 and calls["scheduler"].step_ms == 20.0  # type: ignore[attr-defined]

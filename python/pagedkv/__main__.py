@@ -1,12 +1,12 @@
 """Command line: ``python -m pagedkv demo`` and ``python -m pagedkv bench <name> [--json]``.
 
-Wiring only: each subcommand lives in its own module exposing ``add_arguments(parser)`` (its flags
-typed with :mod:`pagedkv.cli`) and ``run(args) -> int``. A bad flag is a usage error: exit 2 and a
-message naming it, from argparse, or from the library's ``InvalidArgumentError`` /
-``CheckpointError`` (or ``OverflowError``, a number past what the core takes) when the value only
-fails in context (a limit against another). Any other
-pagedkv error (an engine that failed, a port taken) exits 1 with its message; no traceback for
-either. Anything else is a bug and keeps its traceback.
+Wiring only: each subcommand lives in its own module (benchmarks: :data:`pagedkv.bench.BENCHES`)
+exposing ``add_arguments(parser)``, its flags typed with :mod:`pagedkv.cli`, and ``run(args) ->
+int``. A bad flag is a usage error, exit 2 with a message naming it: from argparse, or from the
+library's ``InvalidArgumentError`` / ``CheckpointError`` (or ``OverflowError``, a number past what
+the core takes) when a value only fails in context (one limit against another). Any other pagedkv
+error (a failed engine), ``OSError`` (a port taken) or ``MemoryError`` exits 1 with its message.
+Neither prints a traceback; anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -16,16 +16,11 @@ import importlib
 import sys
 from typing import Sequence
 
+from pagedkv.bench import BENCHES
 from pagedkv.errors import CheckpointError, InvalidArgumentError, PagedKVError
 
 # subcommand name -> module implementing it
 COMMANDS = {"demo": "pagedkv.demo"}
-BENCHES = {
-    "blocks": "pagedkv.bench.blocks",
-    "attention": "pagedkv.bench.attention",
-    "scheduler": "pagedkv.bench.scheduler",
-    "serve": "pagedkv.bench.serve",
-}
 
 
 def _add(subparsers: argparse._SubParsersAction, name: str, module_name: str) -> None:
