@@ -40,6 +40,7 @@ BAD_FLAGS = [
     (["demo", "--seed", "-1"], "--seed"),
     (["demo", "--arrival-span", "inf"], "--arrival-span"),
     (["demo", "--arrival-span", "nan"], "--arrival-span"),
+    (["demo", "--arrival-span", "1e300"], "--arrival-span"),  # the feeder's wait overflowed
     (["demo", "--requests", "0"], "--requests"),
     (["demo", "--kv-dtype", "int8"], "--kv-dtype"),
     (["bench", "blocks", "--block-size", "0"], "--block-size"),

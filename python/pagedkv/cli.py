@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import threading
 from pathlib import Path
 from typing import Callable, Sequence, TypeVar
 
@@ -20,7 +21,7 @@ __all__ = [
     "non_negative_int",
     "port",
     "positive_float",
-    "non_negative_float",
+    "seconds",
     "existing_file",
     "model_source",
     "trace_source",
@@ -54,7 +55,8 @@ positive_int = _number("positive_int", int, "an integer ≥ 1", lambda v: v >= 1
 non_negative_int = _number("non_negative_int", int, "an integer ≥ 0", lambda v: v >= 0)  # a seed, a threshold
 port = _number("port", int, f"a port in [0, {MAX_PORT}] (0: any free one)", lambda v: 0 <= v <= MAX_PORT)
 positive_float = _number("positive_float", float, "a finite number > 0", lambda v: math.isfinite(v) and v > 0)  # a rate
-non_negative_float = _number("non_negative_float", float, "a finite number ≥ 0", lambda v: math.isfinite(v) and v >= 0)  # a span
+# A duration a thread can wait out (threading refuses longer timeouts).
+seconds = _number("seconds", float, f"seconds in [0, {threading.TIMEOUT_MAX:.0f}]", lambda v: 0 <= v <= threading.TIMEOUT_MAX)
 
 
 def existing_file(text: str) -> Path:

@@ -23,7 +23,7 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from pagedkv.cli import model_source, non_negative_float, non_negative_int, port, positive_int
+from pagedkv.cli import model_source, non_negative_int, port, positive_int, seconds
 from pagedkv.engine import Engine, RequestHandle
 from pagedkv.engine_core import RequestOutput
 from pagedkv.errors import InvalidArgumentError
@@ -36,7 +36,7 @@ Workload = list[tuple[float, list[int], int]]
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=model_source, default="tiny", help="Hugging Face Llama checkpoint dir, or 'tiny' (random weights)")
     parser.add_argument("--requests", type=positive_int, default=300)
-    parser.add_argument("--arrival-span", type=non_negative_float, default=30.0, help="seconds over which requests arrive")
+    parser.add_argument("--arrival-span", type=seconds, default=30.0, help="seconds over which requests arrive")
     parser.add_argument("--num-blocks", type=positive_int, default=256, help="KV blocks (16 tokens each)")
     parser.add_argument("--max-num-seqs", type=positive_int, default=48)
     parser.add_argument("--max-num-batched-tokens", type=positive_int, default=1024)
