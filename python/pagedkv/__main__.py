@@ -1,7 +1,12 @@
 """Command line: ``python -m pagedkv demo`` and ``python -m pagedkv bench <name> [--json]``.
 
-Wiring only: each subcommand lives in its own module exposing ``add_arguments(parser)`` and
-``run(args) -> int``.
+Wiring only: each subcommand lives in its own module (benchmarks: :data:`pagedkv.bench.BENCHES`)
+exposing ``add_arguments(parser)``, its flags typed with :mod:`pagedkv.cli`, and ``run(args) ->
+int``. A bad flag is a usage error, exit 2 with a message naming it: from argparse, or from the
+library's ``InvalidArgumentError`` / ``CheckpointError`` (or ``OverflowError``, a number past what
+the core takes) when a value only fails in context (one limit against another). Any other pagedkv
+error (a failed engine), ``OSError`` (a port taken) or ``MemoryError`` exits 1 with its message.
+Neither prints a traceback; anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
@@ -11,21 +16,18 @@ import importlib
 import sys
 from typing import Sequence
 
+from pagedkv.bench import BENCHES
+from pagedkv.errors import CheckpointError, InvalidArgumentError, PagedKVError
+
 # subcommand name -> module implementing it
 COMMANDS = {"demo": "pagedkv.demo"}
-BENCHES = {
-    "blocks": "pagedkv.bench.blocks",
-    "attention": "pagedkv.bench.attention",
-    "scheduler": "pagedkv.bench.scheduler",
-    "serve": "pagedkv.bench.serve",
-}
 
 
 def _add(subparsers: argparse._SubParsersAction, name: str, module_name: str) -> None:
     module = importlib.import_module(module_name)
     parser = subparsers.add_parser(name, help=(module.__doc__ or "").strip().splitlines()[0])
     module.add_arguments(parser)
-    parser.set_defaults(run=module.run)
+    parser.set_defaults(run=module.run, usage_parser=parser)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -42,7 +44,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    return int(args.run(args) or 0)
+    parser: argparse.ArgumentParser = args.usage_parser
+    try:
+        return int(args.run(args) or 0)
+    except (InvalidArgumentError, CheckpointError, OverflowError) as error:
+        parser.error(_message(error))  # exits 2
+    except (PagedKVError, OSError, MemoryError) as error:
+        parser.exit(1, f"{parser.prog}: error: {type(error).__name__}: {_message(error)}\n")
+
+
+def _message(error: BaseException) -> str:
+    """The error's text with its notes (PyO3 notes which argument a conversion failed on)."""
+    return " ".join([str(error), *getattr(error, "__notes__", [])])
 
 
 if __name__ == "__main__":

@@ -4,6 +4,10 @@ Requests take their prompt and output lengths from the shipped Azure conversatio
 the tiny model), share one of a few system prompts, and arrive over time at the trace's own
 pace (compressed). A live display shows running / waiting requests, KV usage and tokens per
 second; a summary of throughput, latency, memory and prefix caching follows.
+
+A feeder thread submits the requests at their arrival times. If it fails (the engine refuses a
+request, say one that can never fit the cache), the main thread aborts the rest, shuts the engine
+down and raises that error, so the demo never ends with exit 0 after a failure.
 """
 
 from __future__ import annotations
@@ -19,25 +23,29 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from pagedkv.cli import model_source, non_negative_int, port, positive_int, seconds
 from pagedkv.engine import Engine, RequestHandle
 from pagedkv.engine_core import RequestOutput
+from pagedkv.errors import InvalidArgumentError
 from pagedkv.model import SamplingParams
 from pagedkv.traces import load_trace
 
+Workload = list[tuple[float, list[int], int]]
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="tiny", help="Hugging Face Llama checkpoint dir, or 'tiny' (random weights)")
-    parser.add_argument("--requests", type=int, default=300)
-    parser.add_argument("--arrival-span", type=float, default=30.0, help="seconds over which requests arrive")
-    parser.add_argument("--num-blocks", type=int, default=256, help="KV blocks (16 tokens each)")
-    parser.add_argument("--max-num-seqs", type=int, default=48)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    parser.add_argument("--model", type=model_source, default="tiny", help="Hugging Face Llama checkpoint dir, or 'tiny' (random weights)")
+    parser.add_argument("--requests", type=positive_int, default=300)
+    parser.add_argument("--arrival-span", type=seconds, default=30.0, help="seconds over which requests arrive")
+    parser.add_argument("--num-blocks", type=positive_int, default=256, help="KV blocks (16 tokens each)")
+    parser.add_argument("--max-num-seqs", type=positive_int, default=48)
+    parser.add_argument("--max-num-batched-tokens", type=positive_int, default=1024)
     parser.add_argument("--kv-dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    parser.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--metrics-port", type=port, default=None, help="serve Prometheus /metrics on this port (0: any free one)")
+    parser.add_argument("--seed", type=non_negative_int, default=0)
 
 
-def _workload(args: argparse.Namespace, vocab_size: int) -> list[tuple[float, list[int], int]]:
+def _workload(args: argparse.Namespace, vocab_size: int) -> Workload:
     """(arrival offset s, prompt token ids, output tokens) per request."""
     rng = random.Random(args.seed)
     token = lambda: rng.randrange(3, vocab_size)  # noqa: E731 (ids 0-2 are special)
@@ -56,6 +64,34 @@ def _percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else (values[0] if values else float("nan"))
 
 
+class _Feeder(threading.Thread):
+    """Submits the workload at its arrival times; keeps the error that stopped it, if any."""
+
+    def __init__(self, engine: Engine, workload: Workload, start: float) -> None:
+        super().__init__(name="pagedkv-demo-feeder", daemon=True)
+        self.engine, self.workload, self.start_time = engine, workload, start
+        self.handles: list[RequestHandle] = []
+        self.error: BaseException | None = None
+        self._stopping = threading.Event()
+
+    def run(self) -> None:
+        try:
+            for index, (offset, prompt, max_tokens) in enumerate(self.workload):
+                if self._stopping.wait(max(0.0, self.start_time + offset - time.perf_counter())):
+                    return
+                params = SamplingParams(max_tokens=max_tokens, temperature=0.8, top_p=0.95, seed=index, ignore_eos=True)
+                try:
+                    self.handles.append(self.engine.submit(prompt, params))
+                except InvalidArgumentError as error:  # the flags made a request the engine cannot take
+                    raise InvalidArgumentError(f"request {index} ({len(prompt)} prompt tokens) refused: {error}") from error
+        except BaseException as error:  # handed to the main thread, which re-raises it
+            self.error = error
+
+    def stop(self) -> None:
+        """Submits nothing more (a submit blocked on a full queue ends when the engine shuts down)."""
+        self._stopping.set()
+
+
 def run(args: argparse.Namespace) -> int:
     console = Console()
     engine = Engine.from_pretrained(
@@ -66,6 +102,14 @@ def run(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_dtype=args.kv_dtype,
     )
+    try:
+        return _serve(args, engine, console)
+    finally:
+        engine.shutdown(drain=False)
+        engine.metrics.close()
+
+
+def _serve(args: argparse.Namespace, engine: Engine, console: Console) -> int:
     if args.model == "tiny":
         console.print(
             "[bold]pagedkv demo[/] on the built-in [bold]tiny[/] Llama (4 layers, GQA 8:2) with [yellow]random weights[/]:"
@@ -77,41 +121,37 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"Prometheus metrics at http://127.0.0.1:{port}/metrics")
 
     workload = _workload(args, engine.model.config.vocab_size)
-    handles: list[RequestHandle] = []
     start = time.perf_counter()
-
-    def feed() -> None:
-        for offset, prompt, max_tokens in workload:
-            time.sleep(max(0.0, start + offset - time.perf_counter()))
-            params = SamplingParams(max_tokens=max_tokens, temperature=0.8, top_p=0.95, seed=len(handles), ignore_eos=True)
-            handles.append(engine.submit(prompt, params))
-
-    feeder = threading.Thread(target=feed, daemon=True)
+    feeder = _Feeder(engine, workload, start)
     feeder.start()
     usage_samples: list[float] = []
     progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(), console=console)
     task = progress.add_task("requests finished", total=len(workload))
-    with Live(progress, console=console, refresh_per_second=8):
-        while feeder.is_alive() or not all(h.done() for h in handles):
-            time.sleep(0.25)
-            stats = engine.stats()
-            if not stats:
-                continue
-            usage_samples.append(stats["kv_usage"])
-            elapsed = time.perf_counter() - start
-            progress.update(
-                task,
-                completed=stats["finished_requests"],
-                description=(
-                    f"run {stats['num_running']:3d} wait {stats['num_waiting']:3d} "
-                    f"KV {stats['kv_usage']:4.0%} {stats['generated_tokens'] / elapsed:5.0f} tok/s"
-                ),
-            )
-    outputs: list[RequestOutput] = [h.result() for h in handles]
+    try:
+        with Live(progress, console=console, refresh_per_second=8):
+            while feeder.error is None and (feeder.is_alive() or not all(h.done() for h in list(feeder.handles))):
+                time.sleep(0.25)
+                stats = engine.stats()
+                if not stats:
+                    continue
+                usage_samples.append(stats["kv_usage"])
+                elapsed = time.perf_counter() - start
+                progress.update(
+                    task,
+                    completed=stats["finished_requests"],
+                    description=(
+                        f"run {stats['num_running']:3d} wait {stats['num_waiting']:3d} "
+                        f"KV {stats['kv_usage']:4.0%} {stats['generated_tokens'] / elapsed:5.0f} tok/s"
+                    ),
+                )
+    finally:
+        feeder.stop()
+    if feeder.error is not None:
+        raise feeder.error
+    outputs: list[RequestOutput] = [h.result() for h in feeder.handles]
     elapsed = time.perf_counter() - start
-    stats = engine.stats()
     engine.shutdown()
-    _summary(console, outputs, stats, usage_samples, elapsed)
+    _summary(console, outputs, engine.stats(), usage_samples, elapsed)
     return 0
 
 

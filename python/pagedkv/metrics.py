@@ -2,14 +2,18 @@
 (vLLM exports the same quantities as ``vllm:...``).
 
 Each :class:`EngineMetrics` owns its own registry, so several engines in one process (tests,
-benchmarks) never collide; :meth:`EngineMetrics.serve` exposes it at ``/metrics`` over HTTP.
+benchmarks) never collide; :meth:`EngineMetrics.serve` exposes it at ``/metrics`` over HTTP
+(:class:`~pagedkv.metrics_http.MetricsServer`: bounded threads, idle connections timed out) until
+:meth:`EngineMetrics.close`.
 """
 
 from __future__ import annotations
 
 from typing import Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from pagedkv.metrics_http import MetricsServer
 
 __all__ = ["EngineMetrics"]
 
@@ -53,6 +57,7 @@ class EngineMetrics:
             "e2e_request_latency_seconds", "Time from arrival to the last token.", _LATENCY_BUCKETS
         )
         self._last_totals: dict[str, int] = {}
+        self._servers: list[MetricsServer] = []
 
     def record_scheduler(self, stats: Mapping[str, float]) -> None:
         """Updates gauges and counters from ``Scheduler.stats()`` (cumulative totals)."""
@@ -80,11 +85,18 @@ class EngineMetrics:
             self.time_per_output_token_seconds.observe(tpot_s)
         self.e2e_request_latency_seconds.observe(e2e_s)
 
-    def serve(self, port: int, addr: str = "127.0.0.1") -> int:
+    def serve(self, port: int, addr: str = "127.0.0.1", *, timeout: float = 5.0, max_connections: int = 8) -> int:
         """Starts a background HTTP server exposing ``/metrics``; returns the bound port (pass 0
-        for any free one)."""
-        server, _thread = start_http_server(port, addr=addr, registry=self.registry)
-        return int(server.server_address[1])
+        for any free one). A client gets ``timeout`` seconds to send its request; at most
+        ``max_connections`` are served at once."""
+        server = MetricsServer(self.registry, port, addr, timeout=timeout, max_connections=max_connections)
+        self._servers.append(server)
+        return server.port
+
+    def close(self) -> None:
+        """Stops every server :meth:`serve` started."""
+        while self._servers:
+            self._servers.pop().close()
 
     def text(self) -> str:
         """The exposition text, as ``/metrics`` serves it."""

@@ -25,6 +25,7 @@ import numpy as np
 
 import pagedkv
 from pagedkv import _core
+from pagedkv.cli import comma_list, one_of, positive_int
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
@@ -36,10 +37,12 @@ MAX_LAYER_BYTES = 1 << 30
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON only on stdout (the table goes to stderr)")
     parser.add_argument("--quick", action="store_true", help="a few representative cases, fewer samples")
-    parser.add_argument("--samples", type=int, default=None, help="timed rounds per case (default 5, quick 3)")
-    parser.add_argument("--threads", type=int, default=None, help="attention threads (default: pagedkv's)")
-    parser.add_argument("--kv-mib", type=int, default=256, help="K/V held per variant, across layers (MiB)")
-    parser.add_argument("--dtypes", default="float32,float16,bfloat16", help="comma-separated K/V dtypes")
+    parser.add_argument("--samples", type=positive_int, default=None, help="timed rounds per case (default 5, quick 3)")
+    parser.add_argument("--threads", type=positive_int, default=None, help="attention threads (default: pagedkv's)")
+    parser.add_argument("--kv-mib", type=positive_int, default=256, help="K/V held per variant, across layers (MiB)")
+    parser.add_argument(
+        "--dtypes", type=comma_list(one_of(list(DTYPE_BYTES))), default=",".join(DTYPE_BYTES), help="comma-separated K/V dtypes"
+    )
 
 
 def _median_time(run: Callable[[int], object], layers: int) -> float:
@@ -153,7 +156,7 @@ def _measure(case: Case, probe, samples: int) -> dict[str, list[float]]:
 
 
 def _cases(args) -> list[tuple]:
-    dtypes = args.dtypes.split(",")
+    dtypes = args.dtypes
     if args.quick:
         decode = [(b, c) for b, c in [(1, 2048), (16, 2048), (4, 8192)]]
         block_sizes, prefill = [16, 64, 128], [(128, 0), (512, 2048)]
@@ -196,7 +199,7 @@ def _call_overhead(samples: int) -> dict:
 
 
 def run(args) -> int:
-    if args.threads:
+    if args.threads is not None:
         pagedkv.set_num_threads(args.threads)
     samples = args.samples or (3 if args.quick else 5)
     rng = np.random.default_rng(0)

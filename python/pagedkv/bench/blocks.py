@@ -16,6 +16,7 @@ from typing import Callable, Protocol
 
 from pagedkv import BlockManager
 from pagedkv.bench.seed_reference import SeedPageAllocator
+from pagedkv.cli import positive_int
 from pagedkv.traces import load_trace
 
 
@@ -25,10 +26,10 @@ class Allocator(Protocol):
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--requests", type=int, default=400, help="trace requests to replay")
-    parser.add_argument("--max-running", type=int, default=64)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--requests", type=positive_int, default=400, help="trace requests to replay")
+    parser.add_argument("--max-running", type=positive_int, default=64)
+    parser.add_argument("--block-size", type=positive_int, default=16)
+    parser.add_argument("--repeats", type=positive_int, default=5)
     parser.add_argument("--json", action="store_true", help="print JSON only")
 
 

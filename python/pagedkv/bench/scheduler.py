@@ -26,22 +26,23 @@ import numpy as np
 
 from pagedkv import Scheduler
 from pagedkv.bench.reference_scheduler import ReferenceScheduler
+from pagedkv.cli import non_negative_int, positive_float, positive_int
 from pagedkv.traces import TraceRequest, load_trace
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--requests", type=int, default=2000, help="trace requests to replay (0: all 19,366)")
-    parser.add_argument("--reference-requests", type=int, default=None, help="requests for the Python reference (default: same)")
-    parser.add_argument("--num-blocks", type=int, default=4096)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    parser.add_argument("--long-prefill-token-threshold", type=int, default=0)
-    parser.add_argument("--system-prompt", type=int, default=128, help="tokens shared by every prompt")
-    parser.add_argument("--step-ms", type=float, default=20.0, help="simulated model time per step")
-    parser.add_argument("--speedup", type=float, default=4.0, help="arrival-time compression")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--repeats", type=int, default=3, help="replays per implementation; the fastest counts")
+    parser.add_argument("--requests", type=non_negative_int, default=2000, help="trace requests to replay (0: all 19,366)")
+    parser.add_argument("--reference-requests", type=positive_int, default=None, help="requests for the Python reference (default: same)")
+    parser.add_argument("--num-blocks", type=positive_int, default=4096)
+    parser.add_argument("--block-size", type=positive_int, default=16)
+    parser.add_argument("--max-num-seqs", type=positive_int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=positive_int, default=8192)
+    parser.add_argument("--long-prefill-token-threshold", type=non_negative_int, default=0)
+    parser.add_argument("--system-prompt", type=non_negative_int, default=128, help="tokens shared by every prompt")
+    parser.add_argument("--step-ms", type=positive_float, default=20.0, help="simulated model time per step")
+    parser.add_argument("--speedup", type=positive_float, default=4.0, help="arrival-time compression")
+    parser.add_argument("--seed", type=non_negative_int, default=0)
+    parser.add_argument("--repeats", type=positive_int, default=3, help="replays per implementation; the fastest counts")
     parser.add_argument("--json", action="store_true", help="print JSON only")
 
 
@@ -105,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
     )
     # Interleaved repeats, fastest of each: the machine is shared, and noise only adds time.
     rust_runs, python_runs, default_runs = [], [], []
-    for _ in range(max(1, args.repeats)):
+    for _ in range(args.repeats):
         rust_runs.append(replay(lambda: Scheduler(**limits, admission_lookahead_tokens=None), trace, args, as_list=False))
         python_runs.append(replay(lambda: ReferenceScheduler(**limits), reference_trace, args, as_list=True))
         default_runs.append(replay(lambda: Scheduler(**limits), trace, args, as_list=False))
@@ -127,7 +128,7 @@ def run(args: argparse.Namespace) -> int:
         "scheduled_tokens": stats["scheduled_tokens"],
         "us_per_step_default_config": round(default["us_per_step"], 2),
         "preemptions_default_config": default["scheduler"].stats()["preemptions"],
-        "repeats": max(1, args.repeats),
+        "repeats": args.repeats,
         "reference_agrees": None,
     }
     if reference_trace is trace:

@@ -17,17 +17,18 @@ import json
 import math
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from pagedkv.cli import comma_list, non_negative_int, output_dir, positive_float, positive_int, trace_source
+from pagedkv.errors import InvalidArgumentError
 from pagedkv.serving.replay import ReplayResult
 from pagedkv.serving.report import PolicySummary, format_table, summarize
 from pagedkv.serving.simulation import PAGED, PAGED_PREFIX, POLICIES, STATIC, ServingSetup, simulate
 from pagedkv.serving.workload import SystemPrompts, Workload, build_workload, ideal_prefill_tokens
-from pagedkv.traces import load_trace
+from pagedkv.traces import SHIPPED_TRACES, load_trace
 
 # Targets of the issue, reported (not enforced).
 TARGET_KV_UTILIZATION = 0.96
@@ -40,22 +41,24 @@ DEFAULT_SWEEP_RATES = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the results as JSON only")
-    parser.add_argument("--trace", default="conv", help="'conv', 'code' or a CSV path (TIMESTAMP,ContextTokens,GeneratedTokens)")
-    parser.add_argument("--requests", type=int, default=2000, help="trace requests to replay (from the start)")
-    parser.add_argument("--rate", type=float, default=None, help="Poisson arrivals at this many requests/s (default: replay the trace's arrival times)")
+    parser.add_argument(
+        "--trace", type=trace_source(list(SHIPPED_TRACES)), default="conv", help="'conv', 'code' or a CSV path (TIMESTAMP,ContextTokens,GeneratedTokens)"
+    )
+    parser.add_argument("--requests", type=positive_int, default=2000, help="trace requests to replay (from the start)")
+    parser.add_argument("--rate", type=positive_float, default=None, help="Poisson arrivals at this many requests/s (default: replay the trace's arrival times)")
     parser.add_argument("--sweep", action="store_true", help="also sweep Poisson request rates")
-    parser.add_argument("--sweep-rates", type=lambda s: tuple(float(x) for x in s.split(",")), default=DEFAULT_SWEEP_RATES, help="comma-separated requests/s")
-    parser.add_argument("--sweep-requests", type=int, default=600, help="requests per sweep point")
-    parser.add_argument("--plot", type=Path, default=None, metavar="DIR", help="write PNG plots into DIR")
+    parser.add_argument("--sweep-rates", type=comma_list(positive_float), default=DEFAULT_SWEEP_RATES, help="comma-separated requests/s")
+    parser.add_argument("--sweep-requests", type=positive_int, default=600, help="requests per sweep point")
+    parser.add_argument("--plot", type=output_dir, default=None, metavar="DIR", help="write PNG plots into DIR")
     parser.add_argument("--quick", action="store_true", help=f"a fast smoke run ({QUICK_REQUESTS} requests, a 2-point sweep if --sweep)")
-    parser.add_argument("--num-blocks", type=int, default=4096, help="KV memory in blocks (the same for every policy)")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--max-model-len", type=int, default=8192, help="longest sequence, and each reservation of the baselines")
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--system-prompts", type=int, default=8, help="shared system prompts of the prefix-caching variant")
-    parser.add_argument("--real-requests", type=int, default=24, help="requests of the tiny-model run (0 to skip)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-blocks", type=positive_int, default=4096, help="KV memory in blocks (the same for every policy)")
+    parser.add_argument("--block-size", type=positive_int, default=16)
+    parser.add_argument("--max-model-len", type=positive_int, default=8192, help="longest sequence, and each reservation of the baselines")
+    parser.add_argument("--max-num-seqs", type=positive_int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
+    parser.add_argument("--system-prompts", type=positive_int, default=8, help="shared system prompts of the prefix-caching variant")
+    parser.add_argument("--real-requests", type=non_negative_int, default=24, help="requests of the tiny-model run (0 to skip)")
+    parser.add_argument("--seed", type=non_negative_int, default=0)
 
 
 class _Progress:
@@ -104,6 +107,8 @@ def _compare(
     arrivals plus a system prompt each; only policy 4 there if ``headline_only``); prefix caching
     has nothing to share on the trace alone."""
     trace = load_trace(args.trace, limit=count)
+    if not trace:
+        raise InvalidArgumentError(f"--trace {args.trace}: no requests")
     base = build_workload(trace, max_model_len=setup.max_model_len, rate=rate, seed=args.seed)
     shared = build_workload(
         trace, max_model_len=setup.max_model_len, rate=rate, seed=args.seed, system_prompts=SystemPrompts(count=args.system_prompts)

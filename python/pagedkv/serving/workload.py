@@ -85,6 +85,8 @@ def build_workload(
     """
     if rate is not None and not rate > 0:
         raise InvalidArgumentError(f"rate must be > 0 requests/s, got {rate!r}")
+    if max_model_len < 2:
+        raise InvalidArgumentError(f"max_model_len must be ≥ 2 (a prompt token and an output token), got {max_model_len}")
     arrival_rng, prompt_rng = (np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(2))
     low, high = vocab
     if rate is None:

@@ -1,0 +1,122 @@
+"""Argument types shared by every ``python -m pagedkv`` subcommand.
+
+Each function is an argparse ``type=``: it turns one command-line string into a value or raises
+``argparse.ArgumentTypeError``, which argparse reports as a usage error (exit 2, the flag named,
+no traceback) before any model, cache or trace is built. They check only what a value means on
+its own (a count is positive, a port fits 16 bits, a path exists); limits that depend on other
+arguments (a block budget against a model length, a thread count against the machine) stay with
+the library, whose ``InvalidArgumentError`` ``pagedkv.__main__`` reports the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import threading
+from pathlib import Path
+from typing import Callable, Sequence, TypeVar
+
+__all__ = [
+    "positive_int",
+    "non_negative_int",
+    "port",
+    "positive_float",
+    "seconds",
+    "existing_file",
+    "model_source",
+    "trace_source",
+    "output_dir",
+    "comma_list",
+    "one_of",
+]
+
+T = TypeVar("T")
+MAX_PORT = 65535
+
+
+def _number(name: str, convert: Callable[[str], T], what: str, accept: Callable[[T], bool]) -> Callable[[str], T]:
+    """A type parsing ``convert(text)`` and refusing what ``accept`` does not, as ``what``."""
+
+    def parse(text: str) -> T:
+        try:
+            value = convert(text)
+        except ValueError:
+            value = None
+        if value is None or not accept(value):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+
+    parse.__name__ = parse.__qualname__ = name
+    parse.__doc__ = what[0].upper() + what[1:] + "."
+    return parse
+
+
+positive_int = _number("positive_int", int, "an integer ≥ 1", lambda v: v >= 1)  # a count or a size
+non_negative_int = _number("non_negative_int", int, "an integer ≥ 0", lambda v: v >= 0)  # a seed, a threshold
+port = _number("port", int, f"a port in [0, {MAX_PORT}] (0: any free one)", lambda v: 0 <= v <= MAX_PORT)
+positive_float = _number("positive_float", float, "a finite number > 0", lambda v: math.isfinite(v) and v > 0)  # a rate
+# A duration a thread can wait out (threading refuses longer timeouts).
+seconds = _number("seconds", float, f"seconds in [0, {threading.TIMEOUT_MAX:.0f}]", lambda v: 0 <= v <= threading.TIMEOUT_MAX)
+
+
+def existing_file(text: str) -> Path:
+    """A path to an existing regular file."""
+    path = Path(text)
+    if not path.is_file():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a file" if path.exists() else f"{text!r} does not exist")
+    return path
+
+
+def model_source(text: str) -> str:
+    """``tiny`` (the built-in model) or an existing checkpoint directory."""
+    if text != "tiny":
+        path = Path(text)
+        if not path.is_dir():
+            reason = "is not a directory" if path.exists() else "does not exist"
+            raise argparse.ArgumentTypeError(f"{text!r} {reason} (expected 'tiny' or a checkpoint directory)")
+    return text
+
+
+def trace_source(shipped: Sequence[str]) -> Callable[[str], str | Path]:
+    """The name of a shipped trace, or an existing CSV file."""
+
+    def parse(text: str) -> str | Path:
+        if text in shipped:
+            return text
+        try:
+            return existing_file(text)
+        except argparse.ArgumentTypeError as error:
+            raise argparse.ArgumentTypeError(f"{error} (expected {', '.join(map(repr, shipped))} or a CSV file)") from None
+
+    return parse
+
+
+def output_dir(text: str) -> Path:
+    """A directory to write into: an existing one, or a path where one can be created."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r} exists and is not a directory")
+    return path
+
+
+def one_of(choices: Sequence[str]) -> Callable[[str], str]:
+    """One of ``choices`` (for items of :func:`comma_list`; a plain flag uses ``choices=``)."""
+
+    def parse(text: str) -> str:
+        if text not in choices:
+            raise argparse.ArgumentTypeError(f"expected one of {', '.join(choices)}, got {text!r}")
+        return text
+
+    return parse
+
+
+def comma_list(item: Callable[[str], T]) -> Callable[[str], tuple[T, ...]]:
+    """A non-empty comma-separated list, each item parsed by ``item``, without repeats."""
+
+    def parse(text: str) -> tuple[T, ...]:
+        values = tuple(item(part.strip()) for part in text.split(","))
+        if len(set(values)) != len(values):
+            raise argparse.ArgumentTypeError(f"repeated item in {text!r}")
+        return values
+
+    return parse
