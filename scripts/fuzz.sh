@@ -38,7 +38,7 @@ ci)
         echo "== $target: fuzzing for ${FUZZ_SECONDS:-30} s"
         cargo fuzz run "${FLAGS[@]}" "$target" -- \
             -max_total_time="${FUZZ_SECONDS:-30}" -print_final_stats=1 "${LIBFUZZER[@]}" 2>&1 \
-            | grep -Ev '^(#[0-9]+ +(NEW|REDUCE) |"|###### )'
+            | grep -Ev '^(#[0-9]+[[:space:]]+(NEW|REDUCE)[[:space:]]|"|###### )'
     done
     ;;
 long)
