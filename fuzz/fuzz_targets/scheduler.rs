@@ -57,8 +57,6 @@ struct Config {
 struct Input {
     config: Config,
     ops: Vec<Op>,
-    /// Sampled tokens, used in turn (cyclically) by every update.
-    sampled: Vec<u8>,
 }
 
 #[derive(Debug, Arbitrary)]
@@ -71,11 +69,32 @@ struct Add {
     tail: Vec<u8>,
     max_tokens: u8,
     n: u8,
-    priority: i64,
-    arrival_time: f64,
+    /// Small priorities, and both extremes of i64 (`priority()`).
+    priority: i8,
+    /// Small arrival times, then NaN and the infinities (`arrival_time()`).
+    arrival: u8,
     salt: u8,
     ignore_eos: bool,
     stop: Vec<u8>,
+}
+
+impl Add {
+    fn priority(&self) -> i64 {
+        match self.priority {
+            i8::MIN => i64::MIN,
+            i8::MAX => i64::MAX,
+            p => i64::from(p),
+        }
+    }
+
+    fn arrival_time(&self) -> f64 {
+        match self.arrival {
+            255 => f64::NAN,
+            254 => f64::INFINITY,
+            253 => f64::NEG_INFINITY,
+            t => f64::from(t) / 4.0,
+        }
+    }
 }
 
 #[derive(Debug, Arbitrary)]
@@ -84,10 +103,11 @@ enum Op {
     Abort(u8),
     /// One schedule/update round; `between` runs after `schedule`, before `update`. `misuse`
     /// bits: 1 = `update` before `schedule`, 2 = `schedule` twice, 4 = `update` with the wrong
-    /// number of tokens first.
+    /// number of tokens first. The samples get `tokens` in turn.
     Step {
         between: Vec<Between>,
         misuse: u8,
+        tokens: [u8; 4],
     },
 }
 
@@ -182,8 +202,8 @@ struct Harness {
     history: Vec<Vec<u32>>,
     /// Simulated KV cache: the prefix hash last written to each slot.
     kv: Vec<Option<u64>>,
-    sampled: Vec<u32>,
-    next_sample: usize,
+    /// Tokens sampled in the final drain, which cycles through the alphabet.
+    drained: u32,
 }
 
 fn request_id(id: u8) -> String {
@@ -248,8 +268,8 @@ impl Harness {
         };
         let salt = add.salt as usize % SALTS.len();
         let options = RequestOptions {
-            priority: add.priority,
-            arrival_time: add.arrival_time,
+            priority: add.priority(),
+            arrival_time: add.arrival_time(),
             cache_salt: SALTS[salt].map(<[u8]>::to_vec),
         };
         let want = if self.live.contains_key(&id) {
@@ -259,7 +279,7 @@ impl Harness {
             || params.n == 0
             || params.n > self.config.max_num_seqs
             || prompt.len() >= self.config.max_model_len
-            || add.arrival_time.is_nan()
+            || add.arrival_time().is_nan()
         {
             Outcome::Invalid
         } else {
@@ -448,16 +468,7 @@ impl Harness {
         }
     }
 
-    fn next_token(&mut self) -> u32 {
-        if self.sampled.is_empty() {
-            return 1;
-        }
-        let token = self.sampled[self.next_sample % self.sampled.len()];
-        self.next_sample += 1;
-        token
-    }
-
-    fn step(&mut self, between: &[Between], misuse: u8) {
+    fn step(&mut self, between: &[Between], misuse: u8, tokens: Option<&[u8; 4]>) {
         if misuse & 1 != 0 {
             assert_eq!(
                 self.refusable(|s| s.update(&[]).map(|_| ())),
@@ -489,7 +500,15 @@ impl Harness {
         for op in between.iter().take(4) {
             self.between(op);
         }
-        let sampled: Vec<u32> = (0..out.num_samples()).map(|_| self.next_token()).collect();
+        let sampled: Vec<u32> = (0..out.num_samples())
+            .map(|k| match tokens {
+                Some(tokens) => u32::from(tokens[k % tokens.len()] % TOKEN_ALPHABET),
+                None => {
+                    self.drained += 1;
+                    self.drained % u32::from(TOKEN_ALPHABET)
+                }
+            })
+            .collect();
         if misuse & 4 != 0 {
             let mut wrong = sampled.clone();
             wrong.push(0);
@@ -628,18 +647,17 @@ fuzz_target!(|input: Input| {
         finished: 0,
         aborted: 0,
         history: Vec::new(),
-        sampled: input
-            .sampled
-            .iter()
-            .map(|&t| u32::from(t % TOKEN_ALPHABET))
-            .collect(),
-        next_sample: 0,
+        drained: 0,
     };
     for op in &input.ops {
         match op {
             Op::Add(add) => h.add(add),
             Op::Abort(id) => h.abort(*id),
-            Op::Step { between, misuse } => h.step(between, *misuse),
+            Op::Step {
+                between,
+                misuse,
+                tokens,
+            } => h.step(between, *misuse, Some(tokens)),
         }
         h.check_state();
     }
@@ -650,7 +668,7 @@ fuzz_target!(|input: Input| {
             steps < DRAIN_STEPS,
             "not finished after {DRAIN_STEPS} steps"
         );
-        h.step(&[], 0);
+        h.step(&[], 0, None);
         h.check_state();
         steps += 1;
     }
