@@ -7,6 +7,7 @@
 #                                 (default 8) at nice 19, one process per target, logging to
 #                                 FUZZ_LOG_DIR/<target>.log (default fuzz/logs); corpus in
 #                                 fuzz/corpus/<target>, crash inputs in fuzz/artifacts/<target>
+#   scripts/fuzz.sh status        progress of the long runs: start, last status line, crash inputs
 #
 # The stable toolchain is enough: RUSTC_BOOTSTRAP=1 lets it accept the nightly-only flags
 # cargo-fuzz passes. cargo-fuzz is installed from crates.io when missing. The targets are built
@@ -54,8 +55,21 @@ long)
         echo "$target: pid $!, log $log"
     done
     ;;
+status)
+    log_dir="${FUZZ_LOG_DIR:-fuzz/logs}"
+    echo "now $(date -u +%FT%TZ)"
+    for target in "${TARGETS[@]}"; do
+        log="$log_dir/$target.log"
+        [ -e "$log" ] || continue
+        echo "== $target ($(pgrep -f "release/$target " >/dev/null && echo running || echo stopped))"
+        head -n 1 "$log"
+        grep -a -E '^#[0-9]+' "$log" | tail -n 1
+        grep -a -E 'panicked|SUMMARY|Test unit written' "$log" || true
+        ls fuzz/artifacts/"$target" 2>/dev/null || true
+    done
+    ;;
 *)
-    sed -n '2,14p' "$0" >&2
+    sed -n '2,15p' "$0" >&2
     exit 2
     ;;
 esac

@@ -103,6 +103,7 @@ struct ModelSeq {
 }
 
 /// A lookup kept for a later `Admit`: the manager's answer and the keys the model expects.
+#[derive(Clone)]
 struct SavedLookup {
     prompt: Vec<u32>,
     salt: usize,
@@ -466,34 +467,13 @@ impl Harness {
                 reuse_lookup,
             } => {
                 let seq = seq_id(*seq);
-                let fresh;
-                let saved = match (&self.model.saved, reuse_lookup) {
-                    (Some(saved), true) => saved,
-                    _ => {
-                        let (prompt, salt) = self.model.build_prompt(prompt);
-                        let found = self.manager.match_prefix(&prompt, SALTS[salt]);
-                        let (blocks, keys) = self.model.hits(salt, &prompt);
-                        assert_eq!(
-                            found.blocks, blocks,
-                            "match_prefix({prompt:?}, salt {salt})"
-                        );
-                        fresh = SavedLookup {
-                            prompt,
-                            salt,
-                            found,
-                            keys,
-                        };
-                        &fresh
-                    }
+                let lookup = match (&self.model.saved, reuse_lookup) {
+                    (Some(saved), true) => saved.clone(),
+                    _ => self.lookup(prompt),
                 };
-                let chunk = &saved.prompt[..*chunk as usize % (saved.prompt.len() + 1)];
-                let (salt, queried, found, keys) = (
-                    saved.salt,
-                    saved.prompt.len(),
-                    saved.found.clone(),
-                    saved.keys.clone(),
-                );
-                let chunk = chunk.to_vec();
+                let chunk = lookup.prompt[..*chunk as usize % (lookup.prompt.len() + 1)].to_vec();
+                let (salt, queried, found, keys) =
+                    (lookup.salt, lookup.prompt.len(), lookup.found, lookup.keys);
                 let got = outcome(
                     self.manager.admit(seq, &chunk, found.clone()),
                     Outcome::Cached,
@@ -532,27 +512,33 @@ impl Harness {
                 assert_eq!(got, self.model.free(seq), "free({seq})");
             }
             Op::Lookup { prompt } => {
-                let (prompt, salt) = self.model.build_prompt(prompt);
-                let found = self.manager.match_prefix(&prompt, SALTS[salt]);
-                let (blocks, keys) = self.model.hits(salt, &prompt);
-                assert_eq!(
-                    found.blocks, blocks,
-                    "match_prefix({prompt:?}, salt {salt})"
-                );
-                assert_eq!(found.hashes.len(), blocks.len());
-                assert_eq!(found.num_queried_tokens, prompt.len());
-                self.model.saved = Some(SavedLookup {
-                    prompt,
-                    salt,
-                    found,
-                    keys,
-                });
+                let lookup = self.lookup(prompt);
+                self.model.saved = Some(lookup);
             }
             Op::Slots { seq, start, len } => self.check_slots(seq_id(*seq), *start, *len),
             Op::Tables { seqs, min_width } => {
                 let seqs: Vec<SeqId> = seqs.iter().take(12).map(|&s| seq_id(s)).collect();
                 self.check_tables(&seqs, usize::from(*min_width % 8));
             }
+        }
+    }
+
+    /// `match_prefix` of a prompt built from `prompt`, checked against the model.
+    fn lookup(&mut self, prompt: &Prompt) -> SavedLookup {
+        let (prompt, salt) = self.model.build_prompt(prompt);
+        let found = self.manager.match_prefix(&prompt, SALTS[salt]);
+        let (blocks, keys) = self.model.hits(salt, &prompt);
+        assert_eq!(
+            found.blocks, blocks,
+            "match_prefix({prompt:?}, salt {salt})"
+        );
+        assert_eq!(found.hashes.len(), blocks.len());
+        assert_eq!(found.num_queried_tokens, prompt.len());
+        SavedLookup {
+            prompt,
+            salt,
+            found,
+            keys,
         }
     }
 
