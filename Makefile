@@ -24,6 +24,16 @@ test-loom:
 test-python: $(VENV)/.built
 	$(PY) -m pytest tests
 
+.PHONY: test-fuzz fuzz
+
+# cargo-fuzz targets in fuzz/: a brief run of each (FUZZ_SECONDS, default 30) that fails on a crash.
+test-fuzz:
+	bash scripts/fuzz.sh ci
+
+# The long offline run in the background (FUZZ_HOURS, default 8; logs in FUZZ_LOG_DIR, default fuzz/logs).
+fuzz:
+	bash scripts/fuzz.sh long
+
 bench: $(VENV)/.built
 	cargo bench
 	$(PY) -m pagedkv bench all

@@ -1,0 +1,679 @@
+//! Fuzz target: a `Scheduler` driven by requests, aborts (in any state, mid-step included) and
+//! schedule/update steps with sampled tokens decoded from the input, under a random configuration.
+//!
+//! Beside the scheduler runs a model of what it promises: the live requests with each sample's
+//! tokens, and a simulated KV cache in which every slot holds a hash of the (salt, tokens) prefix
+//! whose K/V was last written there. Checked:
+//! - every call either succeeds or returns the error class the model predicts, and a refused call
+//!   changes nothing observable; `check_invariants` holds after every call;
+//! - each step has the model-runner layout, schedules only live samples' next tokens at their
+//!   positions, writes no slot twice, and every position a row attends to (after applying the
+//!   copy-on-write ops, then the step's writes) holds that row's own prefix: no sequence ever
+//!   reads another's K/V or a stale block;
+//! - `update` yields one token per live sample in sample order, with the finish reason the
+//!   request's limits imply, and finishes a request when its last sample ends;
+//! - every added request ends exactly once (finished or aborted), a step with unfinished work
+//!   schedules a token or preempts, a drain finishes everything, and with nothing unfinished every
+//!   block is back in the pool. No call panics.
+#![no_main]
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::Arc;
+
+use arbitrary::Arbitrary;
+use libfuzzer_sys::fuzz_target;
+use pagedkv::scheduler::{
+    FinishReason, Policy, RequestOptions, SamplingParams, SchedulerStats, StepOutput,
+};
+use pagedkv::{Error, Scheduler, SchedulerConfig};
+
+/// Request ids drawn from `r0..r{IDS}`: ids collide, repeat after a request ends, and miss.
+const IDS: u8 = 10;
+/// Prompt tokens are drawn from `0..PROMPT_ALPHABET` (so prompts share prefixes), sampled, stop
+/// and end-of-sequence tokens from `0..TOKEN_ALPHABET`.
+const PROMPT_ALPHABET: u8 = 4;
+const TOKEN_ALPHABET: u8 = 8;
+const MAX_PROMPT: usize = 80;
+const HISTORY: usize = 16;
+const SALTS: [Option<&[u8]>; 3] = [None, Some(b"a"), Some(b"b")];
+/// Steps the final drain may take before the harness calls it a livelock.
+const DRAIN_STEPS: usize = 20_000;
+
+#[derive(Debug, Arbitrary)]
+struct Config {
+    num_blocks: u8,
+    block_size: u8,
+    max_num_seqs: u8,
+    max_num_batched_tokens: u8,
+    max_model_len: u8,
+    prefix_caching: bool,
+    aging_steps: Option<u8>,
+    long_prefill_token_threshold: u8,
+    eos: Option<u8>,
+    lookahead: Option<u8>,
+}
+
+#[derive(Debug, Arbitrary)]
+struct Input {
+    config: Config,
+    ops: Vec<Op>,
+}
+
+#[derive(Debug, Arbitrary)]
+struct Add {
+    id: u8,
+    /// The prompt: a prefix (`keep` tokens) of a remembered prompt or live sequence (`base`),
+    /// then `tail`.
+    base: u8,
+    keep: u8,
+    tail: Vec<u8>,
+    max_tokens: u8,
+    n: u8,
+    /// Small priorities, and both extremes of i64 (`priority()`).
+    priority: i8,
+    /// Small arrival times, then NaN and the infinities (`arrival_time()`).
+    arrival: u8,
+    salt: u8,
+    ignore_eos: bool,
+    stop: Vec<u8>,
+}
+
+impl Add {
+    fn priority(&self) -> i64 {
+        match self.priority {
+            i8::MIN => i64::MIN,
+            i8::MAX => i64::MAX,
+            p => i64::from(p),
+        }
+    }
+
+    fn arrival_time(&self) -> f64 {
+        match self.arrival {
+            255 => f64::NAN,
+            254 => f64::INFINITY,
+            253 => f64::NEG_INFINITY,
+            t => f64::from(t) / 4.0,
+        }
+    }
+}
+
+#[derive(Debug, Arbitrary)]
+enum Op {
+    Add(Add),
+    Abort(u8),
+    /// One schedule/update round; `between` runs after `schedule`, before `update`. `misuse`
+    /// bits: 1 = `update` before `schedule`, 2 = `schedule` twice, 4 = `update` with the wrong
+    /// number of tokens first. The samples get `tokens` in turn.
+    Step {
+        between: Vec<Between>,
+        misuse: u8,
+        tokens: [u8; 4],
+    },
+}
+
+#[derive(Debug, Arbitrary)]
+enum Between {
+    Add(Add),
+    Abort(u8),
+}
+
+/// One sample of a live request, as the model sees it.
+#[derive(Debug, Clone, Default)]
+struct ModelSample {
+    /// Created: sample 0 at `add_request`, the others when the prompt forks.
+    exists: bool,
+    finished: bool,
+    outputs: Vec<u32>,
+}
+
+#[derive(Debug, Clone)]
+struct ModelRequest {
+    /// Distinguishes requests that reuse an id.
+    serial: u64,
+    prompt: Vec<u32>,
+    params: SamplingParams,
+    salt: usize,
+    samples: Vec<ModelSample>,
+}
+
+impl ModelRequest {
+    fn tokens(&self, index: u32) -> Vec<u32> {
+        let mut tokens = self.prompt.clone();
+        tokens.extend(&self.samples[index as usize].outputs);
+        tokens
+    }
+}
+
+/// Hash of the K/V at a position: depends on the salt and every token up to it.
+fn kv_content(parent: u64, token: u32) -> u64 {
+    let mut z = parent ^ u64::from(token).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
+}
+
+fn prefix_contents(salt: usize, tokens: &[u32]) -> Vec<u64> {
+    let mut h = kv_content(0x5a17, salt as u32);
+    tokens
+        .iter()
+        .map(|&t| {
+            h = kv_content(h, t);
+            h
+        })
+        .collect()
+}
+
+#[derive(Debug, PartialEq)]
+enum Outcome {
+    Ok,
+    Unknown,
+    Duplicate,
+    Invalid,
+    Shape,
+}
+
+fn outcome<T>(result: Result<T, Error>) -> Outcome {
+    match result {
+        Ok(_) => Outcome::Ok,
+        Err(Error::UnknownSequence(_)) => Outcome::Unknown,
+        Err(Error::DuplicateSequence(_)) => Outcome::Duplicate,
+        Err(Error::InvalidArgument(_)) => Outcome::Invalid,
+        Err(Error::Shape(_)) => Outcome::Shape,
+        Err(other) => panic!("unexpected error class: {other:?}"),
+    }
+}
+
+/// What a refused call must leave unchanged.
+#[derive(Debug, PartialEq)]
+struct Snapshot {
+    stats: SchedulerStats,
+    blocks: pagedkv::BlockStats,
+    pending: Option<u64>,
+    live: Vec<bool>,
+}
+
+struct Harness {
+    scheduler: Scheduler,
+    config: SchedulerConfig,
+    live: BTreeMap<String, ModelRequest>,
+    next_serial: u64,
+    finished: u64,
+    aborted: u64,
+    history: Vec<Vec<u32>>,
+    /// Simulated KV cache: the prefix hash last written to each slot.
+    kv: Vec<Option<u64>>,
+    /// Tokens sampled in the final drain, which cycles through the alphabet.
+    drained: u32,
+}
+
+fn request_id(id: u8) -> String {
+    format!("r{}", id % IDS)
+}
+
+impl Harness {
+    fn snapshot(&self) -> Snapshot {
+        Snapshot {
+            stats: self.scheduler.stats(),
+            blocks: self.scheduler.block_manager().stats(),
+            pending: self.scheduler.pending_step(),
+            live: (0..IDS)
+                .map(|i| self.scheduler.contains(&request_id(i)))
+                .collect(),
+        }
+    }
+
+    /// Runs `call`; if it fails, asserts that it changed nothing.
+    fn refusable<T>(&mut self, call: impl FnOnce(&mut Scheduler) -> Result<T, Error>) -> Outcome {
+        let before = self.snapshot();
+        let got = outcome(call(&mut self.scheduler));
+        if got != Outcome::Ok {
+            assert_eq!(
+                self.snapshot(),
+                before,
+                "a refused call changed state: {got:?}"
+            );
+        }
+        got
+    }
+
+    fn build_prompt(&mut self, add: &Add) -> Vec<u32> {
+        let live = self.live.values().map(|r| r.tokens(0));
+        let sources: Vec<Vec<u32>> = self.history.iter().cloned().chain(live).collect();
+        let base: &[u32] = sources
+            .get(add.base as usize % (sources.len() + 1))
+            .map_or(&[], |s| s);
+        let mut prompt = base[..add.keep as usize % (base.len() + 1)].to_vec();
+        prompt.extend(add.tail.iter().map(|&t| u32::from(t % PROMPT_ALPHABET)));
+        prompt.truncate(MAX_PROMPT);
+        if self.history.len() == HISTORY {
+            self.history.remove(0);
+        }
+        self.history.push(prompt.clone());
+        prompt
+    }
+
+    fn add(&mut self, add: &Add) {
+        let id = request_id(add.id);
+        let prompt = self.build_prompt(add);
+        let params = SamplingParams {
+            max_tokens: usize::from(add.max_tokens % 24),
+            stop_token_ids: add
+                .stop
+                .iter()
+                .take(3)
+                .map(|&t| u32::from(t % TOKEN_ALPHABET))
+                .collect(),
+            ignore_eos: add.ignore_eos,
+            n: usize::from(add.n % 5),
+        };
+        let salt = add.salt as usize % SALTS.len();
+        let options = RequestOptions {
+            priority: add.priority(),
+            arrival_time: add.arrival_time(),
+            cache_salt: SALTS[salt].map(<[u8]>::to_vec),
+        };
+        let want = if self.live.contains_key(&id) {
+            Outcome::Duplicate
+        } else if prompt.is_empty()
+            || params.max_tokens == 0
+            || params.n == 0
+            || params.n > self.config.max_num_seqs
+            || prompt.len() >= self.config.max_model_len
+            || add.arrival_time().is_nan()
+        {
+            Outcome::Invalid
+        } else {
+            Outcome::Ok
+        };
+        let got = self.refusable(|s| s.add_request(&id, prompt.clone(), params.clone(), options));
+        assert_eq!(got, want, "add_request({id}, {prompt:?}, {params:?})");
+        if got == Outcome::Ok {
+            let mut samples = vec![ModelSample::default(); params.n];
+            samples[0].exists = true;
+            self.live.insert(
+                id,
+                ModelRequest {
+                    serial: self.next_serial,
+                    prompt,
+                    params,
+                    salt,
+                    samples,
+                },
+            );
+            self.next_serial += 1;
+        }
+    }
+
+    fn abort(&mut self, id: u8) {
+        let id = request_id(id);
+        let want = if self.live.contains_key(&id) {
+            Outcome::Ok
+        } else {
+            Outcome::Unknown
+        };
+        assert_eq!(self.refusable(|s| s.abort(&id)), want, "abort({id})");
+        if want == Outcome::Ok {
+            self.live.remove(&id);
+            self.aborted += 1;
+        }
+    }
+
+    fn between(&mut self, op: &Between) {
+        match op {
+            Between::Add(add) => self.add(add),
+            Between::Abort(id) => self.abort(*id),
+        }
+    }
+
+    /// Checks a step's layout and simulates its K/V writes and reads.
+    fn check_step(&mut self, out: &StepOutput) {
+        let bs = self.config.block_size;
+        let rows = out.num_seqs();
+        let t = out.num_tokens();
+        assert!(
+            t <= self.config.max_num_batched_tokens,
+            "over the token budget"
+        );
+        assert_eq!(t, out.stats.num_scheduled_tokens);
+        assert_eq!((out.positions.len(), out.slot_mapping.len()), (t, t));
+        assert_eq!(out.query_start_loc.len(), rows + 1);
+        assert_eq!((out.request_ids.len(), out.seq_indices.len()), (rows, rows));
+        assert_eq!(out.block_tables.len(), rows * out.block_table_width);
+        assert_eq!(out.query_start_loc[0], 0);
+        assert_eq!(out.query_start_loc[rows] as usize, t);
+        assert_eq!(out.copy_ops.len() % 2, 0);
+        let capacity = self.config.num_blocks;
+        for op in out.copy_ops.chunks(2) {
+            let (src, dst) = (op[0] as usize, op[1] as usize);
+            assert!(
+                src < capacity && dst < capacity && src != dst,
+                "copy op {op:?}"
+            );
+            for offset in 0..bs {
+                self.kv[dst * bs + offset] = self.kv[src * bs + offset];
+            }
+        }
+        let mut row_of = HashMap::new();
+        let mut written = HashSet::new();
+        let mut reads = Vec::new();
+        for i in 0..rows {
+            let request = &self.live[&*out.request_ids[i]];
+            let index = out.seq_indices[i];
+            assert!(
+                request
+                    .samples
+                    .get(index as usize)
+                    .is_some_and(|s| s.exists && !s.finished),
+                "row {i} runs a sample that does not exist"
+            );
+            assert!(
+                row_of.insert((request.serial, index), i).is_none(),
+                "a sample scheduled twice in one step"
+            );
+            let tokens = request.tokens(index);
+            let (start, end) = (
+                out.query_start_loc[i] as usize,
+                out.query_start_loc[i + 1] as usize,
+            );
+            assert!(start < end, "row {i} schedules no token");
+            let context = out.context_lens[i] as usize;
+            assert!(context <= tokens.len() && context <= self.config.max_model_len);
+            let first = context - (end - start);
+            let table = &out.block_tables[i * out.block_table_width..][..out.block_table_width];
+            let held = context.div_ceil(bs);
+            assert!(table[..held]
+                .iter()
+                .all(|&b| (0..capacity as i32).contains(&b)));
+            assert!(
+                table[held..].iter().all(|&b| b == -1),
+                "row {i} is not padded with -1"
+            );
+            let distinct: HashSet<_> = table[..held].iter().collect();
+            assert_eq!(distinct.len(), held, "row {i} holds a block twice");
+            let contents = prefix_contents(request.salt, &tokens[..context]);
+            for (j, position) in (start..end).zip(first..context) {
+                assert_eq!(out.positions[j], position as i64);
+                assert_eq!(out.input_ids[j], i64::from(tokens[position]));
+                let slot = i64::from(table[position / bs]) * bs as i64 + (position % bs) as i64;
+                assert_eq!(
+                    out.slot_mapping[j], slot,
+                    "slot of row {i} position {position}"
+                );
+                assert!(
+                    written.insert(slot),
+                    "slot {slot} written twice in one step"
+                );
+                self.kv[slot as usize] = Some(contents[position]);
+            }
+            for (position, &content) in contents.iter().enumerate() {
+                let slot = table[position / bs] as usize * bs + position % bs;
+                reads.push((i, position, slot, content));
+            }
+        }
+        for (i, position, slot, content) in reads {
+            assert_eq!(
+                self.kv[slot],
+                Some(content),
+                "row {i} reads position {position} from slot {slot} holding other K/V"
+            );
+        }
+        let samples = out.num_samples();
+        assert_eq!(out.sample_request_ids.len(), samples);
+        assert_eq!(out.sample_seq_indices.len(), samples);
+        let mut sampled = HashSet::new();
+        for k in 0..samples {
+            let request = &self.live[&*out.sample_request_ids[k]];
+            let index = out.sample_seq_indices[k];
+            assert!(index < request.params.n as u32);
+            assert!(
+                sampled.insert((request.serial, index)),
+                "a sample sampled twice"
+            );
+            let token = out.logits_indices[k];
+            let row = (0..rows)
+                .find(|&i| out.query_start_loc[i + 1] as i64 - 1 == token)
+                .expect("a sample's logits row ends a row");
+            assert_eq!(&*out.request_ids[row], &*out.sample_request_ids[k]);
+            let sample = &request.samples[index as usize];
+            // A fork samples from its parent's row, the prompt just computed.
+            let length = if sample.exists {
+                request.prompt.len() + sample.outputs.len()
+            } else {
+                request.prompt.len()
+            };
+            assert_eq!(
+                out.context_lens[row] as usize, length,
+                "sample {k} is not at its end"
+            );
+        }
+        for (&(serial, index), &row) in &row_of {
+            let request = self
+                .live
+                .values()
+                .find(|r| r.serial == serial)
+                .expect("live");
+            if out.context_lens[row] as usize == request.tokens(index).len() {
+                assert!(
+                    sampled.contains(&(serial, index)),
+                    "row {row} ends its tokens unsampled"
+                );
+            }
+        }
+        for k in 0..samples {
+            let request = self
+                .live
+                .get_mut(&*out.sample_request_ids[k])
+                .expect("live");
+            request.samples[out.sample_seq_indices[k] as usize].exists = true;
+        }
+    }
+
+    fn step(&mut self, between: &[Between], misuse: u8, tokens: Option<&[u8; 4]>) {
+        if misuse & 1 != 0 {
+            assert_eq!(
+                self.refusable(|s| s.update(&[]).map(|_| ())),
+                Outcome::Invalid
+            );
+        }
+        let unfinished = self.scheduler.has_unfinished();
+        let out = self.scheduler.schedule().expect("no step pending").clone();
+        assert_eq!(self.scheduler.pending_step(), Some(out.step));
+        if unfinished {
+            assert!(
+                out.stats.num_scheduled_tokens > 0 || out.stats.num_preempted > 0,
+                "a step with unfinished requests did nothing"
+            );
+        }
+        self.check_step(&out);
+        if misuse & 2 != 0 {
+            assert_eq!(
+                self.refusable(|s| s.schedule().map(|_| ())),
+                Outcome::Invalid
+            );
+        }
+        // Which request each sample belongs to, as scheduled (ids may be reused in between).
+        let serials: Vec<u64> = out
+            .sample_request_ids
+            .iter()
+            .map(|id| self.live[&**id].serial)
+            .collect();
+        for op in between.iter().take(4) {
+            self.between(op);
+        }
+        let sampled: Vec<u32> = (0..out.num_samples())
+            .map(|k| match tokens {
+                Some(tokens) => u32::from(tokens[k % tokens.len()] % TOKEN_ALPHABET),
+                None => {
+                    self.drained += 1;
+                    self.drained % u32::from(TOKEN_ALPHABET)
+                }
+            })
+            .collect();
+        if misuse & 4 != 0 {
+            let mut wrong = sampled.clone();
+            wrong.push(0);
+            assert_eq!(
+                self.refusable(|s| s.update(&wrong).map(|_| ())),
+                Outcome::Shape
+            );
+        }
+        let update = self
+            .scheduler
+            .update(&sampled)
+            .expect("one token per sample")
+            .clone();
+        self.scheduler
+            .check_invariants()
+            .expect("invariants after update");
+        let mut produced = update.produced.iter();
+        let mut ended = Vec::new();
+        for k in 0..out.num_samples() {
+            let id = &out.sample_request_ids[k];
+            let Some(request) = self.live.get_mut(&**id).filter(|r| r.serial == serials[k]) else {
+                continue; // aborted since it was scheduled: no token
+            };
+            let p = produced.next().expect("a token per live sample");
+            let index = out.sample_seq_indices[k];
+            assert_eq!(
+                (&*p.request_id, p.seq_index, p.token),
+                (&**id, index, sampled[k])
+            );
+            let sample = &mut request.samples[index as usize];
+            sample.outputs.push(sampled[k]);
+            let params = &request.params;
+            let length = request.prompt.len() + sample.outputs.len();
+            let want = if params.stop_token_ids.contains(&p.token)
+                || (!params.ignore_eos && self.config.eos_token_id == Some(p.token))
+            {
+                Some(FinishReason::Stop)
+            } else if sample.outputs.len() >= params.max_tokens {
+                Some(FinishReason::Length)
+            } else if length >= self.config.max_model_len {
+                Some(FinishReason::MaxModelLen)
+            } else {
+                None
+            };
+            assert_eq!(
+                p.finish, want,
+                "finish of {id}/{index} after {:?}",
+                sample.outputs
+            );
+            if want.is_some() {
+                sample.finished = true;
+                if request.samples.iter().all(|s| s.finished) {
+                    ended.push(id.clone());
+                }
+            }
+        }
+        assert!(
+            produced.next().is_none(),
+            "a token for an aborted or unknown sample"
+        );
+        let reported: Vec<Arc<str>> = update.finished_requests.clone();
+        assert_eq!(reported, ended, "finished requests");
+        for id in &ended {
+            self.live.remove(&**id);
+            self.finished += 1;
+        }
+    }
+
+    fn check_state(&self) {
+        if let Err(broken) = self.scheduler.check_invariants() {
+            panic!("check_invariants: {broken}");
+        }
+        let stats = self.scheduler.stats();
+        assert_eq!(stats.num_unfinished_requests, self.live.len());
+        assert_eq!(self.scheduler.has_unfinished(), !self.live.is_empty());
+        assert_eq!(
+            (stats.finished_requests, stats.aborted_requests),
+            (self.finished, self.aborted)
+        );
+        for (id, request) in &self.live {
+            assert!(self.scheduler.contains(id));
+            for (index, sample) in request.samples.iter().enumerate() {
+                let tokens = self.scheduler.sequence_tokens(id, index as u32);
+                if sample.exists && !sample.finished {
+                    assert_eq!(
+                        tokens.expect("live sample"),
+                        &request.tokens(index as u32)[..]
+                    );
+                } else {
+                    assert!(matches!(tokens, Err(Error::UnknownSequence(_))));
+                }
+            }
+        }
+        let blocks = self.scheduler.block_manager().stats();
+        assert_eq!(
+            blocks.free_blocks + blocks.cached_blocks + blocks.used_blocks,
+            blocks.num_blocks
+        );
+        if self.live.is_empty() {
+            assert_eq!(blocks.used_blocks, 0, "blocks held with nothing unfinished");
+            assert_eq!(self.scheduler.block_manager().num_sequences(), 0);
+            assert_eq!((stats.num_running, stats.num_waiting), (0, 0));
+        }
+    }
+}
+
+fn config(c: &Config) -> SchedulerConfig {
+    let mut config = SchedulerConfig::new(
+        2 + usize::from(c.num_blocks % 31),
+        1 + usize::from(c.block_size % 8),
+    );
+    let capacity = config.num_blocks * config.block_size;
+    config.max_num_seqs = 1 + usize::from(c.max_num_seqs % 8);
+    config.max_num_batched_tokens = 1 + usize::from(c.max_num_batched_tokens % 64);
+    config.max_model_len = 2 + usize::from(c.max_model_len) % (capacity - 1);
+    config.enable_prefix_caching = c.prefix_caching;
+    if let Some(aging) = c.aging_steps {
+        config.policy = Policy::Priority {
+            aging_steps: 1 + u64::from(aging % 4),
+        };
+    }
+    config.long_prefill_token_threshold = usize::from(c.long_prefill_token_threshold % 17);
+    config.eos_token_id = c.eos.map(|t| u32::from(t % TOKEN_ALPHABET));
+    config.admission_lookahead_tokens = c.lookahead.map(|l| usize::from(l % 48));
+    config
+}
+
+fuzz_target!(|input: Input| {
+    let config = config(&input.config);
+    let mut h = Harness {
+        scheduler: Scheduler::new(config.clone()).expect("a valid configuration"),
+        kv: vec![None; config.num_blocks * config.block_size],
+        config,
+        live: BTreeMap::new(),
+        next_serial: 0,
+        finished: 0,
+        aborted: 0,
+        history: Vec::new(),
+        drained: 0,
+    };
+    for op in &input.ops {
+        match op {
+            Op::Add(add) => h.add(add),
+            Op::Abort(id) => h.abort(*id),
+            Op::Step {
+                between,
+                misuse,
+                tokens,
+            } => h.step(between, *misuse, Some(tokens)),
+        }
+        h.check_state();
+    }
+    // Drain: every request must end.
+    let mut steps = 0;
+    while h.scheduler.has_unfinished() {
+        assert!(
+            steps < DRAIN_STEPS,
+            "not finished after {DRAIN_STEPS} steps"
+        );
+        h.step(&[], 0, None);
+        h.check_state();
+        steps += 1;
+    }
+    assert!(
+        h.live.is_empty(),
+        "the model has requests the scheduler ended silently"
+    );
+});
