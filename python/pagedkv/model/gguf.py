@@ -13,6 +13,7 @@ experts) is refused with a :class:`CheckpointError` naming the file, never ignor
 
 from __future__ import annotations
 
+import itertools
 import re
 from pathlib import Path
 from typing import Union
@@ -23,7 +24,7 @@ from pagedkv.errors import CheckpointError, InvalidArgumentError
 from pagedkv.model.config import LlamaConfig, RopeScaling, _Fields, union_token_ids
 from pagedkv.model.gguf_file import GGUFFile, read_gguf
 from pagedkv.model.tokenizer import HFTokenizer
-from pagedkv.model.weights import LlamaWeights, _expected_names, _expected_shape
+from pagedkv.model.weights import LlamaWeights, _expected_names, _expected_shape, _num_expected
 
 __all__ = ["load_gguf", "config_from_gguf", "unpermute_qk"]
 
@@ -57,10 +58,12 @@ def load_gguf(path: PathLike) -> tuple[LlamaWeights, HFTokenizer]:
     if tokenizer.vocab_size > config.vocab_size:
         raise CheckpointError(gguf.file.path, f"the tokenizer has {tokenizer.vocab_size} ids but the model only {config.vocab_size}")
     names = _hf_names(gguf, config)
-    missing = [name for name in _expected_names(config) if name not in names.values()]
-    if missing:
-        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
-        raise CheckpointError(gguf.file.path, f"tensors missing: {', '.join(missing[:3])}{more} (Hugging Face names)")
+    num_missing = _num_expected(config) - len(names)  # counted: a config may claim a million layers
+    if num_missing:
+        found = set(names.values())
+        listed = ", ".join(itertools.islice((n for n in _expected_names(config) if n not in found), 3))
+        more = f" and {num_missing - 3} more" if num_missing > 3 else ""
+        raise CheckpointError(gguf.file.path, f"tensors missing: {listed}{more} (Hugging Face names)")
     heads = {"self_attn.q_proj.weight": config.num_heads, "self_attn.k_proj.weight": config.num_kv_heads}
 
     def unpermute(gguf_name: str, raw: np.ndarray) -> np.ndarray:

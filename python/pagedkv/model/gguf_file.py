@@ -144,7 +144,7 @@ class _Parser:
             metadata[key] = self._value(self._scalar("<I"), key, 0)
         entries = [self._tensor_entry() for _ in range(self._count(tensor_count, 24))]
         alignment = metadata.get("general.alignment", _DEFAULT_ALIGNMENT)
-        if not (isinstance(alignment, int) and alignment > 0 and alignment & (alignment - 1) == 0):
+        if not (type(alignment) is int and alignment > 0 and alignment & (alignment - 1) == 0):
             raise self.fail(f"general.alignment {alignment!r} is not a power of two")
         data_start = -(-self._pos // alignment) * alignment
         tensors: dict[str, GGUFTensor] = {}
@@ -221,6 +221,8 @@ class _Parser:
             supported = ", ".join(sorted(t.name for t in SUPPORTED_TYPES))
             raise CheckpointError(self._file.path, f"tensor {name} is {tensor_type.name}; supported: {supported}")
         block_size, type_size = GGML_QUANT_SIZES[tensor_type]
+        if 0 in shape:
+            raise self.fail(f"tensor {name} has an empty dimension {shape}")
         if shape[-1] % block_size:
             raise self.fail(f"tensor {name}: row length {shape[-1]} is not a multiple of {tensor_type.name}'s block of {block_size}")
         nbytes = math.prod(shape) // block_size * type_size

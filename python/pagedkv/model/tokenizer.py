@@ -124,11 +124,14 @@ class HFTokenizer:
         if len(vocab) != len(tokens):
             raise fail("tokenizer.ggml.tokens holds a token twice")
         pairs = [tuple(merge.split(" ")) for merge in merges]
-        if any(len(pair) != 2 or pair[0] not in vocab or pair[1] not in vocab for pair in pairs):
-            raise fail("a merge is not two vocabulary tokens separated by a space")
+        if not all(len(pair) == 2 and pair[0] in vocab and pair[1] in vocab and pair[0] + pair[1] in vocab for pair in pairs):
+            raise fail("a merge is not two vocabulary tokens, separated by a space, whose join is one too")
         if bos is not None and not 0 <= bos < len(tokens):
             raise fail(f"tokenizer.ggml.bos_token_id {bos} is not a token id")
-        tokenizer = _Tokenizer(models.BPE(vocab, pairs, fuse_unk=False, byte_fallback=False))
+        try:
+            tokenizer = _Tokenizer(models.BPE(vocab, pairs, fuse_unk=False, byte_fallback=False))
+        except Exception as error:  # the tokenizers package raises a bare Exception
+            raise fail(f"cannot build the BPE: {error}") from error
         tokenizer.pre_tokenizer = _GGUF_PRE_TOKENIZERS[pre]()
         tokenizer.decoder = decoders.ByteLevel()
         added = [AddedToken(token, special=token_type == _CONTROL, normalized=False)
