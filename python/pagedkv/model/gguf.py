@@ -64,11 +64,11 @@ def load_gguf(path: PathLike) -> tuple[LlamaWeights, HFTokenizer]:
         listed = ", ".join(itertools.islice((n for n in _expected_names(config) if n not in found), 3))
         more = f" and {num_missing - 3} more" if num_missing > 3 else ""
         raise CheckpointError(gguf.file.path, f"tensors missing: {listed}{more} (Hugging Face names)")
-    heads = {"self_attn.q_proj.weight": config.num_heads, "self_attn.k_proj.weight": config.num_kv_heads}
+    heads = {"attn_q.weight": config.num_heads, "attn_k.weight": config.num_kv_heads}
 
-    def unpermute(gguf_name: str, raw: np.ndarray) -> np.ndarray:
-        suffix = names[gguf_name].rpartition("model.layers.")[2].partition(".")[2]
-        return unpermute_qk(raw, heads[suffix]) if suffix in heads else raw
+    def unpermute(name: str, raw: np.ndarray) -> np.ndarray:
+        layer = _LAYER_NAME.fullmatch(name)
+        return unpermute_qk(raw, heads[layer[2]]) if layer and layer[2] in heads else raw
 
     arrays = gguf.read(list(names), transform=unpermute)
     return LlamaWeights.from_named_tensors(config, {names[name]: array for name, array in arrays.items()}), tokenizer

@@ -70,7 +70,6 @@ class GGUFFile:
     tensors by name."""
 
     file: CheckpointFile
-    version: int
     metadata: Mapping[str, Any]
     tensors: Mapping[str, GGUFTensor]
 
@@ -87,8 +86,12 @@ class GGUFFile:
                 tensor = self.tensors[name]
                 rows = math.prod(tensor.shape[:-1])
                 raw = np.empty((rows, tensor.nbytes // rows), np.uint8)
-                f.seek(tensor.offset)
-                if f.readinto(memoryview(raw).cast("B")) != tensor.nbytes:
+                try:
+                    f.seek(tensor.offset)
+                    complete = f.readinto(memoryview(raw).cast("B")) == tensor.nbytes
+                except OSError as error:
+                    raise CheckpointError(self.file.path, f"cannot read tensor {name}: {error}") from error
+                if not complete:
                     raise CheckpointError(self.file.path, f"tensor {name} is cut short (the file changed while read?)")
                 if transform is not None:
                     raw = transform(name, raw)
@@ -152,7 +155,7 @@ class _Parser:
             if name in tensors:
                 raise self.fail(f"tensor {name} appears twice")
             tensors[name] = self._locate(name, tensor_type, shape, relative, data_start, alignment)
-        return GGUFFile(self._file, version, metadata, tensors)
+        return GGUFFile(self._file, metadata, tensors)
 
     def _take(self, n: int) -> bytes:
         if n > self._size - self._pos:
