@@ -231,10 +231,11 @@ def test_the_pre_tokenizer_named_in_the_metadata_is_used(pre, pieces):
     assert tokenizer.encode("12") == [tokenizer_id(tokenizer, p) for p in pieces]
 
 
-def test_add_bos_token_makes_encode_prepend_it():
-    metadata = {**tiny_vocabulary(), "tokenizer.ggml.add_bos_token": True}
+@pytest.mark.parametrize("add_bos, add_eos", [(True, False), (False, True), (True, True)])
+def test_add_bos_and_eos_token_make_encode_add_them(add_bos, add_eos):
+    metadata = {**tiny_vocabulary(), "tokenizer.ggml.add_bos_token": add_bos, "tokenizer.ggml.add_eos_token": add_eos}
     tokenizer = HFTokenizer.from_gguf_metadata(metadata, Path("vocab.gguf"))
-    assert tokenizer.encode("t") == [1, tokenizer_id(tokenizer, "t")]
+    assert tokenizer.encode("t") == [1] * add_bos + [tokenizer_id(tokenizer, "t")] + [0] * add_eos
     assert tokenizer.decode(tokenizer.encode("t")) == "t"
 
 

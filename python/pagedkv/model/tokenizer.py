@@ -97,8 +97,10 @@ class HFTokenizer:
         control tokens (special: matched whole in text, skipped by decode) and user-defined ones
         (matched whole, kept by decode). ``tokenizer.ggml.pre`` names the pre-tokenizer; those of
         :data:`_GGUF_PRE_TOKENIZERS` are supported. ``add_bos_token`` (default false) makes
-        :meth:`encode` prepend ``bos_token_id``. Raises :class:`CheckpointError` naming ``path``
-        for another tokenizer model or pre-tokenizer, or malformed vocabulary metadata."""
+        :meth:`encode` prepend ``bos_token_id``, ``add_eos_token`` append ``eos_token_id``;
+        ``tokenizer.chat_template`` becomes :attr:`chat_template`. Raises :class:`CheckpointError`
+        naming ``path`` for another tokenizer model or pre-tokenizer, or malformed vocabulary
+        metadata."""
         from tokenizers import AddedToken, Tokenizer as _Tokenizer, decoders, models, processors
 
         def fail(detail: str) -> CheckpointError:
@@ -109,11 +111,13 @@ class HFTokenizer:
             kind, pre = f.str_("tokenizer.ggml.model"), f.str_("tokenizer.ggml.pre", "default")
             tokens = f.get("tokenizer.ggml.tokens", _is_str_list, "a list of strings")
             merges = f.get("tokenizer.ggml.merges", _is_str_list, "a list of strings")
-            types = f.get("tokenizer.ggml.token_type", lambda v: isinstance(v, list) and len(v) == len(tokens) and all(isinstance(t, int) for t in v),
+            types = f.get("tokenizer.ggml.token_type",
+                          lambda v: isinstance(v, list) and len(v) == len(tokens) and all(isinstance(t, int) for t in v),
                           "a list of one integer per token", [_NORMAL] * len(tokens))
-            add_bos = f.bool_("tokenizer.ggml.add_bos_token", False)
-            bos = f.int_("tokenizer.ggml.bos_token_id") if add_bos else None
-            template = f.str_("tokenizer.chat_template", None)
+            # The ids encode() adds before and after the text (a key is required only when used).
+            added_ids = [f.int_(f"tokenizer.ggml.{end}_token_id") if f.bool_(f"tokenizer.ggml.add_{end}_token", False)
+                         else None for end in ("bos", "eos")]
+            chat_template = f.str_("tokenizer.chat_template", None)
         except InvalidArgumentError as error:
             raise fail(str(error)) from None
         if kind != "gpt2":
@@ -126,8 +130,8 @@ class HFTokenizer:
         pairs = [tuple(merge.split(" ")) for merge in merges]
         if not all(len(pair) == 2 and pair[0] in vocab and pair[1] in vocab and pair[0] + pair[1] in vocab for pair in pairs):
             raise fail("a merge is not two vocabulary tokens, separated by a space, whose join is one too")
-        if bos is not None and not 0 <= bos < len(tokens):
-            raise fail(f"tokenizer.ggml.bos_token_id {bos} is not a token id")
+        if any(i is not None and not 0 <= i < len(tokens) for i in added_ids):
+            raise fail(f"tokenizer.ggml.bos_token_id or eos_token_id ({added_ids}) is not a token id")
         try:
             tokenizer = _Tokenizer(models.BPE(vocab, pairs, fuse_unk=False, byte_fallback=False))
         except Exception as error:  # the tokenizers package raises a bare Exception
@@ -137,12 +141,14 @@ class HFTokenizer:
         added = [AddedToken(token, special=token_type == _CONTROL, normalized=False)
                  for token, token_type in zip(tokens, types) if token_type in (_CONTROL, _USER_DEFINED)]
         tokenizer.add_tokens(added)  # each is already in the vocabulary: its id is kept
-        if bos is not None:
+        bos, eos = added_ids
+        pieces = ([tokens[bos]] if bos is not None else []) + ["$A"] + ([tokens[eos]] if eos is not None else [])
+        if len(pieces) > 1:
             tokenizer.post_processor = processors.TemplateProcessing(
-                single=f"{tokens[bos]} $A", pair=f"{tokens[bos]} $A $B", special_tokens=[(tokens[bos], bos)])
+                single=" ".join(pieces), special_tokens=[(tokens[i], i) for i in {bos, eos} - {None}])
         if tokenizer.get_vocab_size(with_added_tokens=True) != len(tokens):
             raise fail("an added token got an id of its own (its text is not its vocabulary entry)")
-        return cls(tokenizer, path, template)
+        return cls(tokenizer, path, chat_template)
 
     @property
     def vocab_size(self) -> int:
