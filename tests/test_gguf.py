@@ -231,6 +231,17 @@ def test_the_pre_tokenizer_named_in_the_metadata_is_used(pre, pieces):
     assert tokenizer.encode("12") == [tokenizer_id(tokenizer, p) for p in pieces]
 
 
+def test_control_tokens_are_skipped_by_decode_and_user_defined_ones_kept():
+    metadata = tiny_vocabulary()
+    metadata["tokenizer.ggml.tokens"] = [*metadata["tokenizer.ggml.tokens"], "<tool>"]
+    metadata["tokenizer.ggml.token_type"] = [*metadata["tokenizer.ggml.token_type"], 4]
+    tokenizer = HFTokenizer.from_gguf_metadata(metadata, Path("vocab.gguf"))
+    tool = len(metadata["tokenizer.ggml.tokens"]) - 1
+    ids = tokenizer.encode("a<tool>b<|im_start|>")
+    assert ids == [tokenizer_id(tokenizer, "a"), tool, tokenizer_id(tokenizer, "b"), 1]
+    assert tokenizer.decode(ids) == "a<tool>b"
+
+
 @pytest.mark.parametrize("add_bos, add_eos", [(True, False), (False, True), (True, True)])
 def test_add_bos_and_eos_token_make_encode_add_them(add_bos, add_eos):
     metadata = {**tiny_vocabulary(), "tokenizer.ggml.add_bos_token": add_bos, "tokenizer.ggml.add_eos_token": add_eos}
