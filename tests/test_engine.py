@@ -30,9 +30,9 @@ def reference(weights: LlamaWeights) -> DenseReference:
     return DenseReference(weights)
 
 
-def make_engine(weights: LlamaWeights, **config) -> Engine:
+def make_engine(weights: LlamaWeights, max_waiting: int = 1024, **config) -> Engine:
     model = LlamaModel(weights)
-    return Engine(model, load_tokenizer(None, model.config.vocab_size), EngineConfig(**config))
+    return Engine(model, load_tokenizer(None, model.config.vocab_size), EngineConfig(**config), max_waiting=max_waiting)
 
 
 def prompts(seed: int, count: int, shared_prefix: int = 0) -> list[list[int]]:
@@ -153,8 +153,7 @@ def test_drain_finishes_everything_submitted(weights):
 
 
 def test_back_pressure_bounds_the_waiting_queue(weights):
-    engine = make_engine(weights, num_blocks=64, max_num_seqs=1)
-    engine.max_waiting = 1
+    engine = make_engine(weights, num_blocks=64, max_num_seqs=1, max_waiting=1)
     slow = SamplingParams(max_tokens=50, **GREEDY)
     engine.submit([5, 6, 7], slow)
     engine.submit([8, 9], slow)

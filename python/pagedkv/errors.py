@@ -15,6 +15,7 @@ __all__ = [
     "InvalidArgumentError",
     "ShapeError",
     "CheckpointError",
+    "ModelError",
 ]
 
 
@@ -43,6 +44,11 @@ class InvalidArgumentError(PagedKVError, ValueError):
 
 class ShapeError(InvalidArgumentError):
     """An array has the wrong shape or dtype."""
+
+
+class ModelError(PagedKVError, RuntimeError):
+    """The model gave a request nothing to sample from (NaN logits, or no token with a finite
+    logit): that request fails alone, the others go on."""
 
 
 class CheckpointError(PagedKVError, OSError):
