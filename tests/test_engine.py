@@ -35,6 +35,26 @@ def make_engine(weights: LlamaWeights, max_waiting: int = 1024, **config) -> Eng
     return Engine(model, load_tokenizer(None, model.config.vocab_size), EngineConfig(**config), max_waiting=max_waiting)
 
 
+def tokens_of(handle, timeout: float = 30) -> list[int]:
+    """The token ids a blocking iteration of ``handle`` yields (or the error it raises), iterated
+    in a thread so that a handle that never ends fails the test instead of hanging it."""
+    out: list = []
+
+    def iterate() -> None:
+        try:
+            out.append([event.token_id for event in handle])
+        except BaseException as error:  # noqa: BLE001 - re-raised in the test's thread
+            out.append(error)
+
+    thread = threading.Thread(target=iterate, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    assert out, f"iterating {handle.request_id!r} did not end within {timeout} s"
+    if isinstance(out[0], BaseException):
+        raise out[0]
+    return out[0]
+
+
 def prompts(seed: int, count: int, shared_prefix: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     prefix = [rng.randrange(3, 512) for _ in range(shared_prefix)]
