@@ -10,19 +10,13 @@ import threading
 
 import numpy as np
 import pytest
-from threadpoolctl import threadpool_limits
-
 from pagedkv import DuplicateSequenceError, InvalidArgumentError, SamplingParams
 from pagedkv.engine import Engine, EngineClosedError, EngineOverloadedError
-from pagedkv.engine_core import EngineCore, PagedModelRunner, EngineConfig
-from pagedkv.model import DenseReference, LlamaConfig, LlamaModel, LlamaWeights, load_tokenizer
+from pagedkv.engine_core import EngineConfig, EngineCore, PagedModelRunner
+from pagedkv.model import DenseReference, LlamaModel, LlamaWeights, load_tokenizer
+from threadpoolctl import threadpool_limits
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def weights() -> LlamaWeights:
-    return LlamaWeights.random(LlamaConfig.tiny(), seed=0)
 
 
 @pytest.fixture(scope="module")

@@ -7,13 +7,12 @@ import dataclasses
 
 import numpy as np
 import pytest
-
 from pagedkv import ModelError, SamplingParams
 from pagedkv.engine import Engine, EngineClosedError
 from pagedkv.engine_core import EngineConfig, EngineCore, PagedModelRunner
 from pagedkv.model import LlamaModel, load_tokenizer
 from pagedkv.model.sampling import NO_TOKEN, sample
-from test_engine import GREEDY, make_engine, weights  # noqa: F401 (weights is a fixture)
+from test_engine import GREEDY, make_engine
 
 INF, NAN = np.inf, np.nan
 

@@ -11,7 +11,7 @@ import weakref
 from typing import Any, Callable, Coroutine, TypeVar
 
 from pagedkv import SamplingParams
-from test_engine import GREEDY, make_engine, tokens_of, weights  # noqa: F401 (weights is a fixture)
+from test_engine import GREEDY, make_engine, tokens_of
 
 T = TypeVar("T")
 

@@ -10,10 +10,9 @@ import random
 import threading
 
 import pytest
-
 from pagedkv import ModelError, PagedKVError, SamplingParams
 from pagedkv.engine import EngineClosedError, EngineOverloadedError, RequestHandle
-from test_engine import tokens_of, weights  # noqa: F401 (weights is a fixture)
+from test_engine import tokens_of
 from test_engine_failures import poisoned_engine
 
 NUM_BLOCKS = 12

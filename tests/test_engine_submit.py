@@ -7,12 +7,11 @@ from __future__ import annotations
 import time
 
 import pytest
-
 from pagedkv import DuplicateSequenceError, InvalidArgumentError, SamplingParams
 from pagedkv.engine import Engine
 from pagedkv.engine_core import EngineConfig, EngineCore, PagedModelRunner
 from pagedkv.model import LlamaModel
-from test_engine import GREEDY, make_engine, weights  # noqa: F401 (weights is a fixture)
+from test_engine import GREEDY, make_engine
 
 RUNNING = SamplingParams(max_tokens=40, **GREEDY)
 

@@ -41,11 +41,23 @@ import itertools
 import threading
 import time
 import weakref
+from collections.abc import AsyncIterator, Callable, Generator, Iterator, Sequence
+from functools import partial
 from pathlib import Path
-from typing import AsyncIterator, Callable, Generator, Iterator, Sequence
 
-from pagedkv.engine_core import EngineConfig, EngineCore, PagedModelRunner, RequestOutput, TokenEvent
-from pagedkv.errors import DuplicateSequenceError, InvalidArgumentError, ModelError, PagedKVError
+from pagedkv.engine_core import (
+    EngineConfig,
+    EngineCore,
+    PagedModelRunner,
+    RequestOutput,
+    TokenEvent,
+)
+from pagedkv.errors import (
+    DuplicateSequenceError,
+    InvalidArgumentError,
+    ModelError,
+    PagedKVError,
+)
 from pagedkv.metrics import EngineMetrics
 from pagedkv.model import LlamaConfig, LlamaModel, SamplingParams
 from pagedkv.model.tokenizer import Tokenizer, load_tokenizer
@@ -105,7 +117,7 @@ class RequestHandle:
         seen = 0
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: seen < len(self._events) or self._ended)
+                self._cond.wait_for(partial(self._has_news, seen))
                 events, ended = self._events[seen:], self._ended
             seen += len(events)
             yield from events
@@ -116,7 +128,7 @@ class RequestHandle:
     async def __aiter__(self) -> AsyncIterator[TokenEvent]:
         seen = 0
         while True:
-            await self._until(lambda: seen < len(self._events) or self._ended)
+            await self._until(partial(self._has_news, seen))
             with self._cond:
                 events, ended = self._events[seen:], self._ended
             seen += len(events)
@@ -125,6 +137,10 @@ class RequestHandle:
             if ended:
                 break
         self._raise_if_failed()
+
+    def _has_news(self, seen: int) -> bool:
+        """Whether a consumer that has seen ``seen`` events has more to read (or the end)."""
+        return seen < len(self._events) or self._ended
 
     def result(self, timeout: float | None = None) -> RequestOutput:
         """Blocks until the request ends; returns its output or raises its error."""
@@ -239,6 +255,7 @@ class Engine:
         nothing: :class:`InvalidArgumentError` or ``TypeError`` for a bad argument,
         :class:`DuplicateSequenceError` for a ``request_id`` in use, :class:`EngineOverloadedError`,
         :class:`EngineClosedError`. Without ``request_id``, a fresh one is made."""
+        token_ids: Sequence[int]
         if isinstance(prompt, str):
             try:
                 text, token_ids = prompt, self.tokenizer.encode(prompt)
@@ -251,7 +268,7 @@ class Engine:
 
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]], params: SamplingParams | None = None) -> list[RequestOutput]:
         """Runs a batch to completion; outputs in prompt order."""
-        batch = [prompts] if isinstance(prompts, str) else list(prompts)
+        batch: list[str | Sequence[int]] = [prompts] if isinstance(prompts, str) else list(prompts)
         handles = [self.submit(p, params) for p in batch]
         return [h.result() for h in handles]
 
@@ -367,7 +384,7 @@ class _EngineState:
             while self.take_work():
                 events, ended = self.core.step()
                 self.deliver(events, ended)
-        except BaseException as error:  # the model failed (a request's fault never reaches here)
+        except BaseException as error:  # noqa: BLE001 - the model failed (a request's fault never reaches here)
             self.fail_all(error)
 
     def take_work(self) -> bool:
@@ -407,7 +424,7 @@ class _EngineState:
         try:
             for completion in output.outputs:
                 completion.text = self.tokenizer.decode(completion.token_ids)
-        except Exception as decode_error:
+        except Exception as decode_error:  # noqa: BLE001 - whatever the tokenizer raises fails this request only
             error = ModelError(f"request {output.request_id!r}: its tokens cannot be decoded: {decode_error!r}")
             error.__cause__ = decode_error
         del self.handles[handle.request_id]
