@@ -46,7 +46,7 @@ impl PyScheduler {
     #[pyo3(signature = (
         num_blocks, block_size=16, max_num_seqs=256, max_num_batched_tokens=8192,
         max_model_len=None, enable_prefix_caching=true, policy="fcfs", aging_steps=100,
-        long_prefill_token_threshold=0, eos_token_id=None,
+        long_prefill_token_threshold=0, eos_token_ids=None,
         admission_lookahead_tokens=Some(DEFAULT_ADMISSION_LOOKAHEAD_TOKENS as i64),
     ))]
     #[allow(clippy::too_many_arguments)]
@@ -60,7 +60,7 @@ impl PyScheduler {
         policy: &str,
         aging_steps: i64,
         long_prefill_token_threshold: i64,
-        eos_token_id: Option<i64>,
+        eos_token_ids: Option<&Bound<'_, PyAny>>,
         admission_lookahead_tokens: Option<i64>,
     ) -> PyResult<Self> {
         let mut config = SchedulerConfig::new(
@@ -86,11 +86,10 @@ impl PyScheduler {
         };
         config.long_prefill_token_threshold =
             non_negative(long_prefill_token_threshold, "long_prefill_token_threshold")? as usize;
-        config.eos_token_id = eos_token_id
-            .map(|t| {
-                u32::try_from(t).map_err(|_| invalid(format!("eos_token_id {t} outside 0..2^32")))
-            })
-            .transpose()?;
+        config.eos_token_ids = eos_token_ids
+            .map(|t| token_ids(t, "eos_token_ids"))
+            .transpose()?
+            .unwrap_or_default();
         config.admission_lookahead_tokens = admission_lookahead_tokens
             .map(|t| non_negative(t, "admission_lookahead_tokens"))
             .transpose()?

@@ -67,8 +67,10 @@ pub struct SchedulerConfig {
     pub policy: Policy,
     /// Most prompt tokens one sequence computes in a step (0: only the budget limits it).
     pub long_prefill_token_threshold: usize,
-    /// End-of-sequence token: finishes a sequence unless its request sets `ignore_eos`.
-    pub eos_token_id: Option<TokenId>,
+    /// End-of-sequence tokens: any of them finishes a sequence unless its request sets
+    /// `ignore_eos` (checkpoints may name several, e.g. Llama 3's `<|end_of_text|>` and
+    /// `<|eot_id|>`). A handful at most, so a linear scan beats hashing.
+    pub eos_token_ids: Vec<TokenId>,
     /// Admission headroom, in tokens of growth per running sequence (`None`: none, admit whenever
     /// the first chunk fits now). A waiting sequence is admitted only if, once its first chunk
     /// is allocated, the available blocks still cover every running sequence (itself included)
@@ -93,7 +95,7 @@ impl SchedulerConfig {
             enable_prefix_caching: true,
             policy: Policy::Fcfs,
             long_prefill_token_threshold: 0,
-            eos_token_id: None,
+            eos_token_ids: Vec::new(),
             admission_lookahead_tokens: Some(DEFAULT_ADMISSION_LOOKAHEAD_TOKENS),
         }
     }
@@ -407,7 +409,7 @@ impl Scheduler {
             seq.num_output += 1;
             let params = &request.params;
             let finish = if params.stop_token_ids.contains(&token)
-                || (!params.ignore_eos && self.config.eos_token_id == Some(token))
+                || (!params.ignore_eos && self.config.eos_token_ids.contains(&token))
             {
                 Some(FinishReason::Stop)
             } else if seq.num_output >= params.max_tokens {

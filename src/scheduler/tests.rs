@@ -376,7 +376,7 @@ fn abort_in_every_state_returns_every_block() {
 #[test]
 fn finishing_on_stop_tokens_eos_and_max_model_len() {
     let mut cfg = config(16, 4);
-    cfg.eos_token_id = Some(2);
+    cfg.eos_token_ids = vec![2, 7];
     cfg.max_model_len = 6;
     let mut s = Scheduler::new(cfg).unwrap();
     let with = |stop: Vec<TokenId>, ignore_eos| SamplingParams {
@@ -429,6 +429,29 @@ fn finishing_on_stop_tokens_eos_and_max_model_len() {
     );
     assert!(matches!(too_long, Err(Error::InvalidArgument(_))));
     assert!(!s.contains("long"));
+}
+
+#[test]
+fn every_eos_id_finishes_unless_ignore_eos() {
+    let mut cfg = config(16, 4);
+    cfg.eos_token_ids = vec![2, 465];
+    let mut s = Scheduler::new(cfg).unwrap();
+    for (id, ignore_eos) in [("a", false), ("b", false), ("c", true)] {
+        let params = SamplingParams {
+            max_tokens: 4,
+            ignore_eos,
+            ..SamplingParams::default()
+        };
+        s.add_request(id, vec![9; 3], params, RequestOptions::default())
+            .unwrap();
+    }
+    s.schedule().unwrap();
+    let produced = s.update(&[465, 2, 465]).unwrap();
+    let finishes: Vec<_> = produced.produced.iter().map(|p| p.finish).collect();
+    assert_eq!(
+        finishes,
+        vec![Some(FinishReason::Stop), Some(FinishReason::Stop), None]
+    );
 }
 
 /// One random request of the property test.
