@@ -15,9 +15,6 @@ from test_engine import GREEDY, make_engine
 
 RUNNING = SamplingParams(max_tokens=40, **GREEDY)
 
-# Item 18 (the bindings) turns the OverflowError of a value ≥ 2**63 into InvalidArgumentError.
-OUT_OF_RANGE = (InvalidArgumentError, OverflowError)
-
 
 def test_empty_steps_keep_the_schedule_update_protocol(weights):
     """Item 1: a step with nothing scheduled still completes schedule/update, so the next works."""
@@ -53,7 +50,7 @@ def _abort_the_only_running(engine: Engine) -> None:
 
 
 def _rejected_while_idle(engine: Engine) -> None:
-    with pytest.raises(TypeError):
+    with pytest.raises(InvalidArgumentError):
         engine.submit([1, 2, 3], priority="high")
 
 
@@ -67,17 +64,18 @@ def test_the_engine_serves_after_an_idle_step(weights, idle):
 
 
 BAD_SUBMISSIONS = [
-    pytest.param(dict(priority="high"), TypeError, id="priority-str"),
-    pytest.param(dict(priority=1.5), TypeError, id="priority-float"),
-    pytest.param(dict(priority=2**63), OUT_OF_RANGE, id="priority-2**63"),
-    pytest.param(dict(cache_salt=123), TypeError, id="salt-int"),
-    pytest.param(dict(cache_salt=b"x"), TypeError, id="salt-bytes"),
-    pytest.param(dict(cache_salt="\udc80"), ValueError, id="salt-lone-surrogate"),
-    pytest.param(dict(request_id=5), TypeError, id="id-int"),
-    pytest.param(dict(request_id=("a",)), TypeError, id="id-tuple"),
-    pytest.param(dict(params={"max_tokens": 3}), TypeError, id="params-dict"),
-    pytest.param(dict(sampling=dict(max_tokens=2**63)), OUT_OF_RANGE, id="max_tokens-2**63"),
-    pytest.param(dict(sampling=dict(n=2**63)), OUT_OF_RANGE, id="n-2**63"),
+    pytest.param(dict(priority="high"), InvalidArgumentError, id="priority-str"),
+    pytest.param(dict(priority=1.5), InvalidArgumentError, id="priority-float"),
+    pytest.param(dict(priority=2**63), InvalidArgumentError, id="priority-2**63"),
+    pytest.param(dict(cache_salt=123), InvalidArgumentError, id="salt-int"),
+    pytest.param(dict(cache_salt=b"x"), InvalidArgumentError, id="salt-bytes"),
+    pytest.param(dict(cache_salt="\udc80"), InvalidArgumentError, id="salt-lone-surrogate"),
+    pytest.param(dict(request_id=5), InvalidArgumentError, id="id-int"),
+    pytest.param(dict(request_id=("a",)), InvalidArgumentError, id="id-tuple"),
+    pytest.param(dict(request_id=["a"]), InvalidArgumentError, id="id-list"),
+    pytest.param(dict(params={"max_tokens": 3}), InvalidArgumentError, id="params-dict"),
+    pytest.param(dict(sampling=dict(max_tokens=2**63)), InvalidArgumentError, id="max_tokens-2**63"),
+    pytest.param(dict(sampling=dict(n=2**63)), InvalidArgumentError, id="n-2**63"),
     pytest.param(dict(sampling=dict(max_tokens=0)), InvalidArgumentError, id="max_tokens-0"),
     pytest.param(dict(sampling=dict(n=0)), InvalidArgumentError, id="n-0"),
     pytest.param(dict(sampling=dict(n=9)), InvalidArgumentError, id="n-above-max_num_seqs"),

@@ -23,6 +23,7 @@ from pagedkv._core import (
 from pagedkv.errors import (
     CheckpointError,
     DuplicateSequenceError,
+    InternalError,
     InvalidArgumentError,
     ModelError,
     OutOfBlocksError,
@@ -54,6 +55,7 @@ __all__ = [
     "ShapeError",
     "CheckpointError",
     "ModelError",
+    "InternalError",
     "LlamaConfig",
     "LlamaModel",
     "SamplingParams",

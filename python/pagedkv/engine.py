@@ -19,6 +19,8 @@ Invariants:
   flight fails with :class:`EngineClosedError` (``__cause__``: the model's exception) and its blocks
   are freed; ``submit`` raises :class:`EngineClosedError`; ``stats()`` and ``shutdown()`` still
   work. (The failed step may have written part of the KV cache, so no further step is trusted.)
+  A bug in the core (:class:`~pagedkv.errors.InternalError`) closes it the same way; the
+  scheduler then refuses every call, ``stats()`` included.
 - The worker holds the engine's inner state, never the :class:`Engine`: an engine no longer
   referenced (by the caller or by a handle) is collected, and its finalizer stops the worker.
 
@@ -252,7 +254,7 @@ class Engine:
     ) -> RequestHandle:
         """Queues a request from any thread (a text prompt or token ids); returns its handle.
         Blocks while the waiting queue is full (up to ``timeout`` seconds). Raises, changing
-        nothing: :class:`InvalidArgumentError` or ``TypeError`` for a bad argument,
+        nothing: :class:`InvalidArgumentError` for a bad argument (of any type or value),
         :class:`DuplicateSequenceError` for a ``request_id`` in use, :class:`EngineOverloadedError`,
         :class:`EngineClosedError`. Without ``request_id``, a fresh one is made."""
         token_ids: Sequence[int]
@@ -342,7 +344,7 @@ class _EngineState:
                 raise EngineClosedError("the engine is shut down") from self.dead
             if request_id is None:
                 request_id = self.fresh_id()
-            elif request_id in self.handles:
+            elif isinstance(request_id, str) and request_id in self.handles:  # other types: refused below
                 raise DuplicateSequenceError(f"request id {request_id!r} is in flight")
             output = self.core.add_request(request_id, prompt, params, prompt=text, priority=priority, cache_salt=cache_salt)
             handle = RequestHandle(engine, request_id, text, output.prompt_token_ids)
@@ -431,12 +433,16 @@ class _EngineState:
         handle._complete(output, error)
 
     def fail_all(self, cause: BaseException) -> None:
-        """The model failed: the engine closes, and every request in flight fails with the cause."""
+        """The model failed: the engine closes, the requests in flight free their blocks and fail
+        with the cause (they end even if the core is too broken to free anything)."""
         with self.cond:
             self.dead = cause
-            for request_id, handle in list(self.handles.items()):
-                if request_id in self.core.scheduler:  # the failed step's requests are already out
-                    self.core.abort(request_id)
-                del self.handles[request_id]
-                handle._complete(None, _closed_error(cause))
-            self.cond.notify_all()
+            handles, self.handles = self.handles, {}
+            try:
+                for request_id in handles:
+                    if request_id in self.core.scheduler:  # the failed step's requests are already out
+                        self.core.abort(request_id)
+            finally:
+                for handle in handles.values():
+                    handle._complete(None, _closed_error(cause))
+                self.cond.notify_all()

@@ -238,7 +238,7 @@ class EngineCore:
             enable_prefix_caching=config.enable_prefix_caching,
             policy=config.policy,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
-            eos_token_id=next(iter(eos_token_ids), None),  # until the scheduler takes every eos id
+            eos_token_ids=list(eos_token_ids),
             admission_lookahead_tokens=config.admission_lookahead_tokens,
         )
         self._lock = threading.Lock()  # guards _requests with the scheduler's request set
@@ -259,13 +259,13 @@ class EngineCore:
         cache_salt: str | None = None,
     ) -> RequestOutput:
         """Queues a request; returns its (empty) output record. Raises, changing nothing:
-        :class:`InvalidArgumentError` for a prompt that is not token ids of the model's vocabulary,
-        ``TypeError`` for ``params`` that are not :class:`SamplingParams`, and whatever the
-        scheduler refuses (a duplicate id, an empty or too long prompt, out-of-range limits,
-        arguments of the wrong type)."""
+        :class:`InvalidArgumentError` for a prompt that is not token ids of the model's vocabulary
+        or ``params`` that are not :class:`SamplingParams`, and whatever the scheduler refuses
+        (a duplicate id, an empty or too long prompt, out-of-range limits, arguments of the
+        wrong type)."""
         token_ids = vocabulary_tokens(prompt_token_ids, self.runner.vocab_size)
         if not isinstance(params, SamplingParams):
-            raise TypeError(f"params must be SamplingParams, not {type(params).__name__}")
+            raise InvalidArgumentError(f"params must be SamplingParams, got {type(params).__name__}")
         arrival = self.clock() if arrival_time is None else arrival_time
         with self._lock:
             self.scheduler.add_request(
