@@ -263,7 +263,7 @@ class EngineCore:
         or ``params`` that are not :class:`SamplingParams`, and whatever the scheduler refuses
         (a duplicate id, an empty or too long prompt, out-of-range limits, arguments of the
         wrong type)."""
-        token_ids = vocabulary_tokens(prompt_token_ids, self.runner.vocab_size)
+        token_ids = _vocabulary_tokens(prompt_token_ids, self.runner.vocab_size)
         if not isinstance(params, SamplingParams):
             raise InvalidArgumentError(f"params must be SamplingParams, got {type(params).__name__}")
         arrival = self.clock() if arrival_time is None else arrival_time
@@ -337,7 +337,9 @@ class EngineCore:
     def _fail_unsampled(self, step: SchedulerOutput, tokens: np.ndarray) -> list[RequestOutput]:
         """Aborts (in the scheduler) the requests with a sample row the model left no token for,
         so the coming update skips their rows; returns their outputs, marked failed."""
-        failed = []
+        failed: list[RequestOutput] = []
+        if not (tokens == NO_TOKEN).any():
+            return failed
         unsampled = [rid for rid, token in zip(step.sample_request_ids, tokens.tolist()) if token == NO_TOKEN]
         for request_id in dict.fromkeys(unsampled):
             request = self._requests.pop(request_id, None)
@@ -389,7 +391,7 @@ class EngineCore:
         return self.scheduler.stats()
 
 
-def vocabulary_tokens(prompt: Sequence[int], vocab_size: int) -> list[int]:
+def _vocabulary_tokens(prompt: Sequence[int], vocab_size: int) -> list[int]:
     """``prompt`` as a list of token ids of a ``vocab_size`` vocabulary (a sequence or 1-D array of
     integers; not a string, bytes or bools), or :class:`InvalidArgumentError`. The scheduler checks
     the rest (emptiness, length)."""
