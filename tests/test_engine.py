@@ -5,6 +5,7 @@ concurrency, abort, shutdown, back-pressure and bad input."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 import threading
 
@@ -29,14 +30,15 @@ def make_engine(weights: LlamaWeights, max_waiting: int = 1024, **config) -> Eng
     return Engine(model, load_tokenizer(None, model.config.vocab_size), EngineConfig(**config), max_waiting=max_waiting)
 
 
-def tokens_of(handle, timeout: float = 30) -> list[int]:
-    """The token ids a blocking iteration of ``handle`` yields (or the error it raises), iterated
-    in a thread so that a handle that never ends fails the test instead of hanging it."""
+def tokens_of(handle, timeout: float = 30, limit: int | None = None) -> list[int]:
+    """The token ids a blocking iteration of ``handle`` yields (the first ``limit`` of them, if
+    given), or the error it raises; iterated in a thread, so that a handle that never ends fails
+    the test instead of hanging it."""
     out: list = []
 
     def iterate() -> None:
         try:
-            out.append([event.token_id for event in handle])
+            out.append([event.token_id for event in itertools.islice(handle, limit)])
         except BaseException as error:  # noqa: BLE001 - re-raised in the test's thread
             out.append(error)
 

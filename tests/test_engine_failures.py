@@ -12,7 +12,7 @@ from pagedkv.engine import Engine, EngineClosedError
 from pagedkv.engine_core import EngineConfig, EngineCore, PagedModelRunner
 from pagedkv.model import LlamaModel, load_tokenizer
 from pagedkv.model.sampling import NO_TOKEN, sample
-from test_engine import GREEDY, make_engine
+from test_engine import GREEDY, make_engine, tokens_of
 
 INF, NAN = np.inf, np.nan
 
@@ -86,7 +86,7 @@ def test_a_failing_model_closes_the_engine_in_its_documented_state(weights):
     error, blocks are freed, submit raises EngineClosedError, stats and shutdown still work."""
     engine, model = poisoned_engine(weights, num_blocks=64, max_num_seqs=2)
     handles = [engine.submit([5, 6, 7 + i], SamplingParams(max_tokens=400, **GREEDY)) for i in range(4)]
-    next(iter(handles[0]))
+    tokens_of(handles[0], limit=1)  # the engine runs
     model.fail = True
     for handle in handles:
         with pytest.raises(EngineClosedError) as caught:

@@ -11,7 +11,7 @@ from pagedkv import DuplicateSequenceError, InvalidArgumentError, SamplingParams
 from pagedkv.engine import Engine
 from pagedkv.engine_core import EngineConfig, EngineCore, PagedModelRunner
 from pagedkv.model import LlamaModel
-from test_engine import GREEDY, make_engine
+from test_engine import GREEDY, make_engine, tokens_of
 
 RUNNING = SamplingParams(max_tokens=40, **GREEDY)
 
@@ -44,7 +44,7 @@ def _abort_unknown(engine: Engine) -> None:
 
 def _abort_the_only_running(engine: Engine) -> None:
     h = engine.submit([1, 2, 3], SamplingParams(max_tokens=500, **GREEDY))
-    next(iter(h))
+    tokens_of(h, limit=1)  # it runs
     h.abort()
     assert h.result(timeout=30).outputs[0].finish_reason == "abort"
 

@@ -221,26 +221,26 @@ class EngineCore:
         self.runner = runner
         self.config = config
         self.clock = clock
-        if config.max_model_len is None:
-            self.max_model_len = min(runner.max_model_len, config.num_blocks * config.block_size)
-        elif config.max_model_len > runner.max_model_len:
-            raise InvalidArgumentError(
-                f"max_model_len {config.max_model_len} exceeds the model's {runner.max_model_len} positions"
-            )
-        else:
-            self.max_model_len = config.max_model_len
+        max_model_len = config.max_model_len
+        if max_model_len is None:
+            max_model_len = min(runner.max_model_len, config.num_blocks * config.block_size)
         self.scheduler = Scheduler(
             num_blocks=config.num_blocks,
             block_size=config.block_size,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
+            max_model_len=max_model_len,
             enable_prefix_caching=config.enable_prefix_caching,
             policy=config.policy,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
             eos_token_ids=list(eos_token_ids),
             admission_lookahead_tokens=config.admission_lookahead_tokens,
         )
+        self.max_model_len: int = self.scheduler.max_model_len  # as the scheduler validated it
+        if self.max_model_len > runner.max_model_len:
+            raise InvalidArgumentError(
+                f"max_model_len {self.max_model_len} exceeds the model's {runner.max_model_len} positions"
+            )
         self._lock = threading.Lock()  # guards _requests with the scheduler's request set
         self._requests: dict[str, _Request] = {}
         # The scheduler's output of the latest step (its arrays and per-step ``stats``), None
