@@ -340,7 +340,7 @@ class EngineCore:
         failed: list[RequestOutput] = []
         if not (tokens == NO_TOKEN).any():
             return failed
-        unsampled = [rid for rid, token in zip(step.sample_request_ids, tokens.tolist()) if token == NO_TOKEN]
+        unsampled = [rid for rid, token in zip(step.sample_request_ids, tokens.tolist(), strict=True) if token == NO_TOKEN]
         for request_id in dict.fromkeys(unsampled):
             request = self._requests.pop(request_id, None)
             if request is None:
