@@ -10,9 +10,10 @@
 //! (no lone surrogates); an int sequence is a list, tuple or other sequence of such ints, or a
 //! 1-D integer numpy array, never a str, bytes or a bool array. Range checks beyond the type
 //! (positive sizes, limits) belong to the core, which validates each argument once.
-//! Bindings take each argument as `&Bound<PyAny>` and convert it with `arg`; an argument with a
-//! default is a `Param` (signature default `Param::Absent`) converted with `Param::or`, so an
-//! explicit `None` is refused unless the argument's type is an `Option`.
+//! Bindings take each argument as `&Bound<PyAny>` and convert it with `arg`; one defaulting to
+//! `None` as `Option<&Bound<PyAny>>` converted with `opt`; one with another default as a `Param`
+//! (signature default `Param::Absent`, the real default in a `text_signature`) converted with
+//! `Param::or`, so an explicit `None` is refused where `None` is not a value.
 
 use numpy::{PyArrayDescrMethods, PyReadonlyArray1, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
@@ -39,7 +40,12 @@ pub fn arg<T: FromArg>(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<T> {
     T::from_arg(obj, name)
 }
 
-/// An argument with a default: `Absent` when the caller left it out.
+/// Converts an argument whose default is `None` (`None` stays `None`).
+pub fn opt<T: FromArg>(obj: Option<&Bound<'_, PyAny>>, name: &str) -> PyResult<Option<T>> {
+    obj.map(|obj| T::from_arg(obj, name)).transpose()
+}
+
+/// An argument with a default other than `None`: `Absent` when the caller left it out.
 pub enum Param<'py> {
     Absent,
     Given(Bound<'py, PyAny>),
