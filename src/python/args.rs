@@ -17,7 +17,7 @@
 
 use numpy::{PyArrayDescrMethods, PyReadonlyArray1, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyByteArray, PyBytes, PySequence, PyString};
+use pyo3::types::{PyBool, PyByteArray, PyBytes, PyFloat, PyInt, PySequence, PyString};
 
 use super::errors::to_py;
 use crate::Error;
@@ -80,19 +80,28 @@ impl<T: FromArg> FromArg for Option<T> {
     }
 }
 
-/// `repr(obj)` (shortened) and its type, for messages.
+/// A value for messages: `repr` (shortened) and type of a scalar, only the type of anything
+/// else (whose repr may be large or run arbitrary code).
 fn describe(obj: &Bound<'_, PyAny>) -> String {
     let type_name = obj
         .get_type()
         .name()
         .map(|n| n.to_string())
         .unwrap_or_else(|_| "?".into());
+    let scalar = obj.is_none()
+        || obj.is_instance_of::<PyBool>()
+        || obj.is_instance_of::<PyInt>()
+        || obj.is_instance_of::<PyFloat>()
+        || obj.is_instance_of::<PyString>()
+        || obj.is_instance_of::<PyBytes>();
+    if !scalar {
+        return format!("a {type_name}");
+    }
     let repr = obj.repr().map(|r| r.to_string()).unwrap_or_default();
-    let repr = match repr.char_indices().nth(60) {
-        Some((cut, _)) => format!("{}...", &repr[..cut]),
-        None => repr,
-    };
-    format!("{repr} ({type_name})")
+    match repr.char_indices().nth(60) {
+        Some((cut, _)) => format!("{}... ({type_name})", &repr[..cut]),
+        None => format!("{repr} ({type_name})"),
+    }
 }
 
 /// An int type of the core. Every int crossing the binding is an int64 (numpy's default
