@@ -125,19 +125,24 @@ impl Int for i64 {
     const RANGE: &'static str = "-2**63..2**63";
 }
 
-fn int<T: Int>(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<T> {
-    let refuse = || {
-        invalid(format!(
-            "{name} must be an int in {}, got {}",
-            T::RANGE,
-            describe(obj)
-        ))
-    };
+/// `obj` as a `T`, or `None` if it is not an int in `T`'s range.
+fn int_value<T: Int>(obj: &Bound<'_, PyAny>) -> Option<T> {
     if obj.is_instance_of::<PyBool>() {
-        return Err(refuse());
+        return None;
     }
-    let value: i64 = obj.extract().map_err(|_| refuse())?;
-    T::try_from(value).map_err(|_| refuse())
+    T::try_from(obj.extract::<i64>().ok()?).ok()
+}
+
+fn refused_int<T: Int>(obj: &Bound<'_, PyAny>, name: impl std::fmt::Display) -> PyErr {
+    invalid(format!(
+        "{name} must be an int in {}, got {}",
+        T::RANGE,
+        describe(obj)
+    ))
+}
+
+fn int<T: Int>(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<T> {
+    int_value(obj).ok_or_else(|| refused_int::<T>(obj, name))
 }
 
 macro_rules! int_args {
@@ -204,7 +209,10 @@ impl<T: Int> FromArg for Vec<T> {
         })?;
         let mut out = Vec::with_capacity(items.len().unwrap_or(0));
         for (i, item) in items.try_iter()?.enumerate() {
-            out.push(int(&item?, &format!("{name}[{i}]"))?);
+            let item = item?;
+            out.push(
+                int_value(&item).ok_or_else(|| refused_int::<T>(&item, format!("{name}[{i}]")))?,
+            );
         }
         Ok(out)
     }
