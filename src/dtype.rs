@@ -22,6 +22,26 @@ impl KvDtype {
         }
     }
 
+    /// The largest finite magnitude this type stores (65504 for f16).
+    pub fn max_finite(self) -> f32 {
+        match self {
+            KvDtype::F32 => f32::MAX,
+            KvDtype::F16 => f16::MAX.to_f32(),
+            KvDtype::Bf16 => bf16::MAX.to_f32(),
+        }
+    }
+
+    /// Whether the f32 value `x` is stored as a finite value: NaN and infinity never are, and
+    /// f16 and bf16 round finite values beyond [`KvDtype::max_finite`] (plus half a step) to
+    /// infinity.
+    pub fn stores_finite(self, x: f32) -> bool {
+        match self {
+            KvDtype::F32 => x.is_finite(),
+            KvDtype::F16 => f16::from_f32(x).is_finite(),
+            KvDtype::Bf16 => bf16::from_f32(x).is_finite(),
+        }
+    }
+
     /// The conventional lower-case name ("float32", "float16", "bfloat16").
     pub fn name(self) -> &'static str {
         match self {

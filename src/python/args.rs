@@ -84,14 +84,26 @@ pub fn expect_shape(shape: &[usize], expected: &[Option<usize>], name: &str) -> 
     }
 }
 
-/// The elements of a numpy array in C order, borrowed when it is contiguous, copied otherwise.
+/// The elements of a numpy array in C (index) order: borrowed when its memory is C-contiguous
+/// and aligned, else copied from the C-ordered array numpy makes of it (Fortran order, strided or
+/// reversed views, unaligned buffers). `as_slice` alone is no test: it also borrows a
+/// Fortran-contiguous array, whose memory order is not its index order.
 pub fn c_order<'a, T: numpy::Element + Clone, D: numpy::ndarray::Dimension>(
     array: &'a numpy::PyReadonlyArray<'_, T, D>,
-) -> std::borrow::Cow<'a, [T]> {
-    match array.as_slice() {
-        Ok(slice) => std::borrow::Cow::Borrowed(slice),
-        Err(_) => std::borrow::Cow::Owned(array.as_array().iter().cloned().collect()),
+) -> PyResult<std::borrow::Cow<'a, [T]>> {
+    use numpy::PyUntypedArrayMethods;
+    if array.is_c_contiguous() && array.is_aligned() {
+        if let Ok(slice) = array.as_slice() {
+            return Ok(std::borrow::Cow::Borrowed(slice));
+        }
     }
+    let copy: numpy::PyReadonlyArray<'_, T, D> = array
+        .py()
+        .import("numpy")?
+        .call_method1("ascontiguousarray", (array.as_any(),))?
+        .extract()?;
+    let elements = copy.as_slice().map_err(|e| shape_error(e.to_string()))?;
+    Ok(std::borrow::Cow::Owned(elements.to_vec()))
 }
 
 /// Extracts a numpy array of element type `T`, or a `ShapeError` naming the dtype expected.

@@ -1,144 +1,18 @@
-//! Attention from Python: the body of `KVCache.attention`, the thread-count setting, and the
-//! helpers the benchmark needs (read bandwidth, contiguous K/V, kernel time without Python).
-//! Arrays are borrowed without copies when C-contiguous; the GIL is released while computing.
+//! Attention from Python besides `KVCache.attention`: the thread-count setting, and the helpers
+//! the benchmark needs (read bandwidth, contiguous K/V, kernel time without Python). Arguments are
+//! converted by `attention_call` (arrays borrowed without copies when C-contiguous); the GIL is
+//! released while computing.
 
-use std::borrow::Cow;
 use std::time::Instant;
 
-use numpy::ndarray::{Ix1, Ix2, Ix3};
-use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
-use super::args::{c_order, expect_shape, invalid, non_negative, positive, typed_array};
+use super::args::{invalid, non_negative, positive};
+use super::attention_call::{Arrays, Tables};
 use super::errors::IntoPyResult;
 use super::kv_cache::PyKVCache;
-use crate::attention::{self, AttentionBatch, ContiguousKv, KernelPath};
-use crate::{KvCache, KvDtype};
-
-/// The converted arguments of one attention call.
-struct Call<'a> {
-    query: Cow<'a, [f32]>,
-    num_tokens: usize,
-    num_heads: usize,
-    head_dim: usize,
-    context_lens: Cow<'a, [i32]>,
-    query_start_loc: Cow<'a, [i32]>,
-    scale: f32,
-    path: KernelPath,
-}
-
-impl Call<'_> {
-    /// Runs the kernel over `layer` of `cache` through `block_tables` (`[_, width]`) into `out`.
-    fn run_paged(
-        &self,
-        cache: &KvCache,
-        layer: usize,
-        block_tables: &[i32],
-        width: usize,
-        out: &mut [f32],
-    ) -> crate::Result<()> {
-        let batch = AttentionBatch {
-            block_tables,
-            max_blocks_per_seq: width,
-            context_lens: &self.context_lens,
-            query_start_loc: &self.query_start_loc,
-        };
-        attention::paged_attention_with(
-            self.path,
-            cache,
-            layer,
-            &self.query,
-            self.num_heads,
-            &batch,
-            self.scale,
-            out,
-        )
-    }
-}
-
-/// The numpy arrays of a call, kept alive while their data is borrowed.
-struct Arrays<'py> {
-    query: PyReadonlyArray<'py, f32, Ix3>,
-    context_lens: PyReadonlyArray<'py, i32, Ix1>,
-    query_start_loc: PyReadonlyArray<'py, i32, Ix1>,
-}
-
-impl<'py> Arrays<'py> {
-    fn extract(
-        query: &Bound<'py, PyAny>,
-        context_lens: &Bound<'py, PyAny>,
-        query_start_loc: &Bound<'py, PyAny>,
-    ) -> PyResult<Self> {
-        Ok(Arrays {
-            query: typed_array(query, "query", "float32")?,
-            context_lens: typed_array(context_lens, "context_lens", "int32")?,
-            query_start_loc: typed_array(query_start_loc, "query_start_loc", "int32")?,
-        })
-    }
-
-    fn call(
-        &self,
-        head_dim: usize,
-        scale: Option<f64>,
-        kernel: Option<&str>,
-    ) -> PyResult<Call<'_>> {
-        let shape = self.query.shape();
-        expect_shape(shape, &[None, None, Some(head_dim)], "query")?;
-        let scale = scale.unwrap_or(1.0 / (head_dim as f64).sqrt()) as f32;
-        let path = match kernel {
-            None => attention::default_kernel_path(),
-            Some(name) => name.parse().py_err()?,
-        };
-        Ok(Call {
-            query: c_order(&self.query),
-            num_tokens: shape[0],
-            num_heads: shape[1],
-            head_dim,
-            context_lens: c_order(&self.context_lens),
-            query_start_loc: c_order(&self.query_start_loc),
-            scale,
-            path,
-        })
-    }
-}
-
-impl Call<'_> {
-    fn output<'py>(&self, py: Python<'py>, data: Vec<f32>) -> PyResult<Bound<'py, PyAny>> {
-        Ok(PyArray1::from_vec(py, data)
-            .reshape([self.num_tokens, self.num_heads, self.head_dim])?
-            .into_any())
-    }
-}
-
-/// The block tables as a C-ordered int32 slice and their width.
-fn table_slice<'a>(array: &'a PyReadonlyArray<'_, i32, Ix2>) -> (Cow<'a, [i32]>, usize) {
-    (c_order(array), array.shape()[1])
-}
-
-/// `KVCache.attention`: see the method's docstring in `kv_cache.rs`.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn cache_attention<'py>(
-    cache: &PyKVCache,
-    py: Python<'py>,
-    layer: i64,
-    query: &Bound<'py, PyAny>,
-    block_tables: &Bound<'py, PyAny>,
-    context_lens: &Bound<'py, PyAny>,
-    query_start_loc: &Bound<'py, PyAny>,
-    scale: Option<f64>,
-    kernel: Option<&str>,
-) -> PyResult<Bound<'py, PyAny>> {
-    let layer = non_negative(layer, "layer")? as usize;
-    let arrays = Arrays::extract(query, context_lens, query_start_loc)?;
-    let tables: PyReadonlyArray<'_, i32, Ix2> = typed_array(block_tables, "block_tables", "int32")?;
-    let call = arrays.call(cache.shape().head_dim, scale, kernel)?;
-    let (tables, width) = table_slice(&tables);
-    let mut out = vec![0.0f32; call.query.len()];
-    cache
-        .read(py, |c| call.run_paged(c, layer, &tables, width, &mut out))
-        .py_err()?;
-    call.output(py, out)
-}
+use crate::attention::{self, ContiguousKv, KernelPath};
+use crate::KvDtype;
 
 /// Seconds per call of the kernel alone (no argument conversion, no Python), averaged over
 /// `iterations` calls made from Rust with the GIL released: `KVCache.attention` from Python
@@ -162,10 +36,10 @@ fn attention_kernel_seconds(
         positive(iterations, "iterations")?,
     );
     let arrays = Arrays::extract(query, context_lens, query_start_loc)?;
-    let tables: PyReadonlyArray<'_, i32, Ix2> = typed_array(block_tables, "block_tables", "int32")?;
+    let tables = Tables::extract(block_tables)?;
     let call = arrays.call(cache.shape().head_dim, scale, None)?;
-    let (tables, width) = table_slice(&tables);
-    let mut out = vec![0.0f32; call.query.len()];
+    let (tables, width) = tables.rows()?;
+    let mut out = call.out()?;
     cache
         .read(py, |c| {
             let start = Instant::now();
@@ -177,7 +51,9 @@ fn attention_kernel_seconds(
         .py_err()
 }
 
-/// Sets the number of threads attention uses (default: `PAGEDKV_NUM_THREADS`, else every CPU).
+/// Sets the number of threads attention uses, 1 to 1024 (default: `PAGEDKV_NUM_THREADS`, else
+/// every CPU). Raises InvalidArgumentError for a count outside that range or one the system
+/// cannot start, keeping the previous count.
 #[pyfunction]
 fn set_num_threads(threads: i64) -> PyResult<()> {
     attention::set_num_threads(positive(threads, "threads")?).py_err()
@@ -210,13 +86,14 @@ fn measure_read_bandwidth(py: Python<'_>, nbytes: i64, sweeps: i64) -> PyResult<
             "nbytes must be at least 4096, got {nbytes}"
         )));
     }
-    Ok(py.detach(|| attention::measure_read_bandwidth(nbytes, sweeps)))
+    py.detach(|| attention::measure_read_bandwidth(nbytes, sweeps))
+        .py_err()
 }
 
 /// f32 GFLOP/s (an FMA counts 2) of all attention threads running a register-only FMA loop.
 #[pyfunction]
-fn measure_fma_peak(py: Python<'_>) -> f64 {
-    py.detach(attention::measure_fma_peak)
+fn measure_fma_peak(py: Python<'_>) -> PyResult<f64> {
+    py.detach(attention::measure_fma_peak).py_err()
 }
 
 /// A freshly written buffer of `nbytes` of memory whose read-only sweeps measure bandwidth on
@@ -237,13 +114,13 @@ impl PyReadBandwidthProbe {
             )));
         }
         Ok(PyReadBandwidthProbe {
-            inner: py.detach(|| attention::ReadProbe::new(nbytes)),
+            inner: py.detach(|| attention::ReadProbe::new(nbytes)).py_err()?,
         })
     }
 
     /// Reads the whole buffer once; returns GB/s (10^9 bytes per second).
-    fn sweep(&self, py: Python<'_>) -> f64 {
-        py.detach(|| self.inner.sweep())
+    fn sweep(&self, py: Python<'_>) -> PyResult<f64> {
+        py.detach(|| self.inner.sweep()).py_err()
     }
 
     /// Bytes one sweep reads.
@@ -308,7 +185,7 @@ impl PyContiguousKV {
         let block_size = positive(block_size, "block_size")?;
         let arrays = Arrays::extract(query, context_lens, query_start_loc)?;
         let call = arrays.call(self.head_dim, scale, kernel)?;
-        let mut out = vec![0.0f32; call.query.len()];
+        let mut out = call.out()?;
         py.detach(|| {
             self.inner.attention(
                 call.path,

@@ -1,5 +1,6 @@
 //! `pagedkv.KVCache`: K/V storage of every layer, in `[num_blocks, num_kv_heads, block_size,
-//! head_dim]` tiles, f32/f16/bf16.
+//! head_dim]` tiles, f32/f16/bf16. Arrays are read in C order whatever their layout; ids and
+//! pairs come as numpy arrays or Python sequences alike. The core validates every value.
 
 use std::sync::RwLock;
 
@@ -7,7 +8,10 @@ use numpy::ndarray::{Ix1, Ix3};
 use numpy::{PyArray1, PyArrayMethods, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
-use super::args::{c_order, expect_shape, non_negative, positive, typed_array};
+use super::args::{
+    c_order, expect_shape, invalid, non_negative, positive, shape_error, typed_array,
+};
+use super::attention_call::{Arrays, Tables};
 use super::errors::IntoPyResult;
 use crate::{CopyOp, KvCache, KvDtype, KvShape};
 
@@ -107,44 +111,33 @@ impl PyKVCache {
         ];
         expect_shape(keys.shape(), &row, "keys")?;
         expect_shape(values.shape(), &row, "values")?;
-        let (keys, values, slots) = (c_order(&keys), c_order(&values), c_order(&slots));
+        let (keys, values, slots) = (c_order(&keys)?, c_order(&values)?, c_order(&slots)?);
         self.write_lock(py, |c| c.write(layer, &keys, &values, &slots))
             .py_err()
     }
 
     /// Copies whole blocks `src → dst` in every layer, in order: apply a step's copy-on-write ops
-    /// before its attention runs.
-    fn copy_blocks(&self, py: Python<'_>, ops: Vec<(i64, i64)>) -> PyResult<()> {
-        let ops = ops
-            .into_iter()
-            .map(|(src, dst)| -> PyResult<CopyOp> {
-                let id = |v: i64, name: &str| {
-                    non_negative(v, name).map(|v| v.min(u32::MAX as u64) as u32)
-                };
-                Ok(CopyOp {
-                    src: id(src, "src")?,
-                    dst: id(dst, "dst")?,
-                })
-            })
-            .collect::<PyResult<Vec<_>>>()?;
+    /// before its attention runs. `ops` is a step's `copy_ops` (int64 `[C, 2]`) or any sequence
+    /// of `(src, dst)` pairs.
+    fn copy_blocks(&self, py: Python<'_>, ops: &Bound<'_, PyAny>) -> PyResult<()> {
+        let ops = copy_ops(ops)?;
         self.write_lock(py, |c| c.copy_blocks(&ops)).py_err()
     }
 
-    /// Reads the first `num_tokens` K and V rows of a sequence through `block_table`, as float32
-    /// arrays `[num_tokens, num_kv_heads, head_dim]`.
+    /// Reads the first `num_tokens` K and V rows of a sequence through `block_table` (a 1-D
+    /// integer array, e.g. a row of a step's `block_tables`, or a sequence of ints; entries past
+    /// the used blocks are padding and never read), as float32 arrays `[num_tokens,
+    /// num_kv_heads, head_dim]`.
     fn gather<'py>(
         &self,
         py: Python<'py>,
         layer: i64,
-        block_table: Vec<i64>,
+        block_table: &Bound<'py, PyAny>,
         num_tokens: i64,
     ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyAny>)> {
         let layer = non_negative(layer, "layer")? as usize;
         let n = non_negative(num_tokens, "num_tokens")? as usize;
-        let table = block_table
-            .into_iter()
-            .map(|b| non_negative(b, "block id").map(|b| b.min(u32::MAX as u64) as u32))
-            .collect::<PyResult<Vec<_>>>()?;
+        let table = block_ids(block_table)?;
         let (k, v) = self.read(py, |c| c.gather(layer, &table, n)).py_err()?;
         Ok((self.to_array(py, k, n)?, self.to_array(py, v, n)?))
     }
@@ -169,17 +162,15 @@ impl PyKVCache {
         scale: Option<f64>,
         kernel: Option<&str>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        super::attention::cache_attention(
-            self,
-            py,
-            layer,
-            query,
-            block_tables,
-            context_lens,
-            query_start_loc,
-            scale,
-            kernel,
-        )
+        let layer = non_negative(layer, "layer")? as usize;
+        let arrays = Arrays::extract(query, context_lens, query_start_loc)?;
+        let tables = Tables::extract(block_tables)?;
+        let call = arrays.call(self.shape.head_dim, scale, kernel)?;
+        let (tables, width) = tables.rows()?;
+        let mut out = call.out()?;
+        self.read(py, |c| call.run_paged(c, layer, &tables, width, &mut out))
+            .py_err()?;
+        call.output(py, out)
     }
 
     /// Overwrites every K and V element with pseudo-random values in [-1, 1) from `seed`
@@ -237,4 +228,42 @@ impl PyKVCache {
             s.num_layers, s.num_blocks, s.block_size, s.num_kv_heads, s.head_dim, self.dtype(py)
         )
     }
+}
+
+/// Copy ops from rows of two ints: a step's int64 `[C, 2]` `copy_ops` or a sequence of pairs.
+fn copy_ops(ops: &Bound<'_, PyAny>) -> PyResult<Vec<CopyOp>> {
+    let rows: Vec<Vec<i64>> = ops.extract().map_err(|_| {
+        invalid("ops must be an int64 [C, 2] array or a sequence of (src, dst) int pairs".into())
+    })?;
+    rows.iter()
+        .enumerate()
+        .map(|(i, row)| match row[..] {
+            [src, dst] => Ok(CopyOp {
+                src: u32_block(src, i)?,
+                dst: u32_block(dst, i)?,
+            }),
+            _ => Err(shape_error(format!(
+                "ops[{i}] has {} entries, expected a (src, dst) pair",
+                row.len()
+            ))),
+        })
+        .collect()
+}
+
+/// A copy op's block id as the core's `u32`; the core checks it against the cache's blocks.
+fn u32_block(id: i64, op: usize) -> PyResult<u32> {
+    u32::try_from(id).map_err(|_| invalid(format!("ops[{op}]: block {id} is not a block id")))
+}
+
+/// A block table from a 1-D integer array or a sequence of ints, as the core's `i32` entries.
+fn block_ids(table: &Bound<'_, PyAny>) -> PyResult<Vec<i32>> {
+    let ids: Vec<i64> = table.extract().map_err(|_| {
+        invalid("block_table must be a 1-D integer array or a sequence of ints".into())
+    })?;
+    ids.into_iter()
+        .map(|b| {
+            i32::try_from(b)
+                .map_err(|_| invalid(format!("block_table entry {b} is not an int32 block id")))
+        })
+        .collect()
 }
