@@ -216,6 +216,9 @@ impl ContiguousKv {
         if block_size == 0 {
             return Err(Error::InvalidArgument("block_size must be positive".into()));
         }
+        // No tile is longer than a sequence, and the loop sizes its buffers by the block size: a
+        // larger one would only ask for scratch memory no tile uses.
+        let block_size = block_size.min(self.max_context);
         if let Some(seq) =
             (0..problem.num_seqs()).find(|&s| problem.context_len(s) > self.max_context)
         {

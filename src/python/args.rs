@@ -85,8 +85,8 @@ pub fn expect_shape(shape: &[usize], expected: &[Option<usize>], name: &str) -> 
 }
 
 /// The elements of a numpy array in C (index) order: borrowed when its memory is C-contiguous
-/// and aligned, else copied from the C-ordered array numpy makes of it (Fortran order, strided or
-/// reversed views, unaligned buffers). `as_slice` alone is no test: it also borrows a
+/// and aligned, else copied from the C-ordered, aligned array `numpy.require` makes of it
+/// (Fortran order, strided or reversed views, unaligned buffers). `as_slice` alone is no test: it also borrows a
 /// Fortran-contiguous array, whose memory order is not its index order.
 pub fn c_order<'a, T: numpy::Element + Clone, D: numpy::ndarray::Dimension>(
     array: &'a numpy::PyReadonlyArray<'_, T, D>,
@@ -100,7 +100,7 @@ pub fn c_order<'a, T: numpy::Element + Clone, D: numpy::ndarray::Dimension>(
     let copy: numpy::PyReadonlyArray<'_, T, D> = array
         .py()
         .import("numpy")?
-        .call_method1("ascontiguousarray", (array.as_any(),))?
+        .call_method1("require", (array.as_any(), None::<()>, ["C_CONTIGUOUS", "ALIGNED"]))?
         .extract()?;
     let elements = copy.as_slice().map_err(|e| shape_error(e.to_string()))?;
     Ok(std::borrow::Cow::Owned(elements.to_vec()))
