@@ -364,3 +364,67 @@ fn gather_rows<T: KvElement>(buf: &[T], used: &[i32], shape: &KvShape, out: &mut
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape(num_layers: usize, num_blocks: usize, block_size: usize, heads: usize) -> KvShape {
+        KvShape {
+            num_layers,
+            num_blocks,
+            block_size,
+            num_kv_heads: heads,
+            head_dim: 8,
+        }
+    }
+
+    #[test]
+    fn sizes_that_overflow_or_exceed_int32_block_ids_are_refused() {
+        for bad in [
+            shape(1, 1, 4, 1 << 62),
+            shape(1 << 40, 1 << 30, 1, 1),
+            shape(1, MAX_BLOCKS + 1, 1, 1),
+        ] {
+            assert!(matches!(
+                KvCache::new(bad, KvDtype::F16),
+                Err(Error::InvalidArgument(_))
+            ));
+        }
+    }
+
+    #[test]
+    fn gather_reads_only_the_used_entries_of_a_padded_table() {
+        let mut cache = KvCache::new(shape(1, 4, 2, 1), KvDtype::F32).unwrap();
+        let rows: Vec<f32> = (0..8 * 8).map(|x| x as f32).collect();
+        cache
+            .write(0, &rows, &rows, &(0..8).collect::<Vec<_>>())
+            .unwrap();
+        let (k, v) = cache.gather(0, &[3, 1, -1, i32::MIN], 3).unwrap();
+        let expected: Vec<f32> = [6, 7, 2]
+            .iter()
+            .flat_map(|&s| s * 8..s * 8 + 8)
+            .map(|x| x as f32)
+            .collect();
+        assert_eq!((k, v), (expected.clone(), expected));
+        for bad in [&[3, -1][..], &[4, 0], &[3]] {
+            assert!(matches!(
+                cache.gather(0, bad, 3),
+                Err(Error::InvalidArgument(_))
+            ));
+        }
+    }
+
+    #[test]
+    fn values_the_dtype_stores_as_infinity_are_refused_like_infinity() {
+        let mut cache = KvCache::new(shape(1, 1, 1, 1), KvDtype::F16).unwrap();
+        let ok = [65504.0f32; 8];
+        cache.write(0, &ok, &ok, &[0]).unwrap();
+        for bad in [65520.0, -1e6, f32::INFINITY, f32::NAN] {
+            let mut row = ok;
+            row[5] = bad;
+            assert!(cache.write(0, &ok, &row, &[0]).is_err());
+            assert_eq!(cache.gather(0, &[0], 1).unwrap().1, ok.to_vec());
+        }
+    }
+}

@@ -100,7 +100,10 @@ pub fn c_order<'a, T: numpy::Element + Clone, D: numpy::ndarray::Dimension>(
     let copy: numpy::PyReadonlyArray<'_, T, D> = array
         .py()
         .import("numpy")?
-        .call_method1("require", (array.as_any(), None::<()>, ["C_CONTIGUOUS", "ALIGNED"]))?
+        .call_method1(
+            "require",
+            (array.as_any(), None::<()>, ["C_CONTIGUOUS", "ALIGNED"]),
+        )?
         .extract()?;
     let elements = copy.as_slice().map_err(|e| shape_error(e.to_string()))?;
     Ok(std::borrow::Cow::Owned(elements.to_vec()))

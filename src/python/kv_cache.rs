@@ -63,7 +63,8 @@ impl PyKVCache {
 
 #[pymethods]
 impl PyKVCache {
-    /// Allocates zeroed K and V storage for `num_layers` layers.
+    /// Allocates zeroed K and V storage for `num_layers` layers. Raises InvalidArgumentError for
+    /// sizes the cache cannot address (see `KvShape`), MemoryError when memory cannot be had.
     #[new]
     #[pyo3(signature = (num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype="float32"))]
     fn new(
@@ -90,7 +91,9 @@ impl PyKVCache {
     }
 
     /// Stores `keys[i]` and `values[i]` (float32 `[n, num_kv_heads, head_dim]`) at
-    /// `slot_mapping[i]` (int64 `[n]`) of `layer`, converting to the cache dtype.
+    /// `slot_mapping[i]` (int64 `[n]`) of `layer`, converting to the cache dtype. Raises
+    /// InvalidArgumentError, writing nothing, for a value the dtype does not store as a finite
+    /// number (NaN, infinity, beyond ±65504 in float16).
     fn write(
         &self,
         py: Python<'_>,
