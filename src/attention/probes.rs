@@ -11,11 +11,14 @@ use rayon::prelude::*;
 
 use super::simd::{Kernels, Portable};
 use super::{default_kernel_path, threads, KernelPath};
-use crate::error::Result;
+use crate::error::{ensure, Result};
 use crate::memory;
 
 /// Bytes each task sweeps: large enough to amortise scheduling, small enough to balance.
 const CHUNK_BYTES: usize = 1 << 20;
+
+/// The smallest probe: one page; below, a sweep times the call, not memory.
+pub const MIN_PROBE_BYTES: usize = 4096;
 
 /// A buffer of real memory to sweep: build once, then time sweeps between other measurements.
 pub struct ReadProbe {
@@ -23,9 +26,12 @@ pub struct ReadProbe {
 }
 
 impl ReadProbe {
-    /// Allocates and writes `nbytes` (rounded down to whole f32); fails when the memory cannot
-    /// be had.
+    /// Allocates and writes `nbytes` (at least [`MIN_PROBE_BYTES`], rounded down to whole f32);
+    /// fails when the memory cannot be had.
     pub fn new(nbytes: usize) -> Result<Self> {
+        ensure(nbytes >= MIN_PROBE_BYTES, || {
+            format!("nbytes must be at least {MIN_PROBE_BYTES}, got {nbytes}")
+        })?;
         Ok(ReadProbe {
             data: memory::random_vec(nbytes / 4, 1)?,
         })

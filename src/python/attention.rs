@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use pyo3::prelude::*;
 
-use super::args::{invalid, non_negative, positive};
+use super::args::{non_negative, positive};
 use super::attention_call::{Arrays, Tables};
 use super::errors::IntoPyResult;
 use super::kv_cache::PyKVCache;
@@ -81,11 +81,6 @@ fn available_kernels() -> Vec<&'static str> {
 #[pyo3(signature = (nbytes, sweeps=5))]
 fn measure_read_bandwidth(py: Python<'_>, nbytes: i64, sweeps: i64) -> PyResult<Vec<f64>> {
     let (nbytes, sweeps) = (positive(nbytes, "nbytes")?, positive(sweeps, "sweeps")?);
-    if nbytes < 4096 {
-        return Err(invalid(format!(
-            "nbytes must be at least 4096, got {nbytes}"
-        )));
-    }
     py.detach(|| attention::measure_read_bandwidth(nbytes, sweeps))
         .py_err()
 }
@@ -108,11 +103,6 @@ impl PyReadBandwidthProbe {
     #[new]
     fn new(py: Python<'_>, nbytes: i64) -> PyResult<Self> {
         let nbytes = positive(nbytes, "nbytes")?;
-        if nbytes < 4096 {
-            return Err(invalid(format!(
-                "nbytes must be at least 4096, got {nbytes}"
-            )));
-        }
         Ok(PyReadBandwidthProbe {
             inner: py.detach(|| attention::ReadProbe::new(nbytes)).py_err()?,
         })
