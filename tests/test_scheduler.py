@@ -229,7 +229,7 @@ def test_abort_in_every_state_returns_every_block():
 
 
 def test_stop_tokens_eos_and_length_limits():
-    s = Scheduler(num_blocks=16, block_size=4, max_model_len=6, eos_token_id=2)
+    s = Scheduler(num_blocks=16, block_size=4, max_model_len=6, eos_token_ids=[2])
     s.add_request("eos", [9, 9, 9], max_tokens=100)
     s.add_request("ignore", [9, 9, 9], max_tokens=100, ignore_eos=True)
     s.add_request("stop", [9, 9, 9], max_tokens=100, stop_token_ids=[5], ignore_eos=True)
@@ -240,6 +240,16 @@ def test_stop_tokens_eos_and_length_limits():
     assert s.update(s.schedule(), [2]).finish_reasons == [None]
     assert list(s.update(s.schedule(), [2])) == [("ignore", 0, 2, "max_model_len")]  # 6 tokens
     assert s.num_free_blocks == 16
+
+
+def test_any_of_several_eos_ids_finishes_a_sequence():
+    s = Scheduler(num_blocks=16, block_size=4, eos_token_ids=[2, 465])
+    for request_id in ("a", "b"):
+        s.add_request(request_id, [9, 9, 9], max_tokens=4)
+    s.add_request("c", [9, 9, 9], max_tokens=4, ignore_eos=True)
+    produced = s.update(s.schedule(), [465, 2, 465])
+    assert produced.finish_reasons == ["stop", "stop", None]
+    assert produced.finished_request_ids == ["a", "b"]
 
 
 def test_requests_sharing_a_system_prompt_hit_its_full_blocks():

@@ -149,11 +149,12 @@ class Scheduler:
         policy: str = "fcfs",
         aging_steps: int = 100,
         long_prefill_token_threshold: int = 0,
-        eos_token_id: int | None = None,
+        eos_token_ids: TokenIds | None = None,
         admission_lookahead_tokens: int | None = 32,
     ) -> None:
         """``max_model_len`` defaults to the whole cache and may not exceed it;
         ``long_prefill_token_threshold`` caps one sequence's prompt tokens per step (0: no cap).
+        Sampling any of ``eos_token_ids`` finishes a sequence unless its request sets ``ignore_eos``.
         ``admission_lookahead_tokens`` is the admission headroom: a waiting request is admitted only
         if, with its first chunk allocated, the free blocks still let every running sequence (it
         included) compute the rest of its prompt and then grow that many tokens (capped by its

@@ -204,7 +204,7 @@ class EngineCore:
             enable_prefix_caching=config.enable_prefix_caching,
             policy=config.policy,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
-            eos_token_id=eos_token_id,
+            eos_token_ids=None if eos_token_id is None else [eos_token_id],
             admission_lookahead_tokens=config.admission_lookahead_tokens,
         )
         self._requests: dict[str, _Request] = {}

@@ -15,6 +15,7 @@ __all__ = [
     "InvalidArgumentError",
     "ShapeError",
     "CheckpointError",
+    "InternalError",
 ]
 
 
@@ -56,3 +57,8 @@ class CheckpointError(PagedKVError, OSError):
 
     def __str__(self) -> str:  # OSError would format (errno, strerror) pairs
         return str(self.args[0])
+
+
+class InternalError(PagedKVError, RuntimeError):
+    """A bug in pagedkv: a call panicked inside the Rust core. The object it ran on refuses every
+    later call with this error (its state may be half-changed); other objects are unaffected."""

@@ -1,9 +1,22 @@
-//! Argument conversion shared by the bindings: token lists, sizes, ids, numpy arrays. Every
-//! failure is an `InvalidArgumentError` or `ShapeError` naming the argument.
+//! Argument conversion shared by the bindings: one converter per kind of argument (ints of each
+//! core type, bools, floats, strings, int sequences, numpy arrays), so every binding refuses a
+//! wrong value the same way. Every refusal is an `InvalidArgumentError` (or `ShapeError` for an
+//! array's shape) naming the argument; never `TypeError`, `OverflowError` or a panic.
+//!
+//! Rules: an int argument takes a Python int or anything with `__index__` (numpy ints), never a
+//! bool or a float; it must be an int64 and lie in its core type's range (sizes and ids
+//! `0..2**63`, token ids `0..2**32`), so -1 and 2**63 are refused alike;
+//! a float argument takes an int or a float, never a bool; a str argument must be valid Unicode
+//! (no lone surrogates); an int sequence is a list, tuple or other sequence of such ints, or a
+//! 1-D integer numpy array, never a str, bytes or a bool array. Range checks beyond the type
+//! (positive sizes, limits) belong to the core, which validates each argument once.
+//! Bindings take each argument as `&Bound<PyAny>` and convert it with `arg`; an argument with a
+//! default is a `Param` (signature default `Param::Absent`) converted with `Param::or`, so an
+//! explicit `None` is refused unless the argument's type is an `Option`.
 
-use numpy::PyReadonlyArray1;
+use numpy::{PyArrayDescrMethods, PyReadonlyArray1, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
-use pyo3::types::{PyList, PyTuple};
+use pyo3::types::{PyBool, PyByteArray, PyBytes, PySequence, PyString};
 
 use super::errors::to_py;
 use crate::Error;
@@ -16,37 +29,221 @@ pub fn shape_error(message: String) -> PyErr {
     to_py(Error::Shape(message))
 }
 
-/// Token ids from a list/tuple of ints or a 1-D integer numpy array.
-pub fn token_ids(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Vec<u32>> {
-    let values: Vec<i64> = if obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>() {
-        obj.extract::<Vec<i64>>()
-            .map_err(|_| invalid(format!("{name} must hold only int token ids")))?
-    } else if let Ok(array) = obj.extract::<PyReadonlyArray1<'_, i64>>() {
-        array
-            .as_slice()
-            .map(<[i64]>::to_vec)
-            .unwrap_or_else(|_| array.as_array().to_vec())
-    } else if let Ok(array) = obj.extract::<PyReadonlyArray1<'_, i32>>() {
-        array.as_array().iter().map(|&t| i64::from(t)).collect()
-    } else if obj.is_instance_of::<pyo3::types::PyString>()
-        || obj.is_instance_of::<pyo3::types::PyBytes>()
-    {
-        return Err(invalid(format!(
-            "{name} must be a sequence of int token ids, not a string"
-        )));
-    } else {
-        obj.extract::<Vec<i64>>().map_err(|_| {
-            invalid(format!(
-                "{name} must be a sequence of int token ids or a 1-D integer array"
-            ))
-        })?
+/// A Python value as the Rust type of an argument.
+pub trait FromArg: Sized {
+    fn from_arg(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Self>;
+}
+
+/// Converts argument `name`.
+pub fn arg<T: FromArg>(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<T> {
+    T::from_arg(obj, name)
+}
+
+/// An argument with a default: `Absent` when the caller left it out.
+pub enum Param<'py> {
+    Absent,
+    Given(Bound<'py, PyAny>),
+}
+
+impl<'a, 'py> FromPyObject<'a, 'py> for Param<'py> {
+    type Error = PyErr;
+
+    fn extract(obj: pyo3::Borrowed<'a, 'py, PyAny>) -> PyResult<Self> {
+        Ok(Param::Given(obj.to_owned()))
+    }
+}
+
+impl Param<'_> {
+    /// The argument converted, or `default` if it was left out.
+    pub fn or<T: FromArg>(&self, name: &str, default: T) -> PyResult<T> {
+        match self {
+            Param::Absent => Ok(default),
+            Param::Given(obj) => T::from_arg(obj, name),
+        }
+    }
+}
+
+/// `None` is `None`; anything else converts as `T`.
+impl<T: FromArg> FromArg for Option<T> {
+    fn from_arg(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Self> {
+        if obj.is_none() {
+            Ok(None)
+        } else {
+            T::from_arg(obj, name).map(Some)
+        }
+    }
+}
+
+/// `repr(obj)` (shortened) and its type, for messages.
+fn describe(obj: &Bound<'_, PyAny>) -> String {
+    let type_name = obj
+        .get_type()
+        .name()
+        .map(|n| n.to_string())
+        .unwrap_or_else(|_| "?".into());
+    let repr = obj.repr().map(|r| r.to_string()).unwrap_or_default();
+    let repr = match repr.char_indices().nth(60) {
+        Some((cut, _)) => format!("{}...", &repr[..cut]),
+        None => repr,
     };
-    values
-        .into_iter()
-        .map(|t| {
-            u32::try_from(t).map_err(|_| invalid(format!("{name}: token id {t} outside 0..2^32")))
+    format!("{repr} ({type_name})")
+}
+
+/// An int type of the core. Every int crossing the binding is an int64 (numpy's default
+/// integer, and the type of the output arrays), so sizes and ids take `0..2**63` whatever their
+/// width in the core, and 2**63 is refused like -1.
+pub trait Int: Copy + TryFrom<i64> {
+    /// The accepted range, as named in messages.
+    const RANGE: &'static str;
+}
+
+impl Int for u32 {
+    const RANGE: &'static str = "0..2**32";
+}
+impl Int for u64 {
+    const RANGE: &'static str = "0..2**63";
+}
+impl Int for usize {
+    const RANGE: &'static str = "0..2**63";
+}
+impl Int for i64 {
+    const RANGE: &'static str = "-2**63..2**63";
+}
+
+fn int<T: Int>(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<T> {
+    let refuse = || {
+        invalid(format!(
+            "{name} must be an int in {}, got {}",
+            T::RANGE,
+            describe(obj)
+        ))
+    };
+    if obj.is_instance_of::<PyBool>() {
+        return Err(refuse());
+    }
+    let value: i64 = obj.extract().map_err(|_| refuse())?;
+    T::try_from(value).map_err(|_| refuse())
+}
+
+macro_rules! int_args {
+    ($($t:ty),*) => {$(
+        impl FromArg for $t {
+            fn from_arg(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Self> {
+                int(obj, name)
+            }
+        }
+    )*};
+}
+int_args!(u32, u64, usize, i64);
+
+impl FromArg for bool {
+    fn from_arg(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Self> {
+        obj.extract::<bool>()
+            .map_err(|_| invalid(format!("{name} must be a bool, got {}", describe(obj))))
+    }
+}
+
+impl FromArg for f64 {
+    fn from_arg(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Self> {
+        let refuse = || invalid(format!("{name} must be a float, got {}", describe(obj)));
+        if obj.is_instance_of::<PyBool>() {
+            return Err(refuse());
+        }
+        obj.extract::<f64>().map_err(|_| refuse())
+    }
+}
+
+impl FromArg for String {
+    fn from_arg(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Self> {
+        let text = obj
+            .cast::<PyString>()
+            .map_err(|_| invalid(format!("{name} must be a str, got {}", describe(obj))))?;
+        text.to_str().map(str::to_owned).map_err(|_| {
+            invalid(format!(
+                "{name} must be valid Unicode (no lone surrogates), got {}",
+                describe(obj)
+            ))
         })
-        .collect()
+    }
+}
+
+impl<T: Int> FromArg for Vec<T> {
+    fn from_arg(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Self> {
+        if obj.is_instance_of::<PyString>()
+            || obj.is_instance_of::<PyBytes>()
+            || obj.is_instance_of::<PyByteArray>()
+        {
+            return Err(invalid(format!(
+                "{name} must be a sequence of ints, not {}",
+                describe(obj)
+            )));
+        }
+        if let Ok(array) = obj.cast::<PyUntypedArray>() {
+            return int_array(array, name);
+        }
+        let items = obj.cast::<PySequence>().map_err(|_| {
+            invalid(format!(
+                "{name} must be a sequence of ints or a 1-D integer array, got {}",
+                describe(obj)
+            ))
+        })?;
+        let mut out = Vec::with_capacity(items.len().unwrap_or(0));
+        for (i, item) in items.try_iter()?.enumerate() {
+            out.push(int(&item?, &format!("{name}[{i}]"))?);
+        }
+        Ok(out)
+    }
+}
+
+/// The elements of a 1-D numpy array of any integer dtype, each in `T`'s range.
+fn int_array<T: Int>(array: &Bound<'_, PyUntypedArray>, name: &str) -> PyResult<Vec<T>> {
+    let dtype = array.dtype();
+    if array.ndim() != 1 || !matches!(dtype.kind(), b'i' | b'u') {
+        return Err(invalid(format!(
+            "{name} must be a 1-D integer array, got a {}-D {} array",
+            array.ndim(),
+            dtype
+        )));
+    }
+    fn convert<T: Int, V: Copy + std::fmt::Display>(
+        values: impl Iterator<Item = V>,
+        name: &str,
+        to: impl Fn(V) -> Option<T>,
+    ) -> PyResult<Vec<T>> {
+        values
+            .enumerate()
+            .map(|(i, v)| {
+                to(v).ok_or_else(|| {
+                    invalid(format!(
+                        "{name}[{i}] must be an int in {}, got {v}",
+                        T::RANGE
+                    ))
+                })
+            })
+            .collect()
+    }
+    if let Ok(values) = array.extract::<PyReadonlyArray1<'_, i64>>() {
+        return convert(values.as_array().iter().copied(), name, |v| {
+            T::try_from(v).ok()
+        });
+    }
+    // Other widths: one widening copy (uint64 kept unsigned so large values are not wrapped).
+    let wide = if dtype.kind() == b'u' {
+        "uint64"
+    } else {
+        "int64"
+    };
+    let widened = array.call_method1("astype", (wide,))?;
+    if let Ok(values) = widened.extract::<PyReadonlyArray1<'_, u64>>() {
+        convert(values.as_array().iter().copied(), name, |v| {
+            i64::try_from(v).ok().and_then(|v| T::try_from(v).ok())
+        })
+    } else {
+        let values = widened.extract::<PyReadonlyArray1<'_, i64>>()?;
+        convert(values.as_array().iter().copied(), name, |v| {
+            T::try_from(v).ok()
+        })
+    }
 }
 
 /// A strictly positive size.
@@ -62,7 +259,6 @@ pub fn positive(value: i64, name: &str) -> PyResult<usize> {
 pub fn non_negative(value: i64, name: &str) -> PyResult<u64> {
     u64::try_from(value).map_err(|_| invalid(format!("{name} must be non-negative, got {value}")))
 }
-
 /// Checks a numpy array's shape against `expected` (`None` = any extent).
 pub fn expect_shape(shape: &[usize], expected: &[Option<usize>], name: &str) -> PyResult<()> {
     let fits = shape.len() == expected.len()
