@@ -17,13 +17,10 @@
 
 use half::{bf16, f16};
 
-use crate::block_manager::CopyOp;
+use crate::block_manager::{CopyOp, MAX_NUM_BLOCKS};
 use crate::dtype::{KvDtype, KvElement};
 use crate::error::{ensure, Error, Result};
-use crate::memory;
-
-/// The most blocks a cache holds: block tables (of attention and `gather`) hold int32 ids.
-pub const MAX_BLOCKS: usize = 1 << 31;
+use crate::{alloc, memory};
 
 /// Dimensions of a KV cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -66,9 +63,9 @@ impl KvShape {
         ensure(dims.iter().all(|&d| d > 0), || {
             format!("every KV cache dimension must be positive: {self:?}")
         })?;
-        ensure(self.num_blocks <= MAX_BLOCKS, || {
+        ensure(self.num_blocks <= MAX_NUM_BLOCKS, || {
             format!(
-                "num_blocks {} exceeds {MAX_BLOCKS}: block tables hold int32 block ids",
+                "num_blocks {} exceeds {MAX_NUM_BLOCKS}: block tables hold int32 block ids",
                 self.num_blocks
             )
         })?;
@@ -140,18 +137,18 @@ macro_rules! with_kv_buffer {
 impl KvBuffer {
     fn zeroed(dtype: KvDtype, len: usize) -> Result<Self> {
         Ok(match dtype {
-            KvDtype::F32 => KvBuffer::F32(memory::zeroed_vec(len)?),
-            KvDtype::F16 => KvBuffer::F16(memory::zeroed_vec(len)?),
-            KvDtype::Bf16 => KvBuffer::Bf16(memory::zeroed_vec(len)?),
+            KvDtype::F32 => KvBuffer::F32(memory::zeroed_vec(len, "a KV cache layer")?),
+            KvDtype::F16 => KvBuffer::F16(memory::zeroed_vec(len, "a KV cache layer")?),
+            KvDtype::Bf16 => KvBuffer::Bf16(memory::zeroed_vec(len, "a KV cache layer")?),
         })
     }
 
     /// `len` pseudo-random elements in [-1, 1) from `seed`, every page touched.
-    pub(crate) fn random(dtype: KvDtype, len: usize, seed: u64) -> Result<Self> {
+    pub(crate) fn random(dtype: KvDtype, len: usize, seed: u64, what: &str) -> Result<Self> {
         Ok(match dtype {
-            KvDtype::F32 => KvBuffer::F32(memory::random_vec(len, seed)?),
-            KvDtype::F16 => KvBuffer::F16(memory::random_vec(len, seed)?),
-            KvDtype::Bf16 => KvBuffer::Bf16(memory::random_vec(len, seed)?),
+            KvDtype::F32 => KvBuffer::F32(memory::random_vec(len, seed, what)?),
+            KvDtype::F16 => KvBuffer::F16(memory::random_vec(len, seed, what)?),
+            KvDtype::Bf16 => KvBuffer::Bf16(memory::random_vec(len, seed, what)?),
         })
     }
 
@@ -294,7 +291,7 @@ impl KvCache {
                 Error::InvalidArgument(format!("{num_tokens} tokens overflow the output size"))
             })?;
         let read = |buffer: &KvBuffer| -> Result<Vec<f32>> {
-            let mut out = memory::zeroed_vec(len)?;
+            let mut out = alloc::try_zeroed_vec(len, "gathered K/V rows")?;
             with_kv_buffer!(buffer, buf => gather_rows(buf, used, &self.shape, &mut out));
             Ok(out)
         };
@@ -384,7 +381,7 @@ mod tests {
         for bad in [
             shape(1, 1, 4, 1 << 62),
             shape(1 << 40, 1 << 30, 1, 1),
-            shape(1, MAX_BLOCKS + 1, 1, 1),
+            shape(1, MAX_NUM_BLOCKS + 1, 1, 1),
         ] {
             assert!(matches!(
                 KvCache::new(bad, KvDtype::F16),

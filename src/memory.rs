@@ -1,9 +1,9 @@
 //! Allocation of the large buffers the attention loop streams through (K/V, the bandwidth probe).
 //!
 //! Invariants:
-//! - Every allocation is fallible: a size the allocator cannot supply (or whose byte count
-//!   overflows) is an [`Error`], never an abort or a panic, so a too-large cache asked for from
-//!   Python raises `MemoryError` and leaves the process as it was.
+//! - Every allocation is fallible ([`crate::alloc`]): a size the allocator cannot supply is
+//!   `Error::OutOfMemory`, never an abort or a panic, so a too-large cache asked for from Python
+//!   raises `MemoryError` and leaves the process as it was.
 //! - Buffers are zero-filled by the allocator (untouched pages stay unbacked until written), and on
 //!   Linux their 2 MiB-aligned interior is marked for transparent huge pages before any page is
 //!   touched. A shuffled block table jumps between 4 KiB pages on every tile; with huge pages
@@ -14,26 +14,23 @@
 
 use bytemuck::Zeroable;
 
+use crate::alloc::try_zeroed_vec;
 use crate::dtype::KvElement;
-use crate::error::{Error, Result};
+use crate::error::Result;
 
 const HUGE_PAGE: usize = 2 << 20;
 
-/// A zero-filled vector of `len` elements, on huge pages where the system allows.
-pub(crate) fn zeroed_vec<T: Zeroable + Clone>(len: usize) -> Result<Vec<T>> {
-    let buffer = bytemuck::allocation::try_zeroed_vec::<T>(len).map_err(|()| {
-        Error::InvalidArgument(format!(
-            "cannot allocate {len} elements of {} bytes",
-            std::mem::size_of::<T>()
-        ))
-    })?;
+/// A zero-filled vector of `len` elements, on huge pages where the system allows; `what` names it
+/// in the error when it cannot be had.
+pub(crate) fn zeroed_vec<T: Zeroable + Clone>(len: usize, what: &str) -> Result<Vec<T>> {
+    let buffer = try_zeroed_vec(len, what)?;
     advise_huge_pages(&buffer);
     Ok(buffer)
 }
 
 /// `len` pseudo-random values in [-1, 1) from `seed`, on huge pages where the system allows.
-pub(crate) fn random_vec<T: KvElement>(len: usize, seed: u64) -> Result<Vec<T>> {
-    let mut values = zeroed_vec(len)?;
+pub(crate) fn random_vec<T: KvElement>(len: usize, seed: u64, what: &str) -> Result<Vec<T>> {
+    let mut values = zeroed_vec(len, what)?;
     fill_random(&mut values, seed);
     Ok(values)
 }

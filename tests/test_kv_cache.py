@@ -290,7 +290,8 @@ def test_write_refuses_every_value_the_dtype_would_store_as_inf_or_nan(dtype, va
         (1, 1, 2**63 - 1, 1, 1),
         (2**40, 2**30, 1, 1, 8),
         (1, 2**31, 2**31, 2**31, 1),
-        (1, 2**31 + 1, 1, 1, 8),  # more blocks than int32 block tables address
+        (1, 2**31, 1, 1, 8),  # more blocks than int32 block tables address
+        (1, 2**31, 16, 8, 128),
     ],
 )
 def test_sizes_whose_product_overflows_are_refused_at_construction(dims):
@@ -304,7 +305,7 @@ import pagedkv
 resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
 outcomes = {}
 for name, make in [
-    ("KVCache(1, 2**31, 16, 8, 128)", lambda: pagedkv.KVCache(1, 2**31, 16, 8, 128)),
+    ("KVCache(1, 2**31 - 1, 16, 8, 128)", lambda: pagedkv.KVCache(1, 2**31 - 1, 16, 8, 128)),
     ("KVCache(4, 2**20, 16, 8, 128)", lambda: pagedkv.KVCache(4, 2**20, 16, 8, 128)),
     ("ContiguousKV(2**20, 8, 4096, 128)", lambda: pagedkv.ContiguousKV(2**20, 8, 4096, 128)),
     ("ReadBandwidthProbe(2**40)", lambda: pagedkv.ReadBandwidthProbe(2**40)),

@@ -168,8 +168,8 @@ impl ContiguousKv {
             Error::InvalidArgument(format!("contiguous K/V of {dims:?} overflows"))
         })?;
         Ok(ContiguousKv {
-            keys: KvBuffer::random(dtype, len, seed)?,
-            values: KvBuffer::random(dtype, len, seed ^ 0x9e37_79b9_7f4a_7c15)?,
+            keys: KvBuffer::random(dtype, len, seed, "contiguous K")?,
+            values: KvBuffer::random(dtype, len, seed ^ 0x9e37_79b9_7f4a_7c15, "contiguous V")?,
             num_seqs,
             num_kv_heads,
             max_context,

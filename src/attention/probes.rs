@@ -33,7 +33,7 @@ impl ReadProbe {
             format!("nbytes must be at least {MIN_PROBE_BYTES}, got {nbytes}")
         })?;
         Ok(ReadProbe {
-            data: memory::random_vec(nbytes / 4, 1)?,
+            data: memory::random_vec(nbytes / 4, 1, "the read bandwidth probe")?,
         })
     }
 
@@ -64,6 +64,7 @@ impl ReadProbe {
 
 /// Read bandwidth in GB/s of each of `sweeps` sweeps over a fresh buffer of `nbytes`.
 pub fn measure_read_bandwidth(nbytes: usize, sweeps: usize) -> Result<Vec<f64>> {
+    ensure(sweeps > 0, || "sweeps must be positive".into())?;
     let probe = ReadProbe::new(nbytes)?;
     (0..sweeps).map(|_| probe.sweep()).collect()
 }

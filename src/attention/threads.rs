@@ -5,8 +5,8 @@
 //!   `PAGEDKV_NUM_THREADS`, else the number of CPUs available (both read once, at first use);
 //!   always within `1..=MAX_THREADS` (an environment value outside it is ignored).
 //! - [`set_num_threads`] builds the new pool before it records the count, so a count the system
-//!   cannot start is refused with the previous pool and count unchanged; a failure to build the
-//!   pool later (first use, a forked child) is an error of that call, never a panic.
+//!   cannot start (`OutOfMemory`) is refused with the previous pool and count unchanged; a
+//!   failure to build the pool later (first use, a forked child) is an error of that call.
 //! - The pool remembers the pid that built it. A child made by `fork()` inherits the pool's memory
 //!   but none of its threads, so a call in the child sees another pid and builds a fresh pool; the
 //!   parent's pool object is leaked there on purpose (dropping it would signal threads that do
@@ -43,7 +43,7 @@ pub fn set_num_threads(threads: usize) -> Result<()> {
     ensure((1..=MAX_THREADS).contains(&threads), || {
         format!("the number of threads must be in 1..={MAX_THREADS}, got {threads}")
     })?;
-    let mut slot = lock_pool()?;
+    let mut slot = lock_pool();
     let pid = std::process::id();
     if !slot
         .as_ref()
@@ -80,9 +80,11 @@ fn default_threads() -> usize {
     })
 }
 
-fn lock_pool() -> Result<MutexGuard<'static, Option<Pool>>> {
+/// The pool slot. Nothing panics while holding it, so a poisoned lock is a bug: it panics again
+/// (a binding reports that as `InternalError`) rather than use the slot.
+fn lock_pool() -> MutexGuard<'static, Option<Pool>> {
     POOL.lock()
-        .map_err(|_| Error::InvalidArgument("the attention thread pool's lock is poisoned".into()))
+        .expect("an earlier panic poisoned the attention thread pool's lock")
 }
 
 /// A pool of `threads` threads for this process.
@@ -91,9 +93,7 @@ fn build(threads: usize) -> Result<Pool> {
         .num_threads(threads)
         .thread_name(|i| format!("pagedkv-attention-{i}"))
         .build()
-        .map_err(|e| {
-            Error::InvalidArgument(format!("cannot start {threads} attention threads: {e}"))
-        })?;
+        .map_err(|e| Error::OutOfMemory(format!("{threads} attention threads ({e})")))?;
     Ok(Pool {
         pid: std::process::id(),
         pool: Arc::new(pool),
@@ -112,7 +112,7 @@ fn retire(pool: Option<Pool>) {
 /// The pool of this process, built on first use (and again in a forked child).
 pub(crate) fn pool() -> Result<Arc<ThreadPool>> {
     let pid = std::process::id();
-    let mut slot = lock_pool()?;
+    let mut slot = lock_pool();
     if let Some(p) = slot.as_ref().filter(|p| p.pid == pid) {
         return Ok(Arc::clone(&p.pool));
     }

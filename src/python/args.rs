@@ -106,6 +106,9 @@ impl Int for u64 {
 impl Int for usize {
     const RANGE: &'static str = "0..2**63";
 }
+impl Int for i32 {
+    const RANGE: &'static str = "-2**31..2**31";
+}
 impl Int for i64 {
     const RANGE: &'static str = "-2**63..2**63";
 }
@@ -134,7 +137,7 @@ macro_rules! int_args {
         }
     )*};
 }
-int_args!(u32, u64, usize, i64);
+int_args!(u32, u64, usize, i32, i64);
 
 impl FromArg for bool {
     fn from_arg(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Self> {
@@ -246,19 +249,6 @@ fn int_array<T: Int>(array: &Bound<'_, PyUntypedArray>, name: &str) -> PyResult<
     }
 }
 
-/// A strictly positive size.
-pub fn positive(value: i64, name: &str) -> PyResult<usize> {
-    if value > 0 {
-        Ok(value as usize)
-    } else {
-        Err(invalid(format!("{name} must be positive, got {value}")))
-    }
-}
-
-/// A non-negative id or index.
-pub fn non_negative(value: i64, name: &str) -> PyResult<u64> {
-    u64::try_from(value).map_err(|_| invalid(format!("{name} must be non-negative, got {value}")))
-}
 /// Checks a numpy array's shape against `expected` (`None` = any extent).
 pub fn expect_shape(shape: &[usize], expected: &[Option<usize>], name: &str) -> PyResult<()> {
     let fits = shape.len() == expected.len()

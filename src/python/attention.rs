@@ -7,56 +7,55 @@ use std::time::Instant;
 
 use pyo3::prelude::*;
 
-use super::args::{non_negative, positive};
+use super::args::{arg, invalid, Param};
 use super::attention_call::{Arrays, Tables};
-use super::errors::IntoPyResult;
 use super::kv_cache::PyKVCache;
+use super::sync::detached;
 use crate::attention::{self, ContiguousKv, KernelPath};
-use crate::KvDtype;
 
 /// Seconds per call of the kernel alone (no argument conversion, no Python), averaged over
 /// `iterations` calls made from Rust with the GIL released: `KVCache.attention` from Python
 /// costs this plus the call overhead.
 #[pyfunction]
-#[pyo3(signature = (cache, layer, query, block_tables, context_lens, query_start_loc, iterations=100, scale=None))]
+#[pyo3(signature = (cache, layer, query, block_tables, context_lens, query_start_loc, iterations=Param::Absent, scale=Param::Absent))]
 #[allow(clippy::too_many_arguments)]
 fn attention_kernel_seconds(
     py: Python<'_>,
     cache: &PyKVCache,
-    layer: i64,
+    layer: &Bound<'_, PyAny>,
     query: &Bound<'_, PyAny>,
     block_tables: &Bound<'_, PyAny>,
     context_lens: &Bound<'_, PyAny>,
     query_start_loc: &Bound<'_, PyAny>,
-    iterations: i64,
-    scale: Option<f64>,
+    iterations: Param<'_>,
+    scale: Param<'_>,
 ) -> PyResult<f64> {
-    let (layer, iterations) = (
-        non_negative(layer, "layer")? as usize,
-        positive(iterations, "iterations")?,
-    );
+    let layer: usize = arg(layer, "layer")?;
+    let iterations: usize = iterations.or("iterations", 100)?;
+    if iterations == 0 {
+        return Err(invalid("iterations must be positive".into()));
+    }
     let arrays = Arrays::extract(query, context_lens, query_start_loc)?;
     let tables = Tables::extract(block_tables)?;
-    let call = arrays.call(cache.shape().head_dim, scale, None)?;
+    let call = arrays.call(cache.shape().head_dim, &scale, &Param::Absent)?;
     let (tables, width) = tables.rows()?;
     let mut out = call.out()?;
-    cache
-        .read(py, |c| {
-            let start = Instant::now();
-            for _ in 0..iterations {
-                call.run_paged(c, layer, &tables, width, &mut out)?;
-            }
-            Ok(start.elapsed().as_secs_f64() / iterations as f64)
-        })
-        .py_err()
+    cache.with(py, |c| {
+        let start = Instant::now();
+        for _ in 0..iterations {
+            call.run_paged(c, layer, &tables, width, &mut out)?;
+        }
+        Ok(start.elapsed().as_secs_f64() / iterations as f64)
+    })
 }
 
 /// Sets the number of threads attention uses, 1 to 1024 (default: `PAGEDKV_NUM_THREADS`, else
-/// every CPU). Raises InvalidArgumentError for a count outside that range or one the system
-/// cannot start, keeping the previous count.
+/// every CPU). Raises InvalidArgumentError for a count outside that range, MemoryError for one
+/// the system cannot start; the previous count stays then.
 #[pyfunction]
-fn set_num_threads(threads: i64) -> PyResult<()> {
-    attention::set_num_threads(positive(threads, "threads")?).py_err()
+fn set_num_threads(py: Python<'_>, threads: &Bound<'_, PyAny>) -> PyResult<()> {
+    let threads: usize = arg(threads, "threads")?;
+    detached(py, || attention::set_num_threads(threads))
 }
 
 /// The number of threads attention uses.
@@ -78,17 +77,21 @@ fn available_kernels() -> Vec<&'static str> {
 /// Read-only memory bandwidth in GB/s of each of `sweeps` sweeps over a fresh `nbytes` buffer, on
 /// the attention threads.
 #[pyfunction]
-#[pyo3(signature = (nbytes, sweeps=5))]
-fn measure_read_bandwidth(py: Python<'_>, nbytes: i64, sweeps: i64) -> PyResult<Vec<f64>> {
-    let (nbytes, sweeps) = (positive(nbytes, "nbytes")?, positive(sweeps, "sweeps")?);
-    py.detach(|| attention::measure_read_bandwidth(nbytes, sweeps))
-        .py_err()
+#[pyo3(signature = (nbytes, sweeps=Param::Absent))]
+fn measure_read_bandwidth(
+    py: Python<'_>,
+    nbytes: &Bound<'_, PyAny>,
+    sweeps: Param<'_>,
+) -> PyResult<Vec<f64>> {
+    let nbytes: usize = arg(nbytes, "nbytes")?;
+    let sweeps: usize = sweeps.or("sweeps", 5)?;
+    detached(py, || attention::measure_read_bandwidth(nbytes, sweeps))
 }
 
 /// f32 GFLOP/s (an FMA counts 2) of all attention threads running a register-only FMA loop.
 #[pyfunction]
 fn measure_fma_peak(py: Python<'_>) -> PyResult<f64> {
-    py.detach(attention::measure_fma_peak).py_err()
+    detached(py, attention::measure_fma_peak)
 }
 
 /// A freshly written buffer of `nbytes` of memory whose read-only sweeps measure bandwidth on
@@ -101,16 +104,16 @@ pub struct PyReadBandwidthProbe {
 #[pymethods]
 impl PyReadBandwidthProbe {
     #[new]
-    fn new(py: Python<'_>, nbytes: i64) -> PyResult<Self> {
-        let nbytes = positive(nbytes, "nbytes")?;
+    fn new(py: Python<'_>, nbytes: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let nbytes: usize = arg(nbytes, "nbytes")?;
         Ok(PyReadBandwidthProbe {
-            inner: py.detach(|| attention::ReadProbe::new(nbytes)).py_err()?,
+            inner: detached(py, || attention::ReadProbe::new(nbytes))?,
         })
     }
 
     /// Reads the whole buffer once; returns GB/s (10^9 bytes per second).
     fn sweep(&self, py: Python<'_>) -> PyResult<f64> {
-        py.detach(|| self.inner.sweep()).py_err()
+        detached(py, || self.inner.sweep())
     }
 
     /// Bytes one sweep reads.
@@ -132,26 +135,27 @@ pub struct PyContiguousKV {
 #[pymethods]
 impl PyContiguousKV {
     #[new]
-    #[pyo3(signature = (num_seqs, num_kv_heads, max_context, head_dim, dtype="float32", seed=0))]
+    #[pyo3(signature = (num_seqs, num_kv_heads, max_context, head_dim, dtype=Param::Absent, seed=Param::Absent))]
     fn new(
         py: Python<'_>,
-        num_seqs: i64,
-        num_kv_heads: i64,
-        max_context: i64,
-        head_dim: i64,
-        dtype: &str,
-        seed: u64,
+        num_seqs: &Bound<'_, PyAny>,
+        num_kv_heads: &Bound<'_, PyAny>,
+        max_context: &Bound<'_, PyAny>,
+        head_dim: &Bound<'_, PyAny>,
+        dtype: Param<'_>,
+        seed: Param<'_>,
     ) -> PyResult<Self> {
-        let dtype: KvDtype = dtype.parse().py_err()?;
-        let dims = [
-            positive(num_seqs, "num_seqs")?,
-            positive(num_kv_heads, "num_kv_heads")?,
-            positive(max_context, "max_context")?,
-            positive(head_dim, "head_dim")?,
+        let dims: [usize; 4] = [
+            arg(num_seqs, "num_seqs")?,
+            arg(num_kv_heads, "num_kv_heads")?,
+            arg(max_context, "max_context")?,
+            arg(head_dim, "head_dim")?,
         ];
-        let inner = py
-            .detach(|| ContiguousKv::random(dtype, dims[0], dims[1], dims[2], dims[3], seed))
-            .py_err()?;
+        let dtype: String = dtype.or("dtype", "float32".into())?;
+        let seed: u64 = seed.or("seed", 0)?;
+        let inner = detached(py, || {
+            ContiguousKv::random(dtype.parse()?, dims[0], dims[1], dims[2], dims[3], seed)
+        })?;
         Ok(PyContiguousKV {
             inner,
             head_dim: dims[3],
@@ -160,7 +164,7 @@ impl PyContiguousKV {
 
     /// Attention of `query` (float32 `[num_tokens, num_heads, head_dim]`) over the first
     /// `context_lens[i]` rows of sequence i, same semantics as `KVCache.attention`.
-    #[pyo3(signature = (query, context_lens, query_start_loc, block_size=16, scale=None, kernel=None))]
+    #[pyo3(signature = (query, context_lens, query_start_loc, block_size=Param::Absent, scale=Param::Absent, kernel=Param::Absent))]
     #[allow(clippy::too_many_arguments)]
     fn attention<'py>(
         &self,
@@ -168,15 +172,15 @@ impl PyContiguousKV {
         query: &Bound<'py, PyAny>,
         context_lens: &Bound<'py, PyAny>,
         query_start_loc: &Bound<'py, PyAny>,
-        block_size: i64,
-        scale: Option<f64>,
-        kernel: Option<&str>,
+        block_size: Param<'py>,
+        scale: Param<'py>,
+        kernel: Param<'py>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let block_size = positive(block_size, "block_size")?;
+        let block_size: usize = block_size.or("block_size", 16)?;
         let arrays = Arrays::extract(query, context_lens, query_start_loc)?;
-        let call = arrays.call(self.head_dim, scale, kernel)?;
+        let call = arrays.call(self.head_dim, &scale, &kernel)?;
         let mut out = call.out()?;
-        py.detach(|| {
+        detached(py, || {
             self.inner.attention(
                 call.path,
                 &call.query,
@@ -187,8 +191,7 @@ impl PyContiguousKV {
                 call.scale,
                 &mut out,
             )
-        })
-        .py_err()?;
+        })?;
         call.output(py, out)
     }
 

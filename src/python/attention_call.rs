@@ -9,7 +9,7 @@ use numpy::ndarray::{Ix1, Ix2, Ix3};
 use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
-use super::args::{c_order, expect_shape, typed_array};
+use super::args::{c_order, expect_shape, typed_array, Param};
 use super::errors::IntoPyResult;
 use crate::attention::{self, AttentionBatch, KernelPath};
 use crate::KvCache;
@@ -49,18 +49,20 @@ impl<'py> Arrays<'py> {
         })
     }
 
-    /// The call over K/V of `head_dim`: `scale` defaults to `1/sqrt(head_dim)`, `kernel` to the
-    /// process's default path.
+    /// The call over K/V of `head_dim`: `scale` (a float or None) defaults to
+    /// `1/sqrt(head_dim)`, `kernel` (a path name or None) to the process's default path.
     pub fn call(
         &self,
         head_dim: usize,
-        scale: Option<f64>,
-        kernel: Option<&str>,
+        scale: &Param<'_>,
+        kernel: &Param<'_>,
     ) -> PyResult<Call<'_>> {
         let shape = self.query.shape();
         expect_shape(shape, &[None, None, Some(head_dim)], "query")?;
-        let scale = scale.unwrap_or(1.0 / (head_dim as f64).sqrt()) as f32;
-        let path = match kernel {
+        let scale = scale
+            .or("scale", None::<f64>)?
+            .unwrap_or(1.0 / (head_dim as f64).sqrt()) as f32;
+        let path = match kernel.or("kernel", None::<String>)? {
             None => attention::default_kernel_path(),
             Some(name) => name.parse().py_err()?,
         };
@@ -91,7 +93,7 @@ impl<'py> Tables<'py> {
 impl Call<'_> {
     /// A zeroed output buffer shaped like the query (`MemoryError` when it cannot be had).
     pub fn out(&self) -> PyResult<Vec<f32>> {
-        crate::memory::zeroed_vec(self.query.len()).py_err()
+        crate::alloc::try_zeroed_vec(self.query.len(), "the attention output").py_err()
     }
 
     /// Runs the kernel over `layer` of `cache` through `block_tables` (`[_, width]`) into `out`.
