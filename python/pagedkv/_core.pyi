@@ -305,8 +305,8 @@ class ContiguousKV:
 
 def set_num_threads(threads: int) -> None:
     """Sets the attention thread count, 1 to 1024 (default: ``PAGEDKV_NUM_THREADS`` when within
-    that range, else every CPU). ``InvalidArgumentError`` for a count outside it, or one the system
-    cannot start; the previous count stays then."""
+    that range, else every CPU). ``InvalidArgumentError`` for a count outside it, ``MemoryError``
+    for one the system cannot start; the previous count stays then."""
 
 def get_num_threads() -> int:
     """The attention thread count."""
