@@ -3,7 +3,8 @@
 //! Every public method either succeeds or returns an error having changed nothing: capacity is
 //! checked (counting evictable prefix hits as used capacity) before any block moves. After every
 //! call, for each block, its ref count equals the number of tables that hold it, and no table holds
-//! a block twice (`check_invariants` verifies both plus the pool's own invariants).
+//! a block twice (`check_invariants` verifies both plus the pool's own invariants). Construction
+//! bounds the sizes so every block id fits the int32 block tables and every slot an i64.
 
 use rustc_hash::FxHashMap;
 

@@ -1,4 +1,13 @@
-"""Type stubs for the Rust extension ``pagedkv._core``."""
+"""Type stubs for the Rust extension ``pagedkv._core``.
+
+Arguments of BlockManager and Scheduler: a wrong type or an out-of-range value raises
+``InvalidArgumentError`` naming the argument (never ``TypeError`` / ``OverflowError``) and changes
+nothing. An ``int`` is a Python or numpy int, never a bool or a float, within int64: sizes and ids
+take ``0..2**63`` (so -1 and 2**63 are refused alike), token ids ``0..2**32``. A ``str`` must be
+valid Unicode. ``TokenIds`` are a sequence of such ints or a 1-D integer array, never ``str``,
+``bytes`` or a bool array. A size the allocator refuses raises ``MemoryError``. A panic in the core
+raises ``pagedkv.errors.InternalError``, and the object it hit refuses every later call with it.
+"""
 
 from typing import Iterator, Optional, Sequence
 
@@ -12,7 +21,9 @@ TokenIds = Sequence[int] | npt.NDArray[np.integer]
 class BlockManager:
     """Paged KV block manager: fixed-size blocks, prefix sharing, copy-on-write. Thread-safe."""
 
-    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True) -> None: ...
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True) -> None:
+        """``num_blocks`` at most ``2**31 - 1`` (block tables are int32) and ``num_blocks *
+        block_size`` within int64 (slot numbers), else InvalidArgumentError."""
     def allocate(self, seq_id: int, token_ids: TokenIds, cache_salt: str | None = None) -> int:
         """Create ``seq_id`` holding ``token_ids``; return the number of tokens served from the cache."""
     def can_allocate(self, token_ids: TokenIds, cache_salt: str | None = None) -> bool:
@@ -48,7 +59,8 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         """Clean plus evictable cached blocks."""
     def __len__(self) -> int: ...
-    def __contains__(self, seq_id: int) -> bool: ...
+    def __contains__(self, seq_id: object) -> bool:
+        """Never raises: anything that is not a valid id (-1, 2**63, a str) is not in it."""
 
 class KVCache:
     """Paged K/V storage of every layer: ``[num_blocks, num_kv_heads, block_size, head_dim]`` tiles.
@@ -154,6 +166,7 @@ class Scheduler:
     ) -> None:
         """``max_model_len`` defaults to the whole cache and may not exceed it;
         ``long_prefill_token_threshold`` caps one sequence's prompt tokens per step (0: no cap).
+        ``max_model_len`` and ``max_num_batched_tokens`` at most ``2**31 - 1`` (int32 step arrays).
         Sampling any of ``eos_token_ids`` finishes a sequence unless its request sets ``ignore_eos``.
         ``admission_lookahead_tokens`` is the admission headroom: a waiting request is admitted only
         if, with its first chunk allocated, the free blocks still let every running sequence (it
@@ -182,7 +195,8 @@ class Scheduler:
         """Build the next step. InvalidArgumentError if the previous step was not updated."""
     def update(self, output: SchedulerOutput, sampled_token_ids: TokenIds) -> UpdateOutput:
         """Append one token per sample (``len == output.num_samples``, else ShapeError), finish
-        sequences (stop token, eos unless ignore_eos, max_tokens, max_model_len), free blocks."""
+        sequences (stop token, eos unless ignore_eos, max_tokens, max_model_len), free blocks.
+        InvalidArgumentError unless ``output`` is the step awaiting update of this scheduler."""
     def has_unfinished(self) -> bool: ...
     def sequence_tokens(self, request_id: str, seq_index: int = 0) -> list[int]:
         """Prompt plus output so far of one sample of a live request."""
@@ -206,13 +220,16 @@ class Scheduler:
     @property
     def max_model_len(self) -> int: ...
     def __len__(self) -> int: ...
-    def __contains__(self, request_id: str) -> bool: ...
+    def __contains__(self, request_id: object) -> bool:
+        """Never raises: anything that is not a valid request id is not in it."""
 
 class SchedulerOutput:
     """One step (S rows, T tokens, K samples). Arrays are made on first access, without copying.
     Query j of row i sits at position ``context_lens[i] - nq_i + j`` (causal)."""
 
-    step: int
+    @property
+    def step(self) -> int:
+        """Step number (from 0) within the scheduler that built it."""
     @property
     def input_ids(self) -> npt.NDArray[np.int64]:
         """[T] token ids to run."""

@@ -10,13 +10,14 @@
 //! (no lone surrogates); an int sequence is a list, tuple or other sequence of such ints, or a
 //! 1-D integer numpy array, never a str, bytes or a bool array. Range checks beyond the type
 //! (positive sizes, limits) belong to the core, which validates each argument once.
-//! Bindings take each argument as `&Bound<PyAny>` and convert it with `arg`; an argument with a
-//! default is a `Param` (signature default `Param::Absent`) converted with `Param::or`, so an
-//! explicit `None` is refused unless the argument's type is an `Option`.
+//! Bindings take each argument as `&Bound<PyAny>` and convert it with `arg`; one defaulting to
+//! `None` as `Option<&Bound<PyAny>>` converted with `opt`; one with another default as a `Param`
+//! (signature default `Param::Absent`, the real default in a `text_signature`) converted with
+//! `Param::or`, so an explicit `None` is refused where `None` is not a value.
 
 use numpy::{PyArrayDescrMethods, PyReadonlyArray1, PyUntypedArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
-use pyo3::types::{PyBool, PyByteArray, PyBytes, PySequence, PyString};
+use pyo3::types::{PyBool, PyByteArray, PyBytes, PyFloat, PyInt, PySequence, PyString};
 
 use super::errors::to_py;
 use crate::Error;
@@ -39,7 +40,12 @@ pub fn arg<T: FromArg>(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<T> {
     T::from_arg(obj, name)
 }
 
-/// An argument with a default: `Absent` when the caller left it out.
+/// Converts an argument whose default is `None` (`None` stays `None`).
+pub fn opt<T: FromArg>(obj: Option<&Bound<'_, PyAny>>, name: &str) -> PyResult<Option<T>> {
+    obj.map(|obj| T::from_arg(obj, name)).transpose()
+}
+
+/// An argument with a default other than `None`: `Absent` when the caller left it out.
 pub enum Param<'py> {
     Absent,
     Given(Bound<'py, PyAny>),
@@ -74,19 +80,28 @@ impl<T: FromArg> FromArg for Option<T> {
     }
 }
 
-/// `repr(obj)` (shortened) and its type, for messages.
+/// A value for messages: `repr` (shortened) and type of a scalar, only the type of anything
+/// else (whose repr may be large or run arbitrary code).
 fn describe(obj: &Bound<'_, PyAny>) -> String {
     let type_name = obj
         .get_type()
         .name()
         .map(|n| n.to_string())
         .unwrap_or_else(|_| "?".into());
+    let scalar = obj.is_none()
+        || obj.is_instance_of::<PyBool>()
+        || obj.is_instance_of::<PyInt>()
+        || obj.is_instance_of::<PyFloat>()
+        || obj.is_instance_of::<PyString>()
+        || obj.is_instance_of::<PyBytes>();
+    if !scalar {
+        return format!("a {type_name}");
+    }
     let repr = obj.repr().map(|r| r.to_string()).unwrap_or_default();
-    let repr = match repr.char_indices().nth(60) {
-        Some((cut, _)) => format!("{}...", &repr[..cut]),
-        None => repr,
-    };
-    format!("{repr} ({type_name})")
+    match repr.char_indices().nth(60) {
+        Some((cut, _)) => format!("{}... ({type_name})", &repr[..cut]),
+        None => format!("{repr} ({type_name})"),
+    }
 }
 
 /// An int type of the core. Every int crossing the binding is an int64 (numpy's default
@@ -113,19 +128,24 @@ impl Int for i64 {
     const RANGE: &'static str = "-2**63..2**63";
 }
 
-fn int<T: Int>(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<T> {
-    let refuse = || {
-        invalid(format!(
-            "{name} must be an int in {}, got {}",
-            T::RANGE,
-            describe(obj)
-        ))
-    };
+/// `obj` as a `T`, or `None` if it is not an int in `T`'s range.
+fn int_value<T: Int>(obj: &Bound<'_, PyAny>) -> Option<T> {
     if obj.is_instance_of::<PyBool>() {
-        return Err(refuse());
+        return None;
     }
-    let value: i64 = obj.extract().map_err(|_| refuse())?;
-    T::try_from(value).map_err(|_| refuse())
+    T::try_from(obj.extract::<i64>().ok()?).ok()
+}
+
+fn refused_int<T: Int>(obj: &Bound<'_, PyAny>, name: impl std::fmt::Display) -> PyErr {
+    invalid(format!(
+        "{name} must be an int in {}, got {}",
+        T::RANGE,
+        describe(obj)
+    ))
+}
+
+fn int<T: Int>(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<T> {
+    int_value(obj).ok_or_else(|| refused_int::<T>(obj, name))
 }
 
 macro_rules! int_args {
@@ -192,7 +212,10 @@ impl<T: Int> FromArg for Vec<T> {
         })?;
         let mut out = Vec::with_capacity(items.len().unwrap_or(0));
         for (i, item) in items.try_iter()?.enumerate() {
-            out.push(int(&item?, &format!("{name}[{i}]"))?);
+            let item = item?;
+            out.push(
+                int_value(&item).ok_or_else(|| refused_int::<T>(&item, format!("{name}[{i}]")))?,
+            );
         }
         Ok(out)
     }

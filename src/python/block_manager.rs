@@ -8,7 +8,7 @@ use numpy::{PyArray1, PyArray2, PyArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use super::args::{arg, Param};
+use super::args::{arg, opt, Param};
 use super::sync::{detached, locked};
 use crate::{BlockManager, BlockStats, SeqId, TokenId};
 
@@ -32,19 +32,19 @@ impl PyBlockManager {
 /// A prompt and its optional cache salt, as the core takes them.
 fn prompt(
     token_ids: &Bound<'_, PyAny>,
-    cache_salt: &Param<'_>,
+    cache_salt: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<(Vec<TokenId>, Option<String>)> {
-    Ok((
-        arg(token_ids, "token_ids")?,
-        cache_salt.or("cache_salt", None)?,
-    ))
+    Ok((arg(token_ids, "token_ids")?, opt(cache_salt, "cache_salt")?))
 }
 
 #[pymethods]
 impl PyBlockManager {
     /// Creates a manager of `num_blocks` blocks of `block_size` tokens.
     #[new]
-    #[pyo3(signature = (num_blocks, block_size=Param::Absent, enable_prefix_caching=Param::Absent))]
+    #[pyo3(
+        signature = (num_blocks, block_size=Param::Absent, enable_prefix_caching=Param::Absent),
+        text_signature = "(num_blocks, block_size=16, enable_prefix_caching=True)"
+    )]
     fn new(
         py: Python<'_>,
         num_blocks: &Bound<'_, PyAny>,
@@ -64,44 +64,44 @@ impl PyBlockManager {
 
     /// Creates sequence `seq_id` holding `token_ids`, reusing cached prefix blocks. Returns how
     /// many leading tokens were served from the cache (a multiple of the block size, never all).
-    #[pyo3(signature = (seq_id, token_ids, cache_salt=Param::Absent))]
+    #[pyo3(signature = (seq_id, token_ids, cache_salt=None))]
     fn allocate(
         &self,
         py: Python<'_>,
         seq_id: &Bound<'_, PyAny>,
         token_ids: &Bound<'_, PyAny>,
-        cache_salt: Param<'_>,
+        cache_salt: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<usize> {
         let seq: SeqId = arg(seq_id, "seq_id")?;
-        let (tokens, salt) = prompt(token_ids, &cache_salt)?;
+        let (tokens, salt) = prompt(token_ids, cache_salt)?;
         self.with(py, |m| {
             m.allocate(seq, &tokens, salt.as_deref().map(str::as_bytes))
         })
     }
 
     /// Whether `allocate` of `token_ids` would succeed now (counting evictable prefix hits).
-    #[pyo3(signature = (token_ids, cache_salt=Param::Absent))]
+    #[pyo3(signature = (token_ids, cache_salt=None))]
     fn can_allocate(
         &self,
         py: Python<'_>,
         token_ids: &Bound<'_, PyAny>,
-        cache_salt: Param<'_>,
+        cache_salt: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<bool> {
-        let (tokens, salt) = prompt(token_ids, &cache_salt)?;
+        let (tokens, salt) = prompt(token_ids, cache_salt)?;
         self.with(py, |m| {
             Ok(m.can_allocate(&tokens, salt.as_deref().map(str::as_bytes)))
         })
     }
 
     /// Number of leading tokens of `token_ids` that `allocate` would serve from the cache.
-    #[pyo3(signature = (token_ids, cache_salt=Param::Absent))]
+    #[pyo3(signature = (token_ids, cache_salt=None))]
     fn cached_prefix_len(
         &self,
         py: Python<'_>,
         token_ids: &Bound<'_, PyAny>,
-        cache_salt: Param<'_>,
+        cache_salt: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<usize> {
-        let (tokens, salt) = prompt(token_ids, &cache_salt)?;
+        let (tokens, salt) = prompt(token_ids, cache_salt)?;
         self.with(py, |m| {
             Ok(m.match_prefix(&tokens, salt.as_deref().map(str::as_bytes))
                 .num_cached_tokens(m.block_size()))

@@ -11,7 +11,7 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyList, PyTuple};
 
-use super::args::{arg, invalid, Param};
+use super::args::{arg, invalid, opt, Param};
 use super::sync::{detached, locked};
 use crate::scheduler::{
     FinishReason, Policy, RequestOptions, SamplingParams, Scheduler, SchedulerConfig, StepId,
@@ -43,13 +43,19 @@ fn strings<'py>(py: Python<'py>, ids: &[Arc<str>]) -> PyResult<Bound<'py, PyList
 impl PyScheduler {
     /// Every limit left out keeps the default of `SchedulerConfig::new`.
     #[new]
-    #[pyo3(signature = (
-        num_blocks, block_size=Param::Absent, max_num_seqs=Param::Absent,
-        max_num_batched_tokens=Param::Absent, max_model_len=Param::Absent,
-        enable_prefix_caching=Param::Absent, policy=Param::Absent, aging_steps=Param::Absent,
-        long_prefill_token_threshold=Param::Absent, eos_token_ids=Param::Absent,
-        admission_lookahead_tokens=Param::Absent,
-    ))]
+    #[pyo3(
+        signature = (
+            num_blocks, block_size=Param::Absent, max_num_seqs=Param::Absent,
+            max_num_batched_tokens=Param::Absent, max_model_len=None,
+            enable_prefix_caching=Param::Absent, policy=Param::Absent, aging_steps=Param::Absent,
+            long_prefill_token_threshold=Param::Absent, eos_token_ids=None,
+            admission_lookahead_tokens=Param::Absent,
+        ),
+        text_signature = "(num_blocks, block_size=16, max_num_seqs=256, \
+            max_num_batched_tokens=8192, max_model_len=None, enable_prefix_caching=True, \
+            policy='fcfs', aging_steps=100, long_prefill_token_threshold=0, eos_token_ids=None, \
+            admission_lookahead_tokens=32)"
+    )]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -57,12 +63,12 @@ impl PyScheduler {
         block_size: Param<'_>,
         max_num_seqs: Param<'_>,
         max_num_batched_tokens: Param<'_>,
-        max_model_len: Param<'_>,
+        max_model_len: Option<&Bound<'_, PyAny>>,
         enable_prefix_caching: Param<'_>,
         policy: Param<'_>,
         aging_steps: Param<'_>,
         long_prefill_token_threshold: Param<'_>,
-        eos_token_ids: Param<'_>,
+        eos_token_ids: Option<&Bound<'_, PyAny>>,
         admission_lookahead_tokens: Param<'_>,
     ) -> PyResult<Self> {
         let mut c = SchedulerConfig::new(
@@ -72,7 +78,7 @@ impl PyScheduler {
         c.max_num_seqs = max_num_seqs.or("max_num_seqs", c.max_num_seqs)?;
         c.max_num_batched_tokens =
             max_num_batched_tokens.or("max_num_batched_tokens", c.max_num_batched_tokens)?;
-        if let Some(len) = max_model_len.or("max_model_len", None)? {
+        if let Some(len) = opt(max_model_len, "max_model_len")? {
             c.max_model_len = len;
         }
         c.enable_prefix_caching =
@@ -83,9 +89,7 @@ impl PyScheduler {
             "long_prefill_token_threshold",
             c.long_prefill_token_threshold,
         )?;
-        c.eos_token_ids = eos_token_ids
-            .or::<Option<Vec<TokenId>>>("eos_token_ids", None)?
-            .unwrap_or_default();
+        c.eos_token_ids = opt(eos_token_ids, "eos_token_ids")?.unwrap_or_default();
         c.admission_lookahead_tokens = admission_lookahead_tokens
             .or("admission_lookahead_tokens", c.admission_lookahead_tokens)?;
         let scheduler = detached(py, || {
@@ -99,11 +103,16 @@ impl PyScheduler {
 
     /// Queues a request. Raises DuplicateSequenceError for a live id, InvalidArgumentError for an
     /// empty prompt, a prompt leaving no room within max_model_len, or bad limits; nothing changes then.
-    #[pyo3(signature = (
-        request_id, prompt_token_ids, max_tokens=Param::Absent, stop_token_ids=Param::Absent,
-        ignore_eos=Param::Absent, priority=Param::Absent, arrival_time=Param::Absent,
-        cache_salt=Param::Absent, n=Param::Absent,
-    ))]
+    #[pyo3(
+        signature = (
+            request_id, prompt_token_ids, max_tokens=Param::Absent, stop_token_ids=None,
+            ignore_eos=Param::Absent, priority=Param::Absent, arrival_time=None, cache_salt=None,
+            n=Param::Absent,
+        ),
+        text_signature = "($self, request_id, prompt_token_ids, max_tokens=16, \
+            stop_token_ids=None, ignore_eos=False, priority=0, arrival_time=None, cache_salt=None, \
+            n=1)"
+    )]
     #[allow(clippy::too_many_arguments)]
     fn add_request(
         &self,
@@ -111,11 +120,11 @@ impl PyScheduler {
         request_id: &Bound<'_, PyAny>,
         prompt_token_ids: &Bound<'_, PyAny>,
         max_tokens: Param<'_>,
-        stop_token_ids: Param<'_>,
+        stop_token_ids: Option<&Bound<'_, PyAny>>,
         ignore_eos: Param<'_>,
         priority: Param<'_>,
-        arrival_time: Param<'_>,
-        cache_salt: Param<'_>,
+        arrival_time: Option<&Bound<'_, PyAny>>,
+        cache_salt: Option<&Bound<'_, PyAny>>,
         n: Param<'_>,
     ) -> PyResult<()> {
         let defaults = SamplingParams::default();
@@ -123,25 +132,19 @@ impl PyScheduler {
         let prompt: Vec<TokenId> = arg(prompt_token_ids, "prompt_token_ids")?;
         let params = SamplingParams {
             max_tokens: max_tokens.or("max_tokens", defaults.max_tokens)?,
-            stop_token_ids: stop_token_ids
-                .or::<Option<Vec<TokenId>>>("stop_token_ids", None)?
-                .unwrap_or_default(),
+            stop_token_ids: opt(stop_token_ids, "stop_token_ids")?.unwrap_or_default(),
             ignore_eos: ignore_eos.or("ignore_eos", defaults.ignore_eos)?,
             n: n.or("n", defaults.n)?,
         };
-        let arrival_time = arrival_time
-            .or::<Option<f64>>("arrival_time", None)?
-            .unwrap_or_else(|| {
-                std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map_or(0.0, |d| d.as_secs_f64())
-            });
+        let arrival_time = opt(arrival_time, "arrival_time")?.unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0.0, |d| d.as_secs_f64())
+        });
         let options = RequestOptions {
             priority: priority.or("priority", 0)?,
             arrival_time,
-            cache_salt: cache_salt
-                .or::<Option<String>>("cache_salt", None)?
-                .map(String::into_bytes),
+            cache_salt: opt::<String>(cache_salt, "cache_salt")?.map(String::into_bytes),
         };
         self.with(py, |s| s.add_request(&request_id, prompt, params, options))
     }
@@ -199,7 +202,10 @@ impl PyScheduler {
     }
 
     /// Prompt plus output so far of sample `seq_index` of a live request.
-    #[pyo3(signature = (request_id, seq_index=Param::Absent))]
+    #[pyo3(
+        signature = (request_id, seq_index=Param::Absent),
+        text_signature = "($self, request_id, seq_index=0)"
+    )]
     fn sequence_tokens(
         &self,
         py: Python<'_>,

@@ -5,19 +5,28 @@
 //!   is never held while waiting for the lock (a thread holding the lock may need the GIL), and
 //!   the lock is never held across Python code.
 //! - `detached` releases the GIL and runs code that needs no lock (constructors).
-//! - `guarded` runs code with the GIL held and no lock (code that builds Python objects).
 //!
-//! A panic becomes `pagedkv.errors.InternalError`. It unwinds through the lock guard, which
-//! poisons the mutex, and every later `locked` call on that object raises `InternalError` too
-//! rather than use the state the panic left half-changed (hence `AssertUnwindSafe`: the only
-//! state a panic can leave broken is behind a mutex that it poisons).
+//! A panic becomes `pagedkv.errors.InternalError`, and the mutex it unwound through refuses every
+//! later `locked` call on that object with `InternalError` too rather than hand out the state the
+//! panic left half-changed (`crate::sync::run_locked`).
 
-use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Mutex;
 
 use pyo3::prelude::*;
 
 use super::errors::{to_py, InternalError};
+use crate::sync::{run_guarded, run_locked, Failure};
+
+fn internal(failure: Failure) -> PyErr {
+    InternalError::new_err(match failure {
+        Failure::Panicked(message) => {
+            format!("pagedkv bug: a call panicked ({message}); please report it")
+        }
+        Failure::Poisoned => "an earlier call on this object panicked midway; its state may be \
+                              inconsistent, so it refuses every call (make a new one)"
+            .to_string(),
+    })
+}
 
 /// Runs `operation` on the state behind `mutex` with the GIL released (see the module doc).
 pub fn locked<S, T>(
@@ -30,15 +39,9 @@ where
     T: Send,
 {
     py.detach(|| {
-        guarded(|| {
-            let mut state = mutex.lock().map_err(|_| {
-                InternalError::new_err(
-                    "an earlier call on this object panicked midway; its state may be \
-                     inconsistent, so it refuses every call (make a new one)",
-                )
-            })?;
-            operation(&mut state).map_err(to_py)
-        })
+        run_locked(mutex, operation)
+            .map_err(internal)?
+            .map_err(to_py)
     })
 }
 
@@ -47,19 +50,5 @@ pub fn detached<T: Send>(
     py: Python<'_>,
     f: impl FnOnce() -> crate::Result<T> + Send,
 ) -> PyResult<T> {
-    py.detach(|| guarded(|| f().map_err(to_py)))
-}
-
-/// Runs `f`, turning a panic into `InternalError` carrying the panic message.
-pub fn guarded<T>(f: impl FnOnce() -> PyResult<T>) -> PyResult<T> {
-    catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|payload| {
-        let message = payload
-            .downcast_ref::<&str>()
-            .map(|s| s.to_string())
-            .or_else(|| payload.downcast_ref::<String>().cloned())
-            .unwrap_or_else(|| "unknown panic".into());
-        Err(InternalError::new_err(format!(
-            "pagedkv bug: a call panicked ({message}); please report it"
-        )))
-    })
+    py.detach(|| run_guarded(f).map_err(internal)?.map_err(to_py))
 }

@@ -15,8 +15,11 @@
 //! - `running` is sorted by `victim_rank`, so its back is always the next victim, and a victim is
 //!   never a sequence already scheduled in the current step (those are in front of the cursor);
 //! - running sequences plus the forks their prompts still owe never exceed `max_num_seqs`;
-//! - `schedule` and `update` alternate; an error from either, or from `add_request` / `abort`,
-//!   leaves every structure as it was.
+//! - `schedule` and `update` alternate, `update` naming by its `StepId` the step it answers (a
+//!   step of another scheduler or an old one is refused); an error from either, or from
+//!   `add_request` / `abort`, leaves every structure as it was.
+//! - the limits fit the step's arrays: `max_model_len` and `max_num_batched_tokens` an i32,
+//!   `max_num_seqs` a u32 (checked by `SchedulerConfig::validate`).
 //!
 //! Progress: `max_model_len` tokens fit the cache, and admission never skips the queue head, so
 //! every request either finishes or was rejected by `add_request`.
