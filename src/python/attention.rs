@@ -17,7 +17,10 @@ use crate::attention::{self, ContiguousKv, KernelPath};
 /// `iterations` calls made from Rust with the GIL released: `KVCache.attention` from Python
 /// costs this plus the call overhead.
 #[pyfunction]
-#[pyo3(signature = (cache, layer, query, block_tables, context_lens, query_start_loc, iterations=Param::Absent, scale=Param::Absent))]
+#[pyo3(
+    signature = (cache, layer, query, block_tables, context_lens, query_start_loc, iterations=Param::Absent, scale=None),
+    text_signature = "(cache, layer, query, block_tables, context_lens, query_start_loc, iterations=100, scale=None)"
+)]
 #[allow(clippy::too_many_arguments)]
 fn attention_kernel_seconds(
     py: Python<'_>,
@@ -28,7 +31,7 @@ fn attention_kernel_seconds(
     context_lens: &Bound<'_, PyAny>,
     query_start_loc: &Bound<'_, PyAny>,
     iterations: Param<'_>,
-    scale: Param<'_>,
+    scale: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<f64> {
     let layer: usize = arg(layer, "layer")?;
     let iterations: usize = iterations.or("iterations", 100)?;
@@ -37,7 +40,7 @@ fn attention_kernel_seconds(
     }
     let arrays = Arrays::extract(query, context_lens, query_start_loc)?;
     let tables = Tables::extract(block_tables)?;
-    let call = arrays.call(cache.shape().head_dim, &scale, &Param::Absent)?;
+    let call = arrays.call(cache.shape().head_dim, scale, None)?;
     let (tables, width) = tables.rows()?;
     let mut out = call.out()?;
     cache.with(py, |c| {
@@ -77,7 +80,7 @@ fn available_kernels() -> Vec<&'static str> {
 /// Read-only memory bandwidth in GB/s of each of `sweeps` sweeps over a fresh `nbytes` buffer, on
 /// the attention threads.
 #[pyfunction]
-#[pyo3(signature = (nbytes, sweeps=Param::Absent))]
+#[pyo3(signature = (nbytes, sweeps=Param::Absent), text_signature = "(nbytes, sweeps=5)")]
 fn measure_read_bandwidth(
     py: Python<'_>,
     nbytes: &Bound<'_, PyAny>,
@@ -135,7 +138,10 @@ pub struct PyContiguousKV {
 #[pymethods]
 impl PyContiguousKV {
     #[new]
-    #[pyo3(signature = (num_seqs, num_kv_heads, max_context, head_dim, dtype=Param::Absent, seed=Param::Absent))]
+    #[pyo3(
+        signature = (num_seqs, num_kv_heads, max_context, head_dim, dtype=Param::Absent, seed=Param::Absent),
+        text_signature = "(num_seqs, num_kv_heads, max_context, head_dim, dtype='float32', seed=0)"
+    )]
     fn new(
         py: Python<'_>,
         num_seqs: &Bound<'_, PyAny>,
@@ -164,7 +170,10 @@ impl PyContiguousKV {
 
     /// Attention of `query` (float32 `[num_tokens, num_heads, head_dim]`) over the first
     /// `context_lens[i]` rows of sequence i, same semantics as `KVCache.attention`.
-    #[pyo3(signature = (query, context_lens, query_start_loc, block_size=Param::Absent, scale=Param::Absent, kernel=Param::Absent))]
+    #[pyo3(
+        signature = (query, context_lens, query_start_loc, block_size=Param::Absent, scale=None, kernel=None),
+        text_signature = "($self, query, context_lens, query_start_loc, block_size=16, scale=None, kernel=None)"
+    )]
     #[allow(clippy::too_many_arguments)]
     fn attention<'py>(
         &self,
@@ -173,12 +182,12 @@ impl PyContiguousKV {
         context_lens: &Bound<'py, PyAny>,
         query_start_loc: &Bound<'py, PyAny>,
         block_size: Param<'py>,
-        scale: Param<'py>,
-        kernel: Param<'py>,
+        scale: Option<&Bound<'py, PyAny>>,
+        kernel: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let block_size: usize = block_size.or("block_size", 16)?;
         let arrays = Arrays::extract(query, context_lens, query_start_loc)?;
-        let call = arrays.call(self.head_dim, &scale, &kernel)?;
+        let call = arrays.call(self.head_dim, scale, kernel)?;
         let mut out = call.out()?;
         detached(py, || {
             self.inner.attention(

@@ -9,7 +9,7 @@ use numpy::ndarray::{Ix1, Ix2, Ix3};
 use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
-use super::args::{c_order, expect_shape, typed_array, Param};
+use super::args::{c_order, expect_shape, opt, typed_array};
 use super::errors::IntoPyResult;
 use crate::attention::{self, AttentionBatch, KernelPath};
 use crate::KvCache;
@@ -54,15 +54,13 @@ impl<'py> Arrays<'py> {
     pub fn call(
         &self,
         head_dim: usize,
-        scale: &Param<'_>,
-        kernel: &Param<'_>,
+        scale: Option<&Bound<'_, PyAny>>,
+        kernel: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Call<'_>> {
         let shape = self.query.shape();
         expect_shape(shape, &[None, None, Some(head_dim)], "query")?;
-        let scale = scale
-            .or("scale", None::<f64>)?
-            .unwrap_or(1.0 / (head_dim as f64).sqrt()) as f32;
-        let path = match kernel.or("kernel", None::<String>)? {
+        let scale = opt::<f64>(scale, "scale")?.unwrap_or(1.0 / (head_dim as f64).sqrt()) as f32;
+        let path = match opt::<String>(kernel, "kernel")? {
             None => attention::default_kernel_path(),
             Some(name) => name.parse().py_err()?,
         };

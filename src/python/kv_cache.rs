@@ -58,7 +58,10 @@ impl PyKVCache {
     /// Allocates zeroed K and V storage for `num_layers` layers. Raises InvalidArgumentError for
     /// sizes the cache cannot address (see `KvShape`), MemoryError when memory cannot be had.
     #[new]
-    #[pyo3(signature = (num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype=Param::Absent))]
+    #[pyo3(
+        signature = (num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype=Param::Absent),
+        text_signature = "(num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype='float32')"
+    )]
     fn new(
         py: Python<'_>,
         num_layers: &Bound<'_, PyAny>,
@@ -146,7 +149,7 @@ impl PyKVCache {
     /// its query j attends causally to keys `0..=context_lens[i] - nq + j`. `scale` defaults to
     /// `1/sqrt(head_dim)`; `kernel` forces "avx2" or "portable". Returns a new float32 array
     /// shaped like `query`. Releases the GIL while computing.
-    #[pyo3(signature = (layer, query, block_tables, context_lens, query_start_loc, scale=Param::Absent, kernel=Param::Absent))]
+    #[pyo3(signature = (layer, query, block_tables, context_lens, query_start_loc, scale=None, kernel=None))]
     #[allow(clippy::too_many_arguments)]
     fn attention<'py>(
         &self,
@@ -156,13 +159,13 @@ impl PyKVCache {
         block_tables: &Bound<'py, PyAny>,
         context_lens: &Bound<'py, PyAny>,
         query_start_loc: &Bound<'py, PyAny>,
-        scale: Param<'py>,
-        kernel: Param<'py>,
+        scale: Option<&Bound<'py, PyAny>>,
+        kernel: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let layer: usize = arg(layer, "layer")?;
         let arrays = Arrays::extract(query, context_lens, query_start_loc)?;
         let tables = Tables::extract(block_tables)?;
-        let call = arrays.call(self.shape.head_dim, &scale, &kernel)?;
+        let call = arrays.call(self.shape.head_dim, scale, kernel)?;
         let (tables, width) = tables.rows()?;
         let mut out = call.out()?;
         self.with(py, |c| call.run_paged(c, layer, &tables, width, &mut out))?;
