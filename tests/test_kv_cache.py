@@ -328,3 +328,32 @@ def test_sizes_that_cannot_be_allocated_raise_memory_error_under_a_4_gib_cap():
     outcomes = json.loads(result.stdout)
     assert outcomes.pop("after") == 2 * 4096 * 16 * 8 * 128 * 4
     assert outcomes == dict.fromkeys(outcomes, "MemoryError"), outcomes
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda c, k, s: KVCache(2**63, 4, 4, 1, 8),
+        lambda c, k, s: KVCache(1, 4, 4, 1, 8, dtype="\udcff"),
+        lambda c, k, s: KVCache(1, 4, 4, 1, 8, dtype=b"float32"),
+        lambda c, k, s: KVCache(1, 4.0, 4, 1, 8),
+        lambda c, k, s: c.write(2**63, k, k, s),
+        lambda c, k, s: c.write(True, k, k, s),
+        lambda c, k, s: c.gather(0, [0], 2**63),
+        lambda c, k, s: c.gather(0, [True], 1),
+        lambda c, k, s: c.copy_blocks([(True, False)]),
+        lambda c, k, s: c.fill_random(-1),
+        lambda c, k, s: c.attention(0, k, np.zeros((2, 1), np.int32), np.ones(2, np.int32), np.arange(3, dtype=np.int32), scale="big"),
+        lambda c, k, s: c.attention(0, k, np.zeros((2, 1), np.int32), np.ones(2, np.int32), np.arange(3, dtype=np.int32), kernel=5),
+    ],
+)
+def test_arguments_of_the_wrong_type_or_range_are_invalid_argument_errors(call):
+    # Never OverflowError, TypeError or UnicodeEncodeError: one class for every bad argument.
+    rng = np.random.default_rng(9)
+    cache = KVCache(LAYERS, BLOCKS, BS, HEADS, DIM)
+    k = rows(rng, 2)
+    slots = np.array([0, 1], dtype=np.int64)
+    cache.write(0, k, k, slots)
+    with pytest.raises(InvalidArgumentError):
+        call(cache, rows(rng, 2), slots)
+    assert np.array_equal(cache.gather(0, [0], 2)[0], k)
