@@ -176,10 +176,16 @@ impl KvCache {
     pub fn new(shape: KvShape, dtype: KvDtype) -> Result<Self> {
         shape.validate(dtype)?;
         let len = shape.num_blocks * shape.block_elems();
-        let make = || {
-            (0..shape.num_layers)
-                .map(|_| KvBuffer::zeroed(dtype, len))
-                .collect::<Result<Vec<_>>>()
+        let make = || -> Result<Vec<KvBuffer>> {
+            // Reserved fallibly too: many layers of tiny blocks pass the byte bound above.
+            let mut layers = Vec::new();
+            layers
+                .try_reserve_exact(shape.num_layers)
+                .map_err(|_| Error::OutOfMemory(format!("{} KV cache layers", shape.num_layers)))?;
+            for _ in 0..shape.num_layers {
+                layers.push(KvBuffer::zeroed(dtype, len)?);
+            }
+            Ok(layers)
         };
         Ok(KvCache {
             shape,

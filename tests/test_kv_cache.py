@@ -307,6 +307,7 @@ outcomes = {}
 for name, make in [
     ("KVCache(1, 2**31 - 1, 16, 8, 128)", lambda: pagedkv.KVCache(1, 2**31 - 1, 16, 8, 128)),
     ("KVCache(4, 2**20, 16, 8, 128)", lambda: pagedkv.KVCache(4, 2**20, 16, 8, 128)),
+    ("KVCache(2**40, 1, 1, 1, 8)", lambda: pagedkv.KVCache(2**40, 1, 1, 1, 8)),  # the layer list
     ("ContiguousKV(2**20, 8, 4096, 128)", lambda: pagedkv.ContiguousKV(2**20, 8, 4096, 128)),
     ("ReadBandwidthProbe(2**40)", lambda: pagedkv.ReadBandwidthProbe(2**40)),
     ("measure_read_bandwidth(2**40)", lambda: pagedkv.measure_read_bandwidth(2**40)),

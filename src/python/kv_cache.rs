@@ -1,6 +1,7 @@
 //! `pagedkv.KVCache`: K/V storage of every layer, in `[num_blocks, num_kv_heads, block_size,
-//! head_dim]` tiles, f32/f16/bf16. Arrays are read in C order whatever their layout; ids and
-//! pairs come as numpy arrays or Python sequences alike. The core validates every value.
+//! head_dim]` tiles, f32/f16/bf16. Every argument goes through `args` (arrays read in C order
+//! whatever their layout; ids and pairs as numpy arrays or Python sequences alike), every call
+//! through `sync::locked`; the core validates every value.
 
 use std::sync::Mutex;
 
