@@ -24,9 +24,9 @@ use std::sync::OnceLock;
 
 use rayon::prelude::*;
 
-pub use probes::{measure_fma_peak, measure_read_bandwidth, ReadProbe};
+pub use probes::{measure_fma_peak, measure_read_bandwidth, ReadProbe, MIN_PROBE_BYTES};
 pub use simd::KernelPath;
-pub use threads::{num_threads, set_num_threads, NUM_THREADS_ENV};
+pub use threads::{num_threads, set_num_threads, MAX_THREADS, NUM_THREADS_ENV};
 
 use crate::dtype::{KvDtype, KvElement};
 use crate::error::{Error, Result};
