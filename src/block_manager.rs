@@ -72,6 +72,9 @@ pub struct BlockManager {
     cow_copies: u64,
 }
 
+/// Tokens per block when a configuration does not say.
+pub const DEFAULT_BLOCK_SIZE: usize = 16;
+
 /// Most blocks a manager holds: block tables are int32 arrays padded with -1, so every block id
 /// (`0..num_blocks`) must fit in an i32.
 pub const MAX_NUM_BLOCKS: usize = i32::MAX as usize;

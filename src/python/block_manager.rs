@@ -10,6 +10,7 @@ use pyo3::types::PyDict;
 
 use super::args::{arg, opt, Param};
 use super::sync::{detached, locked};
+use crate::block_manager::DEFAULT_BLOCK_SIZE;
 use crate::{BlockManager, BlockStats, SeqId, TokenId};
 
 /// Paged KV block manager: allocates fixed-size blocks to sequences, shares full blocks between
@@ -53,7 +54,7 @@ impl PyBlockManager {
     ) -> PyResult<Self> {
         let (num_blocks, block_size, caching) = (
             arg(num_blocks, "num_blocks")?,
-            block_size.or("block_size", 16)?,
+            block_size.or("block_size", DEFAULT_BLOCK_SIZE)?,
             enable_prefix_caching.or("enable_prefix_caching", true)?,
         );
         let manager = detached(py, || BlockManager::new(num_blocks, block_size, caching))?;

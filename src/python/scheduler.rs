@@ -13,6 +13,7 @@ use pyo3::types::{PyDict, PyList, PyTuple};
 
 use super::args::{arg, invalid, opt, Param};
 use super::sync::{detached, locked};
+use crate::block_manager::DEFAULT_BLOCK_SIZE;
 use crate::scheduler::{
     FinishReason, Policy, RequestOptions, SamplingParams, Scheduler, SchedulerConfig, StepId,
     StepOutput, UpdateOutput, DEFAULT_AGING_STEPS,
@@ -73,7 +74,7 @@ impl PyScheduler {
     ) -> PyResult<Self> {
         let mut c = SchedulerConfig::new(
             arg(num_blocks, "num_blocks")?,
-            block_size.or("block_size", 16)?,
+            block_size.or("block_size", DEFAULT_BLOCK_SIZE)?,
         );
         c.max_num_seqs = max_num_seqs.or("max_num_seqs", c.max_num_seqs)?;
         c.max_num_batched_tokens =
