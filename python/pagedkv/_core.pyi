@@ -63,7 +63,10 @@ class BlockManager:
         """Never raises: anything that is not a valid id (-1, 2**63, a str) is not in it."""
 
 class KVCache:
-    """Paged K/V storage of every layer: ``[num_blocks, num_kv_heads, block_size, head_dim]`` tiles."""
+    """Paged K/V storage of every layer: ``[num_blocks, num_kv_heads, block_size, head_dim]`` tiles.
+
+    Array arguments are read in index order whatever their memory layout (Fortran order, strided,
+    reversed or unaligned views are copied to C order first)."""
 
     def __init__(
         self,
@@ -73,7 +76,10 @@ class KVCache:
         num_kv_heads: int,
         head_dim: int,
         dtype: str = "float32",
-    ) -> None: ...
+    ) -> None:
+        """Zeroed storage. ``InvalidArgumentError`` for a dimension below 1, ``num_blocks`` above
+        2**31 (block tables hold int32 ids) or a total size past ``isize::MAX`` bytes;
+        ``MemoryError`` when the memory cannot be allocated."""
     def write(
         self,
         layer: int,
@@ -81,13 +87,22 @@ class KVCache:
         values: npt.NDArray[np.float32],
         slot_mapping: npt.NDArray[np.int64],
     ) -> None:
-        """Store K/V rows ``[n, num_kv_heads, head_dim]`` at ``slot_mapping`` of ``layer``."""
-    def copy_blocks(self, ops: Sequence[tuple[int, int]]) -> None:
-        """Copy whole blocks ``src -> dst`` in every layer (copy-on-write ops)."""
+        """Store K/V rows ``[n, num_kv_heads, head_dim]`` at ``slot_mapping`` of ``layer``.
+
+        The cache stores finite values only: ``InvalidArgumentError`` for NaN, infinity, or a finite
+        value the cache's dtype would round to infinity (beyond ±65504 in float16, about ±3.39e38
+        in bfloat16). Nothing is written then."""
+    def copy_blocks(self, ops: npt.NDArray[np.integer] | Sequence[Sequence[int]]) -> None:
+        """Copy whole blocks ``src -> dst`` in every layer, in order (copy-on-write ops): a step's
+        int64 ``[C, 2]`` ``copy_ops`` or any sequence of ``(src, dst)`` pairs. ``ShapeError`` for a
+        row that is not a pair, ``InvalidArgumentError`` for anything else malformed or a block out
+        of range; nothing is copied then."""
     def gather(
-        self, layer: int, block_table: Sequence[int], num_tokens: int
+        self, layer: int, block_table: npt.NDArray[np.integer] | Sequence[int], num_tokens: int
     ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
-        """Read back a sequence's first ``num_tokens`` K and V rows through its block table."""
+        """Read back a sequence's first ``num_tokens`` K and V rows through its block table (e.g. a
+        row of a step's ``block_tables``: entries past the used blocks, such as its -1 padding,
+        are never read)."""
     def attention(
         self,
         layer: int,
@@ -291,7 +306,8 @@ class ContiguousKV:
 
     def __init__(
         self, num_seqs: int, num_kv_heads: int, max_context: int, head_dim: int, dtype: str = "float32", seed: int = 0
-    ) -> None: ...
+    ) -> None:
+        """``MemoryError`` when the K/V cannot be allocated."""
     def attention(
         self,
         query: npt.NDArray[np.float32],
@@ -305,7 +321,9 @@ class ContiguousKV:
         ``block_size`` rows; same semantics and errors as ``KVCache.attention``."""
 
 def set_num_threads(threads: int) -> None:
-    """Sets the attention thread count (default: ``PAGEDKV_NUM_THREADS``, else every CPU)."""
+    """Sets the attention thread count, 1 to 1024 (default: ``PAGEDKV_NUM_THREADS`` when within
+    that range, else every CPU). ``InvalidArgumentError`` for a count outside it, ``MemoryError``
+    for one the system cannot start; the previous count stays then."""
 
 def get_num_threads() -> int:
     """The attention thread count."""
@@ -314,7 +332,8 @@ def available_kernels() -> list[str]:
     """Kernel paths this CPU runs, fastest first, e.g. ``["avx2", "portable"]``."""
 
 def measure_read_bandwidth(nbytes: int, sweeps: int = 5) -> list[float]:
-    """GB/s of each read-only sweep over a freshly written ``nbytes`` buffer, on the attention threads."""
+    """GB/s of each read-only sweep over a freshly written ``nbytes`` buffer, on the attention
+    threads (``MemoryError`` when it cannot be allocated)."""
 
 def measure_fma_peak() -> float:
     """f32 GFLOP/s (an FMA counts 2) of all attention threads running a register-only FMA loop."""
@@ -325,7 +344,8 @@ class ReadBandwidthProbe:
 
     nbytes: int
 
-    def __init__(self, nbytes: int) -> None: ...
+    def __init__(self, nbytes: int) -> None:
+        """``MemoryError`` when ``nbytes`` cannot be allocated."""
     def sweep(self) -> float:
         """Reads the whole buffer once; returns GB/s (10^9 bytes per second)."""
 

@@ -121,6 +121,9 @@ impl Int for u64 {
 impl Int for usize {
     const RANGE: &'static str = "0..2**63";
 }
+impl Int for i32 {
+    const RANGE: &'static str = "-2**31..2**31";
+}
 impl Int for i64 {
     const RANGE: &'static str = "-2**63..2**63";
 }
@@ -154,7 +157,7 @@ macro_rules! int_args {
         }
     )*};
 }
-int_args!(u32, u64, usize, i64);
+int_args!(u32, u64, usize, i32, i64);
 
 impl FromArg for bool {
     fn from_arg(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Self> {
@@ -269,19 +272,6 @@ fn int_array<T: Int>(array: &Bound<'_, PyUntypedArray>, name: &str) -> PyResult<
     }
 }
 
-/// A strictly positive size.
-pub fn positive(value: i64, name: &str) -> PyResult<usize> {
-    if value > 0 {
-        Ok(value as usize)
-    } else {
-        Err(invalid(format!("{name} must be positive, got {value}")))
-    }
-}
-
-/// A non-negative id or index.
-pub fn non_negative(value: i64, name: &str) -> PyResult<u64> {
-    u64::try_from(value).map_err(|_| invalid(format!("{name} must be non-negative, got {value}")))
-}
 /// Checks a numpy array's shape against `expected` (`None` = any extent).
 pub fn expect_shape(shape: &[usize], expected: &[Option<usize>], name: &str) -> PyResult<()> {
     let fits = shape.len() == expected.len()
@@ -303,14 +293,29 @@ pub fn expect_shape(shape: &[usize], expected: &[Option<usize>], name: &str) -> 
     }
 }
 
-/// The elements of a numpy array in C order, borrowed when it is contiguous, copied otherwise.
+/// The elements of a numpy array in C (index) order: borrowed when its memory is C-contiguous
+/// and aligned, else copied from the C-ordered, aligned array `numpy.require` makes of it
+/// (Fortran order, strided or reversed views, unaligned buffers). `as_slice` alone is no test: it also borrows a
+/// Fortran-contiguous array, whose memory order is not its index order.
 pub fn c_order<'a, T: numpy::Element + Clone, D: numpy::ndarray::Dimension>(
     array: &'a numpy::PyReadonlyArray<'_, T, D>,
-) -> std::borrow::Cow<'a, [T]> {
-    match array.as_slice() {
-        Ok(slice) => std::borrow::Cow::Borrowed(slice),
-        Err(_) => std::borrow::Cow::Owned(array.as_array().iter().cloned().collect()),
+) -> PyResult<std::borrow::Cow<'a, [T]>> {
+    use numpy::PyUntypedArrayMethods;
+    if array.is_c_contiguous() && array.is_aligned() {
+        if let Ok(slice) = array.as_slice() {
+            return Ok(std::borrow::Cow::Borrowed(slice));
+        }
     }
+    let copy: numpy::PyReadonlyArray<'_, T, D> = array
+        .py()
+        .import("numpy")?
+        .call_method1(
+            "require",
+            (array.as_any(), None::<()>, ["C_CONTIGUOUS", "ALIGNED"]),
+        )?
+        .extract()?;
+    let elements = copy.as_slice().map_err(|e| shape_error(e.to_string()))?;
+    Ok(std::borrow::Cow::Owned(elements.to_vec()))
 }
 
 /// Extracts a numpy array of element type `T`, or a `ShapeError` naming the dtype expected.

@@ -6,6 +6,7 @@
 
 mod args;
 mod attention;
+mod attention_call;
 mod block_manager;
 mod errors;
 mod kv_cache;
