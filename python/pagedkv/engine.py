@@ -61,9 +61,8 @@ from pagedkv.errors import (
     PagedKVError,
 )
 from pagedkv.metrics import EngineMetrics
-from pagedkv.model import LlamaConfig, LlamaModel, SamplingParams
-from pagedkv.model.tokenizer import Tokenizer, load_tokenizer
-from pagedkv.model.weights import LlamaWeights, load_checkpoint
+from pagedkv.model import LlamaModel, SamplingParams, load_pretrained
+from pagedkv.model.tokenizer import Tokenizer
 
 __all__ = ["Engine", "EngineClosedError", "EngineOverloadedError", "RequestHandle"]
 
@@ -224,17 +223,13 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, path: str | Path = "tiny", *, seed: int = 0, **kwargs) -> Engine:
-        """An engine over a Hugging Face Llama checkpoint directory (``config.json`` +
-        ``*.safetensors`` [+ ``tokenizer.json``]), or over the built-in ``"tiny"`` model with
-        seeded random weights. Keyword arguments go to :class:`EngineConfig` or the engine."""
+        """An engine over a model named as :func:`pagedkv.model.load_pretrained` takes it: the
+        built-in ``"tiny"`` (seeded random weights), a registry name such as ``"smollm2-135m"``, a
+        ``.gguf`` file, or a Hugging Face Llama checkpoint directory. Keyword arguments go to
+        :class:`EngineConfig` or the engine."""
         engine_keys = {"max_waiting", "metrics"}
         engine_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in engine_keys}
-        if str(path) == "tiny":
-            weights = LlamaWeights.random(LlamaConfig.tiny(), seed=seed)
-            tokenizer = load_tokenizer(None, weights.config.vocab_size)
-        else:
-            weights = load_checkpoint(path)
-            tokenizer = load_tokenizer(path, weights.config.vocab_size)
+        weights, tokenizer = load_pretrained(path, seed=seed)
         return cls(LlamaModel(weights), tokenizer, EngineConfig(**kwargs), **engine_kwargs)
 
     @property
