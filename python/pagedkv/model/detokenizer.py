@@ -22,10 +22,11 @@ tokenizer's):
   whenever it exceeds ``2 * context`` tokens at such a point, so a push costs O(context) amortized.
   (Only a run of tokens each leaving the text ending in U+FFFD — invalid UTF-8 — keeps it growing.)
 
-Invariants of :class:`StopStringMatcher`: the text it delivered never contains a stop string nor
-ends with a prefix of one (that suffix is held until it cannot start a stop string any more); the
-first stop string's occurrence ends the text before it. Each push searches only the held suffix
-(shorter than the longest stop string) plus the new delta.
+Invariants of :class:`StopStringMatcher`: until a stop string completes, it has delivered all the
+text pushed but its longest suffix that is a proper prefix of a stop string (held: it may still
+become one), so no stop string can begin in the delivered text; the earliest occurrence of any
+stop string ends the text before it. Each push searches only the held suffix (shorter than the
+longest stop string) plus the new delta.
 """
 
 from __future__ import annotations
