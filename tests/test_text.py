@@ -167,7 +167,8 @@ def test_stop_must_be_nonempty_strings():
 
 
 class ScriptedRunner:
-    """Gives each sample the next token of its script (the last one forever after)."""
+    """Gives each sample the next token of its script (the last one forever after): a request's
+    script is a list of tokens (for all its samples) or a tuple of one list per sample."""
 
     max_model_len = 4096
 
@@ -180,13 +181,14 @@ class ScriptedRunner:
         tokens = []
         for request_id, index in zip(step.sample_request_ids, step.sample_seq_indices.tolist()):
             script = self.scripts[request_id]
+            script = script[index] if isinstance(script, tuple) else script
             at = self.given.get((request_id, index), 0)
             self.given[(request_id, index)] = at + 1
             tokens.append(script[min(at, len(script) - 1)])
         return np.array(tokens, dtype=np.int64)
 
 
-def run_core(tokenizer, script: list[int], params: SamplingParams, eos: Sequence[int] = ()):
+def run_core(tokenizer, script: list[int] | tuple[list[int], ...], params: SamplingParams, eos: Sequence[int] = ()):
     """Runs one request through a core until it ends; returns (per-step events, output, core),
     checking after each step that an ended request holds no block any more."""
     runner = ScriptedRunner(max(tokenizer.vocab_size, 300), {"r": script})
@@ -261,6 +263,17 @@ def test_parallel_samples_each_stop_and_the_request_ends_when_all_have():
     # Both samples follow the same script: they stop in the same step, and the request ends then.
     _, output, _ = run_core(BYTES, byte_ids("one two"), SamplingParams(max_tokens=50, n=2, stop=[" t"]))
     assert [(c.text, c.finish_reason) for c in output.outputs] == [("one", "stop")] * 2
+
+
+def test_a_sample_stopped_before_the_others_gets_no_more_tokens():
+    script = (byte_ids("stop here"), byte_ids("no stopping"))
+    steps, output, _ = run_core(BYTES, script, SamplingParams(max_tokens=11, n=2, stop=[" h"]))
+    first, second = output.outputs
+    assert (first.text, first.finish_reason, first.token_ids) == ("stop", "stop", byte_ids("stop h"))
+    assert (second.text, second.finish_reason) == ("no stopping", "length")
+    events = [e for step in steps for e in step]
+    assert [e.token_id for e in events if e.index == 0] == byte_ids("stop h")  # none after the stop
+    assert "".join(e.text for e in events if e.index == 1) == "no stopping"
 
 
 def test_stop_strings_need_a_tokenizer():

@@ -18,7 +18,8 @@ Invariants:
 - With a tokenizer, each sample's text is built here, incrementally
   (:mod:`pagedkv.model.detokenizer`): every :class:`TokenEvent` carries its text delta, the deltas
   concatenate to :attr:`CompletionOutput.text`, and that is ``tokenizer.decode(token_ids)`` unless
-  a stop string cut it. A sample whose stop string completes ends with ``finish_reason == "stop"``
+  a stop string cut it (or the sample ended without a last token — aborted, failed — when the
+  text still held back is dropped, as it was never streamed). A sample whose stop string completes ends with ``finish_reason == "stop"``
   in the step that completed it; once every sample of its request has ended so, the request is
   aborted in the scheduler in that same step (its blocks freed). (A sample stopped while others
   of its request run has its later tokens dropped: the scheduler finishes requests, not samples.)
