@@ -7,6 +7,7 @@ blocks freed) in the step its stop string completes."""
 
 from __future__ import annotations
 
+import codecs
 from collections.abc import Sequence
 
 import numpy as np
@@ -46,7 +47,7 @@ def check_stream(decode, tokens: Sequence[int]) -> None:
         delivered += detokenizer.push(token)
         so_far = decode(tokens[: i + 1])
         assert so_far.startswith(delivered)  # nothing delivered is ever taken back
-        assert len(so_far) - len(delivered) <= 1  # at most the one char that may still change
+        assert not so_far[len(delivered):].strip("\ufffd")  # only replacement chars held back
     assert delivered + detokenizer.finish() == decode(list(tokens))
 
 
@@ -58,6 +59,23 @@ def check_stream(decode, tokens: Sequence[int]) -> None:
 def test_byte_tokenizer_deltas_concatenate_to_the_decode(tokens):
     # Random bytes: invalid UTF-8, characters split over tokens, special ids, ids past the bytes.
     check_stream(BYTES.decode, tokens)
+
+
+def per_byte_decode(token_ids: Sequence[int]) -> str:
+    """The byte tokenizer's ids decoded as a byte-fallback decoder does: one U+FFFD per byte of
+    an invalid or incomplete sequence (until it completes)."""
+    data = bytes(t - 3 for t in token_ids if 3 <= t < 259)
+    return data.decode("utf-8", errors="pagedkv-test-per-byte")
+
+
+codecs.register_error("pagedkv-test-per-byte", lambda e: ("\ufffd" * (e.end - e.start), e.end))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(st.integers(0, 258), st.sampled_from([0xE2 + 3, 0x82 + 3, 0xAC + 3, 0xF0 + 3])), max_size=40))
+def test_a_decoder_replacing_each_byte_of_a_cut_character_streams_correctly(tokens):
+    assert per_byte_decode([0xE2 + 3, 0x82 + 3]) == "\ufffd\ufffd"  # the model this test covers
+    check_stream(per_byte_decode, tokens)
 
 
 @settings(max_examples=200, deadline=None)

@@ -4,9 +4,10 @@
 The detokenizer decodes a bounded window of the latest tokens, never the whole output (the
 prefix-offset technique of incremental detokenizers, e.g. vLLM's and TGI's). Its model of a
 decode: the text of tokens is the lossy UTF-8 decoding of their concatenated bytes (special tokens
-have none), except that the window's first token may render differently (a tokenizer may strip its
-leading space), which the window's context tokens absorb. Both tokenizers here (byte-level BPE and
-:class:`~pagedkv.model.tokenizer.ByteTokenizer`) decode so.
+have none), an incomplete sequence at the end rendered as U+FFFD (one, as byte-level BPE and
+:class:`~pagedkv.model.tokenizer.ByteTokenizer` do, or one per byte, as a byte-fallback decoder
+does) until it completes; except that the window's first token may render differently (a
+tokenizer may strip its leading space), which the window's context tokens absorb.
 
 Invariants of :class:`IncrementalDetokenizer` (``tokens`` are those pushed, ``decode`` the
 tokenizer's):
@@ -14,8 +15,8 @@ tokenizer's):
 - ``emitted`` chars of ``decode(tokens[start:])`` have been delivered, and the deltas delivered so
   far, concatenated, equal ``decode(tokens)`` minus its last ``len(decode(tokens[start:])) -
   emitted`` chars; after :meth:`finish`, all of ``decode(tokens)``.
-- Only a trailing U+FFFD is held back: in lossy UTF-8 decoding, only the last char can still
-  change when bytes follow (an incomplete sequence becomes one U+FFFD until it completes).
+- Only a trailing run of U+FFFD is held back: in that model, no other char changes when tokens
+  follow.
 - ``start`` moves only at a point where both the old and the new window decode to text not ending
   in U+FFFD: the decoder is then between characters in both, so later bytes decode alike.
 - Each push decodes ``tokens[start:]`` once, and a window move decodes once more; the window moves
@@ -52,16 +53,15 @@ class IncrementalDetokenizer:
         """Adds one token; returns the text it completes (possibly empty)."""
         self.tokens.append(token_id)
         text = self._decode(self.tokens[self._start:])
-        held = text.endswith(_REPLACEMENT)
-        final = len(text) - 1 if held else len(text)
+        final = len(text.rstrip(_REPLACEMENT))
         delta = text[self._emitted:final]
         self._emitted = max(self._emitted, final)
-        if not held and len(self.tokens) - self._start > 2 * self._context:
+        if final == len(text) and len(self.tokens) - self._start > 2 * self._context:
             self._move_window()
         return delta
 
     def finish(self) -> str:
-        """The held-back tail (at most one U+FFFD); the stream is then complete."""
+        """The held-back tail (U+FFFD only); the stream is then complete."""
         delta = self._decode(self.tokens[self._start:])[self._emitted:]
         self._emitted += len(delta)
         return delta
