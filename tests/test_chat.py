@@ -8,6 +8,7 @@ Engine.chat, stopping at <|im_end|>."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -132,6 +133,16 @@ def test_chat_submits_the_rendered_prompt_without_a_second_bos(tiny_engine):
 def test_bad_conversations_raise_in_the_caller_and_queue_nothing(tiny_engine, messages, match):
     with pytest.raises(InvalidArgumentError, match=match):
         tiny_engine.chat(messages, timeout=60)
+    assert not tiny_engine.core.has_unfinished() and not tiny_engine._state.handles
+
+
+def test_a_chat_past_its_timeout_is_aborted(tiny_engine):
+    long = SamplingParams(max_tokens=10_000, temperature=0, ignore_eos=True)
+    with pytest.raises(TimeoutError):
+        tiny_engine.chat([{"role": "user", "content": "go on"}], long, timeout=0.01)  # ~250 decode steps take far longer
+    deadline = time.monotonic() + 30
+    while tiny_engine.core.has_unfinished() and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert not tiny_engine.core.has_unfinished() and not tiny_engine._state.handles
 
 

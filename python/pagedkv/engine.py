@@ -278,8 +278,7 @@ class Engine:
             text, token_ids = prompt, self._encode(prompt, add_special_tokens=True)
         else:
             text, token_ids = None, prompt
-        params = self.default_params if params is None else params
-        return self._state.submit(self, text, token_ids, params, request_id, priority, cache_salt, timeout)
+        return self._submit(text, token_ids, params, request_id, priority, cache_salt, timeout)
 
     def submit_chat(
         self,
@@ -299,20 +298,20 @@ class Engine:
         rendered text. Raises, in the caller, changing nothing: :class:`NoChatTemplateError` if
         the tokenizer has no template, :class:`InvalidArgumentError` for malformed messages or
         messages the template refuses (e.g. an unknown role), and what :meth:`submit` raises."""
-        template = self.tokenizer.chat_template
+        tokenizer = self.tokenizer
+        template = getattr(tokenizer, "chat_template", None)  # a tokenizer of the protocol before chat
         if template is None:
-            raise NoChatTemplateError(f"the model's tokenizer ({type(self.tokenizer).__name__}) has no chat template")
+            raise NoChatTemplateError(f"the model's tokenizer ({type(tokenizer).__name__}) has no chat template")
         text = render_chat(
             template,
             messages,
             add_generation_prompt=add_generation_prompt,
-            bos_token=self.tokenizer.bos_token,
-            eos_token=self.tokenizer.eos_token,
-            source=getattr(self.tokenizer, "path", "the tokenizer's chat template"),
+            bos_token=getattr(tokenizer, "bos_token", ""),
+            eos_token=getattr(tokenizer, "eos_token", ""),
+            source=getattr(tokenizer, "path", "the tokenizer's chat template"),
         )
         token_ids = self._encode(text, add_special_tokens=False)  # the template wrote them
-        params = self.default_params if params is None else params
-        return self._state.submit(self, text, token_ids, params, request_id, priority, cache_salt, timeout)
+        return self._submit(text, token_ids, params, request_id, priority, cache_salt, timeout)
 
     def chat(
         self,
@@ -322,11 +321,21 @@ class Engine:
         add_generation_prompt: bool = True,
         timeout: float | None = None,
     ) -> RequestOutput:
-        """The reply to a conversation, blocking until it is complete (:meth:`submit_chat`; its
-        ``timeout`` bounds the whole wait). Its :attr:`RequestOutput.text` is the reply."""
+        """The reply to a conversation, blocking until it is complete (:meth:`submit_chat`). Its
+        :attr:`RequestOutput.text` is the reply. ``timeout`` bounds the whole wait: past it the
+        request is aborted and ``TimeoutError`` raised."""
         deadline = None if timeout is None else time.monotonic() + timeout
         handle = self.submit_chat(messages, params, add_generation_prompt=add_generation_prompt, timeout=timeout)
-        return handle.result(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        try:
+            return handle.result(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            handle.abort()
+            raise
+
+    def _submit(self, text: str | None, token_ids: Sequence[int], params: SamplingParams | None,
+                request_id: str | None, priority: int, cache_salt: str | None, timeout: float | None) -> RequestHandle:
+        params = self.default_params if params is None else params
+        return self._state.submit(self, text, token_ids, params, request_id, priority, cache_salt, timeout)
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         try:
