@@ -24,6 +24,15 @@ Invariants:
 - The worker holds the engine's inner state, never the :class:`Engine`: an engine no longer
   referenced (by the caller or by a handle) is collected, and its finalizer stops the worker.
 
+Text: the core detokenizes as it steps (every :class:`TokenEvent` carries its text delta) and
+matches stop strings (:class:`~pagedkv.engine_core.EngineCore`). Chat
+(:meth:`Engine.submit_chat`, :meth:`Engine.chat`) renders the conversation with the tokenizer's
+chat template (:mod:`pagedkv.model.chat`) in the caller's thread, then submits its tokens.
+
+Sampling parameters: a request's own :class:`SamplingParams`, else the engine's
+``default_params`` (:meth:`Engine.from_pretrained` reads them from a checkpoint's
+``generation_config.json``), else ``SamplingParams()``.
+
 Back-pressure: while ``max_waiting`` sequences wait in the scheduler, ``submit`` blocks until
 there is room, or raises :class:`EngineOverloadedError` after ``timeout``.
 
@@ -58,10 +67,13 @@ from pagedkv.errors import (
     DuplicateSequenceError,
     InvalidArgumentError,
     ModelError,
+    NoChatTemplateError,
     PagedKVError,
 )
 from pagedkv.metrics import EngineMetrics
 from pagedkv.model import LlamaModel, SamplingParams, load_pretrained
+from pagedkv.model.chat import render_chat
+from pagedkv.model.generation_config import default_sampling_params
 from pagedkv.model.tokenizer import Tokenizer
 
 __all__ = ["Engine", "EngineClosedError", "EngineOverloadedError", "RequestHandle"]
@@ -208,17 +220,22 @@ class Engine:
         *,
         max_waiting: int = 1024,
         metrics: EngineMetrics | None = None,
+        default_params: SamplingParams | None = None,
     ) -> None:
-        """Raises :class:`InvalidArgumentError` (or ``MemoryError``) for a configuration the
-        model, the KV cache or the scheduler refuses."""
+        """``default_params``: what a request submitted without parameters samples with (None:
+        ``SamplingParams()``). Raises :class:`InvalidArgumentError` (or ``MemoryError``) for a
+        configuration the model, the KV cache or the scheduler refuses."""
         if max_waiting < 1:
             raise InvalidArgumentError(f"max_waiting must be ≥ 1, got {max_waiting}")
+        if default_params is not None and not isinstance(default_params, SamplingParams):
+            raise InvalidArgumentError(f"default_params must be SamplingParams, got {type(default_params).__name__}")
         runner = PagedModelRunner(model, config.num_blocks, config.block_size, config.kv_dtype)
-        core = EngineCore(runner, config, eos_token_ids=model.config.eos_token_ids)
+        core = EngineCore(runner, config, eos_token_ids=model.config.eos_token_ids, tokenizer=tokenizer)
         self.tokenizer = tokenizer
         self.model = model
+        self.default_params = SamplingParams() if default_params is None else default_params
         self.metrics = metrics or EngineMetrics()
-        self._state = _EngineState(core, tokenizer, self.metrics, max_waiting)
+        self._state = _EngineState(core, self.metrics, max_waiting)
         weakref.finalize(self, self._state.close, False)
 
     @classmethod
@@ -226,10 +243,13 @@ class Engine:
         """An engine over a model named as :func:`pagedkv.model.load_pretrained` takes it: the
         built-in ``"tiny"`` (seeded random weights), a registry name such as ``"smollm2-135m"``, a
         ``.gguf`` file, or a Hugging Face Llama checkpoint directory. Keyword arguments go to
-        :class:`EngineConfig` or the engine."""
-        engine_keys = {"max_waiting", "metrics"}
+        :class:`EngineConfig` or the engine. A directory's ``generation_config.json``, if any,
+        gives ``default_params`` (unless passed here)."""
+        engine_keys = {"max_waiting", "metrics", "default_params"}
         engine_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in engine_keys}
         weights, tokenizer = load_pretrained(path, seed=seed)
+        if "default_params" not in engine_kwargs and Path(path).is_dir():
+            engine_kwargs["default_params"] = default_sampling_params(Path(path))
         return cls(LlamaModel(weights), tokenizer, EngineConfig(**kwargs), **engine_kwargs)
 
     @property
@@ -251,17 +271,77 @@ class Engine:
         Blocks while the waiting queue is full (up to ``timeout`` seconds). Raises, changing
         nothing: :class:`InvalidArgumentError` for a bad argument (of any type or value),
         :class:`DuplicateSequenceError` for a ``request_id`` in use, :class:`EngineOverloadedError`,
-        :class:`EngineClosedError`. Without ``request_id``, a fresh one is made."""
+        :class:`EngineClosedError`. Without ``request_id``, a fresh one is made; without
+        ``params``, the engine's :attr:`default_params` apply."""
         token_ids: Sequence[int]
         if isinstance(prompt, str):
-            try:
-                text, token_ids = prompt, self.tokenizer.encode(prompt)
-            except UnicodeError as error:
-                raise InvalidArgumentError(f"the prompt cannot be tokenized: {error}") from None
+            text, token_ids = prompt, self._encode(prompt, add_special_tokens=True)
         else:
             text, token_ids = None, prompt
-        params = SamplingParams() if params is None else params
+        return self._submit(text, token_ids, params, request_id, priority, cache_salt, timeout)
+
+    def submit_chat(
+        self,
+        messages: Sequence[dict[str, str]],
+        params: SamplingParams | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        timeout: float | None = None,
+    ) -> RequestHandle:
+        """Queues the reply to a conversation, as :meth:`submit` queues a prompt: ``messages``
+        (a list of ``{"role": ..., "content": ...}`` dicts, string contents) rendered with the
+        tokenizer's chat template as transformers' ``apply_chat_template`` renders it, ending with
+        the assistant's turn opened when ``add_generation_prompt``; the handle's ``prompt`` is the
+        rendered text. Raises, in the caller, changing nothing: :class:`NoChatTemplateError` if
+        the tokenizer has no template, :class:`InvalidArgumentError` for malformed messages or
+        messages the template refuses (e.g. an unknown role), and what :meth:`submit` raises."""
+        tokenizer = self.tokenizer
+        template = getattr(tokenizer, "chat_template", None)  # a tokenizer of the protocol before chat
+        if template is None:
+            raise NoChatTemplateError(f"the model's tokenizer ({type(tokenizer).__name__}) has no chat template")
+        text = render_chat(
+            template,
+            messages,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=getattr(tokenizer, "bos_token", ""),
+            eos_token=getattr(tokenizer, "eos_token", ""),
+            source=getattr(tokenizer, "path", "the tokenizer's chat template"),
+        )
+        token_ids = self._encode(text, add_special_tokens=False)  # the template wrote them
+        return self._submit(text, token_ids, params, request_id, priority, cache_salt, timeout)
+
+    def chat(
+        self,
+        messages: Sequence[dict[str, str]],
+        params: SamplingParams | None = None,
+        *,
+        add_generation_prompt: bool = True,
+        timeout: float | None = None,
+    ) -> RequestOutput:
+        """The reply to a conversation, blocking until it is complete (:meth:`submit_chat`). Its
+        :attr:`RequestOutput.text` is the reply. ``timeout`` bounds the whole wait: past it the
+        request is aborted and ``TimeoutError`` raised."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        handle = self.submit_chat(messages, params, add_generation_prompt=add_generation_prompt, timeout=timeout)
+        try:
+            return handle.result(None if deadline is None else max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            handle.abort()
+            raise
+
+    def _submit(self, text: str | None, token_ids: Sequence[int], params: SamplingParams | None,
+                request_id: str | None, priority: int, cache_salt: str | None, timeout: float | None) -> RequestHandle:
+        params = self.default_params if params is None else params
         return self._state.submit(self, text, token_ids, params, request_id, priority, cache_salt, timeout)
+
+    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        try:
+            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        except UnicodeError as error:
+            raise InvalidArgumentError(f"the prompt cannot be tokenized: {error}") from None
 
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]], params: SamplingParams | None = None) -> list[RequestOutput]:
         """Runs a batch to completion; outputs in prompt order."""
@@ -300,9 +380,8 @@ class _EngineState:
     """An engine's requests, core and worker thread: everything the worker touches. ``cond``
     guards every field below it; lock order: ``cond``, then the core's lock, then a handle's."""
 
-    def __init__(self, core: EngineCore, tokenizer: Tokenizer, metrics: EngineMetrics, max_waiting: int) -> None:
+    def __init__(self, core: EngineCore, metrics: EngineMetrics, max_waiting: int) -> None:
         self.core = core
-        self.tokenizer = tokenizer
         self.metrics = metrics
         self.max_waiting = max_waiting
         self.cond = threading.Condition()
@@ -418,12 +497,6 @@ class _EngineState:
         error: BaseException | None = None
         if output.error is not None:
             error = ModelError(f"request {output.request_id!r} failed: {output.error}")
-        try:
-            for completion in output.outputs:
-                completion.text = self.tokenizer.decode(completion.token_ids)
-        except Exception as decode_error:  # noqa: BLE001 - whatever the tokenizer raises fails this request only
-            error = ModelError(f"request {output.request_id!r}: its tokens cannot be decoded: {decode_error!r}")
-            error.__cause__ = decode_error
         del self.handles[handle.request_id]
         handle._complete(output, error)
 

@@ -15,6 +15,15 @@ Invariants:
 - Arguments are checked once: the scheduler checks everything it receives; this module adds only
   what the scheduler cannot know (the vocabulary, the type of the sampling parameters, the model's
   longest position).
+- With a tokenizer, each sample's text is built here, incrementally
+  (:mod:`pagedkv.model.detokenizer`): every :class:`TokenEvent` carries its text delta, the deltas
+  concatenate to :attr:`CompletionOutput.text`, and that is ``tokenizer.decode(token_ids)`` unless
+  a stop string cut it (or the sample ended without a last token — aborted, failed — when the
+  text still held back is dropped, as it was never streamed). A sample whose stop string completes ends with ``finish_reason == "stop"``
+  in the step that completed it; once every sample of its request has ended so, the request is
+  aborted in the scheduler in that same step (its blocks freed). (A sample stopped while others
+  of its request run has its later tokens dropped: the scheduler finishes requests, not samples.)
+  A tokenizer that raises fails the request alone, like NaN logits.
 - A sample row the model left nothing to draw from (:data:`~pagedkv.model.sampling.NO_TOKEN`: NaN
   logits) fails its request alone: it ends with ``finish_reason == "error"`` and ``error`` set.
   A runner that raises aborts the requests of its step (their blocks freed, the protocol completed)
@@ -35,9 +44,11 @@ import numpy as np
 
 from pagedkv._core import KVCache, Scheduler, SchedulerOutput
 from pagedkv.errors import InvalidArgumentError
+from pagedkv.model.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from pagedkv.model.sampling import NO_TOKEN, SamplingParams, sample
 from pagedkv.model.simulated import SimulatedModel
 from pagedkv.model.step import ModelStep
+from pagedkv.model.tokenizer import Tokenizer
 
 __all__ = [
     "CompletionOutput",
@@ -137,12 +148,14 @@ class RequestOutput:
 
 @dataclass(frozen=True)
 class TokenEvent:
-    """One token produced by a step, for streaming."""
+    """One token produced by a step, for streaming; ``text`` is the text it adds to its sample
+    (empty without a tokenizer, and while a character or a possible stop string is incomplete)."""
 
     request_id: str
     index: int
     token_id: int
     finish_reason: str | None
+    text: str = ""
 
 
 class ModelRunner(Protocol):
@@ -198,11 +211,37 @@ class SimulatedRunner:
         return self.model.sample(step)
 
 
+class _SampleText:
+    """One sample's text so far: its detokenizer, then its stop strings."""
+
+    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str]) -> None:
+        self.detokenizer = IncrementalDetokenizer(tokenizer.decode)
+        self.matcher = StopStringMatcher(stop) if stop else None
+
+    def push(self, token_id: int, last: bool) -> str:
+        """The text ``token_id`` adds (all that is held too when ``last``: the sample ends)."""
+        delta = self._cut(self.detokenizer.push(token_id))
+        if last and not self.stopped:
+            delta += self._cut(self.detokenizer.finish())
+            if self.matcher is not None and not self.matcher.stopped:
+                delta += self.matcher.finish()
+        return delta
+
+    def _cut(self, delta: str) -> str:
+        return delta if self.matcher is None else self.matcher.push(delta)
+
+    @property
+    def stopped(self) -> bool:
+        """Whether a stop string has completed."""
+        return self.matcher is not None and self.matcher.stopped
+
+
 @dataclass
 class _Request:
     params: SamplingParams
     generators: list[np.random.Generator]
     output: RequestOutput
+    texts: list[_SampleText] | None  # per sample; None without a tokenizer
 
 
 class EngineCore:
@@ -215,10 +254,13 @@ class EngineCore:
         config: EngineConfig = EngineConfig(),
         eos_token_ids: Sequence[int] = (),
         clock: Callable[[], float] = time.perf_counter,
+        tokenizer: Tokenizer | None = None,
     ) -> None:
         """Raises :class:`InvalidArgumentError` for a ``max_model_len`` past the model's longest
-        position (``runner.max_model_len``), and whatever the scheduler refuses in ``config``."""
+        position (``runner.max_model_len``), and whatever the scheduler refuses in ``config``.
+        With a ``tokenizer``, outputs carry text and requests may have stop strings."""
         self.runner = runner
+        self.tokenizer = tokenizer
         self.config = config
         self.clock = clock
         max_model_len = config.max_model_len
@@ -262,10 +304,12 @@ class EngineCore:
         :class:`InvalidArgumentError` for a prompt that is not token ids of the model's vocabulary
         or ``params`` that are not :class:`SamplingParams`, and whatever the scheduler refuses
         (a duplicate id, an empty or too long prompt, out-of-range limits, arguments of the
-        wrong type)."""
+        wrong type), and stop strings without a tokenizer."""
         token_ids = _vocabulary_tokens(prompt_token_ids, self.runner.vocab_size)
         if not isinstance(params, SamplingParams):
             raise InvalidArgumentError(f"params must be SamplingParams, got {type(params).__name__}")
+        if params.stop and self.tokenizer is None:
+            raise InvalidArgumentError("stop strings need text: this engine core has no tokenizer")
         arrival = self.clock() if arrival_time is None else arrival_time
         with self._lock:
             self.scheduler.add_request(
@@ -287,7 +331,9 @@ class EngineCore:
                 prompt=prompt,
             )
             generators = [params.make_generator(i) for i in range(params.n)]
-            self._requests[request_id] = _Request(params, generators, output)
+            tokenizer = self.tokenizer
+            texts = None if tokenizer is None else [_SampleText(tokenizer, params.stop) for _ in range(params.n)]
+            self._requests[request_id] = _Request(params, generators, output, texts)
         return output
 
     def abort(self, request_id: str) -> RequestOutput:
@@ -353,21 +399,46 @@ class EngineCore:
         return failed
 
     def _record(self, update, now: float) -> tuple[list[TokenEvent], list[RequestOutput]]:
-        """Appends an update's tokens to their requests' outputs; pops the finished requests."""
+        """Appends an update's tokens (and text) to their requests' outputs; pops the finished
+        requests: those the scheduler finished, those every sample of which met a stop string
+        (aborted in the scheduler here), and those whose tokens the tokenizer could not decode."""
         events = []
+        ended: dict[str, None] = {}  # ended here, not by the scheduler: aborted below
         for request_id, index, token, reason in zip(
             update.request_ids, update.seq_indices.tolist(), update.token_ids.tolist(), update.finish_reasons
         ):
             request = self._requests[request_id]
             completion = request.output.outputs[index]
+            if completion.finish_reason is not None:
+                continue  # stopped at a stop string, or its request failed this step
             completion.token_ids.append(token)
             completion.finish_reason = reason
             metrics = request.output.metrics
             metrics.first_token_time = metrics.first_token_time or now
             metrics.num_output_tokens += 1
-            events.append(TokenEvent(request_id, index, token, reason))
+            delta = ""
+            if request.texts is not None:
+                try:
+                    delta = request.texts[index].push(token, last=reason is not None)
+                except Exception as error:  # noqa: BLE001 - whatever the tokenizer raises fails this request only
+                    request.output.error = f"its tokens cannot be decoded: {error!r}"
+                    for failed in request.output.outputs:
+                        failed.finish_reason = "error"
+                    ended[request_id] = None
+                    continue
+                completion.text += delta
+                if request.texts[index].stopped:
+                    completion.finish_reason = reason = "stop"
+                    if all(c.finish_reason is not None for c in request.output.outputs):
+                        ended[request_id] = None
+            events.append(TokenEvent(request_id, index, token, reason, delta))
+        finished_ids = list(update.finished_request_ids)
+        for request_id in ended:
+            if request_id not in finished_ids:
+                self.scheduler.abort(request_id)
+                finished_ids.append(request_id)
         finished = []
-        for request_id in update.finished_request_ids:
+        for request_id in finished_ids:
             output = self._requests.pop(request_id).output
             self._finish(output, now)
             finished.append(output)

@@ -65,6 +65,10 @@ class CheckpointError(PagedKVError, OSError):
         return str(self.args[0])
 
 
+class NoChatTemplateError(PagedKVError, LookupError):
+    """Chat was asked of a model whose tokenizer ships no chat template."""
+
+
 class InternalError(PagedKVError, RuntimeError):
     """A bug in pagedkv: a call panicked inside the Rust core. The object it ran on refuses every
     later call with this error (its state may be half-changed); other objects are unaffected."""

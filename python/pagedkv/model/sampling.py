@@ -9,8 +9,8 @@ Non-finite logits: a row holding +inf draws uniformly among its +inf tokens (the
 softmax), greedy takes the first of them; a row holding a NaN, or only -inf, has no token to give
 and gets :data:`NO_TOKEN` (the engine fails that request alone).
 
-:class:`SamplingParams` checks only what the sampler uses (temperature, top_k, top_p, seed);
-``max_tokens``, ``n``, ``stop_token_ids`` and ``ignore_eos`` are the scheduler's, checked by it
+:class:`SamplingParams` checks only what the sampler uses (temperature, top_k, top_p, seed) and
+``stop``; ``max_tokens``, ``n``, ``stop_token_ids`` and ``ignore_eos`` are the scheduler's, checked by it
 when the request is submitted.
 """
 
@@ -39,6 +39,10 @@ class SamplingParams:
     - ``top_p``: keep the smallest most-likely set whose probability reaches top_p, in (0, 1].
     - ``seed``: seeds the request's generator; None draws from fresh OS entropy.
     - ``stop_token_ids``: generation ends after producing one of these (it is kept in the output).
+    - ``stop``: strings (one, or a sequence) that end generation when the decoded text contains
+      one, across token boundaries; the text then ends before it (OpenAI's semantics; the tokens
+      keep the one that completed it) and ``finish_reason`` is "stop". Matched by the engine core
+      (:class:`~pagedkv.model.detokenizer.StopStringMatcher`); each must be a non-empty string.
     - ``ignore_eos``: do not stop at the model's end-of-sequence tokens.
     - ``n``: independent samples of the same prompt (parallel sampling, sharing the prompt's
       blocks; ≥ 1 and at most the scheduler's ``max_num_seqs``, checked by the scheduler).
@@ -52,6 +56,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     n: int = 1
+    stop: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         def is_int(value: object) -> bool:
@@ -66,6 +71,10 @@ class SamplingParams:
         if self.seed is not None and (not is_int(self.seed) or self.seed < 0):
             raise InvalidArgumentError(f"seed must be a non-negative integer or None, got {self.seed!r}")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))  # frozen: hashable
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
+            raise InvalidArgumentError(f"stop must be a non-empty string or a sequence of them, got {self.stop!r}")
+        object.__setattr__(self, "stop", tuple(stop))
 
     @property
     def greedy(self) -> bool:

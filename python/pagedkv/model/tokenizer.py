@@ -1,6 +1,10 @@
 """Text ↔ token ids: a checkpoint's ``tokenizer.json`` or a GGUF file's vocabulary (both via the
 ``tokenizers`` package, :class:`HFTokenizer`), else :class:`ByteTokenizer`, which needs no files and
 fits the tiny model's vocabulary.
+
+An :class:`HFTokenizer` also carries what chat needs (:mod:`pagedkv.model.chat`): its chat
+template and the text of its bos and eos tokens, from the GGUF metadata or, in a checkpoint
+directory, ``tokenizer_config.json``. The byte tokenizer has no template.
 """
 
 from __future__ import annotations
@@ -15,18 +19,24 @@ from pagedkv.model.files import CheckpointFile, is_present
 __all__ = ["Tokenizer", "ByteTokenizer", "HFTokenizer", "load_tokenizer", "TOKENIZER_FILE"]
 
 TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 
 
 class Tokenizer(Protocol):
     """What the engine needs from a tokenizer."""
+
+    chat_template: str | None  # the Jinja chat template, None for a tokenizer without one
+    bos_token: str  # the text a chat template writes for the bos token ("" if unknown)
+    eos_token: str  # and for the eos token
 
     @property
     def vocab_size(self) -> int:
         """Number of token ids the tokenizer can produce."""
         ...
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``, with the beginning-of-sequence token if the tokenizer adds one."""
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of ``text``, with the beginning-of-sequence token if the tokenizer adds one
+        (and ``add_special_tokens``: a chat template writes it itself)."""
         ...
 
     def decode(self, token_ids: Sequence[int]) -> str:
@@ -43,15 +53,17 @@ class ByteTokenizer:
     BOS_ID = 1
     EOS_ID = 2
     _OFFSET = 3
+    chat_template: str | None = None
+    bos_token = eos_token = ""
 
     @property
     def vocab_size(self) -> int:
         """259: three special ids and 256 bytes."""
         return self._OFFSET + 256
 
-    def encode(self, text: str) -> list[int]:
-        """``[BOS]`` followed by one id per UTF-8 byte."""
-        return [self.BOS_ID, *(b + self._OFFSET for b in text.encode("utf-8"))]
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """``[BOS]`` (if ``add_special_tokens``) followed by one id per UTF-8 byte."""
+        return [self.BOS_ID] * add_special_tokens + [b + self._OFFSET for b in text.encode("utf-8")]
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """The UTF-8 text of the byte ids, special ids skipped; invalid bytes become U+FFFD."""
@@ -68,12 +80,16 @@ class HFTokenizer:
     """A tokenizer of the ``tokenizers`` package: read from a Hugging Face ``tokenizer.json``
     (:meth:`from_file`) or built from a GGUF file's vocabulary (:meth:`from_gguf_metadata`).
     ``path`` is the file it came from; ``chat_template`` the Jinja chat template shipped with it,
-    if any."""
+    if any; ``bos_token`` and ``eos_token`` the text of those tokens (what a template writes for
+    them; "" if unknown)."""
 
-    def __init__(self, tokenizer: Any, path: Path, chat_template: str | None = None) -> None:
+    def __init__(self, tokenizer: Any, path: Path, chat_template: str | None = None,
+                 bos_token: str = "", eos_token: str = "") -> None:
         self._tokenizer = tokenizer
         self.path = path
         self.chat_template = chat_template
+        self.bos_token = bos_token
+        self.eos_token = eos_token
 
     @classmethod
     def from_file(cls, file: Union[str, Path, CheckpointFile]) -> HFTokenizer:
@@ -85,9 +101,13 @@ class HFTokenizer:
             file = CheckpointFile.locate(Path(file).parent, Path(file).name)
         text = file.read_text()
         try:
-            return cls(_Tokenizer.from_str(text), file.path)
+            tokenizer = _Tokenizer.from_str(text)
         except Exception as error:  # the tokenizers package raises a bare Exception on bad files
             raise CheckpointError(file.path, f"cannot load tokenizer: {error}") from error
+        directory = file.path.parent
+        if not is_present(directory, TOKENIZER_CONFIG_FILE):
+            return cls(tokenizer, file.path)
+        return cls(tokenizer, file.path, *_chat_settings(CheckpointFile.locate(directory, TOKENIZER_CONFIG_FILE)))
 
     @classmethod
     def from_gguf_metadata(cls, metadata: Mapping[str, Any], path: Path) -> HFTokenizer:
@@ -148,20 +168,49 @@ class HFTokenizer:
                 single=" ".join(pieces), special_tokens=[(tokens[i], i) for i in {bos, eos} - {None}])
         if tokenizer.get_vocab_size(with_added_tokens=True) != len(tokens):
             raise fail("an added token got an id of its own (its text is not its vocabulary entry)")
-        return cls(tokenizer, path, chat_template)
+        # The text a chat template writes for bos and eos (config.py checks the ids themselves).
+        bos_token, eos_token = (tokens[i] if isinstance(i := metadata.get(f"tokenizer.ggml.{end}_token_id"), int)
+                                and 0 <= i < len(tokens) else "" for end in ("bos", "eos"))
+        return cls(tokenizer, path, chat_template, bos_token, eos_token)
 
     @property
     def vocab_size(self) -> int:
         """Vocabulary size, added tokens included."""
         return int(self._tokenizer.get_vocab_size(with_added_tokens=True))
 
-    def encode(self, text: str) -> list[int]:
-        """Ids of ``text`` with the special tokens the tokenizer's template adds (e.g. BOS)."""
-        return list(self._tokenizer.encode(text, add_special_tokens=True).ids)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Ids of ``text``, with the special tokens the tokenizer's template adds (e.g. BOS) if
+        ``add_special_tokens``. Special tokens written in ``text`` are matched whole either way."""
+        return list(self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """Text of ``token_ids`` with special tokens skipped."""
         return str(self._tokenizer.decode(list(token_ids), skip_special_tokens=True))
+
+
+def _chat_settings(file: CheckpointFile) -> tuple[str | None, str, str]:
+    """The chat template and the bos and eos token text of a ``tokenizer_config.json``: its
+    ``chat_template`` is a string, or a list of ``{name, template}`` of which "default" is taken;
+    a token is a string or an added-token dict with ``content``. Raises :class:`CheckpointError`
+    for other shapes."""
+    config = file.read_json()
+    if not isinstance(config, dict):
+        raise CheckpointError(file.path, "not a JSON object")
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if template is not None and not isinstance(template, str):
+        raise CheckpointError(file.path, "chat_template must be a string or a list of {name, template} with a 'default'")
+
+    def token(key: str) -> str:
+        value = config.get(key)
+        value = value.get("content") if isinstance(value, dict) else value
+        if value is not None and not isinstance(value, str):
+            raise CheckpointError(file.path, f"{key} must be a string or a dict with a string 'content'")
+        return value or ""
+
+    return template, token("bos_token"), token("eos_token")
 
 
 def _is_str_list(value: object) -> bool:
