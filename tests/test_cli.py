@@ -89,7 +89,7 @@ def test_a_malformed_trace_names_the_file_and_row(tmp_path: Path) -> None:
 
 def test_a_limit_a_core_cannot_hold_is_a_usage_error() -> None:
     # Past i64: the core's conversion refuses it, and the message names the argument.
-    assert_usage_error(run_cli("demo", "--num-blocks", str(2**70)), "num_blocks")
+    assert_usage_error(run_cli("demo", "--model", "tiny", "--num-blocks", str(2**70)), "num_blocks")
     # Valid alone, impossible together: the library's check, reported as a usage error.
     assert_usage_error(run_cli("bench", "serve", "--quick", "--num-blocks", "1", "--real-requests", "0"), "max_model_len")
 
@@ -104,7 +104,7 @@ def test_load_trace_limit_zero_reads_nothing() -> None:
 def test_demo_with_a_cache_too_small_for_any_request_ends_with_that_error() -> None:
     # One block of 16 tokens: the first prompt cannot fit. The feeder's refusal reaches the main
     # thread and ends the demo, rather than a dead thread and a KeyError in the summary.
-    result = run_cli("demo", "--num-blocks", "1", "--requests", "3", "--arrival-span", "0")
+    result = run_cli("demo", "--model", "tiny", "--num-blocks", "1", "--requests", "3", "--arrival-span", "0")
     assert_usage_error(result, "request 0", "refused", "max_model_len", "16")
 
 
@@ -121,7 +121,7 @@ def test_demo_exits_nonzero_when_its_feeder_thread_fails(monkeypatch: pytest.Mon
 
     monkeypatch.setattr(Engine, "submit", failing_after_one)
     with pytest.raises(SystemExit) as exit_info:
-        main(["demo", "--requests", "3", "--arrival-span", "0", "--num-blocks", "64"])
+        main(["demo", "--model", "tiny", "--requests", "3", "--arrival-span", "0", "--num-blocks", "64"])
     assert exit_info.value.code == 1
     assert "injected failure of the second submit" in capsys.readouterr().err
 
@@ -149,3 +149,14 @@ def test_bench_all_runs_every_benchmark_with_its_defaults(monkeypatch: pytest.Mo
     assert list(calls) == ["blocks", "attention", "scheduler", "serve"]
     assert calls["attention"].quick and calls["serve"].quick  # type: ignore[attr-defined]
     assert calls["blocks"].repeats == 5 and calls["scheduler"].step_ms == 20.0  # type: ignore[attr-defined]
+
+
+def test_demo_on_the_real_model_prints_its_answers() -> None:
+    # The default model is SmolLM2-135M-Instruct from its PyPI package: conversations with a shared
+    # system prompt, answered greedily; the answers table and the summary are printed.
+    result = run_cli("demo", "--requests", "2", "--arrival-span", "0", "--max-tokens", "12", timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "smollm2-135m" in result.stdout
+    assert "What is the capital of France?" in result.stdout
+    assert "Paris" in result.stdout
+    assert "prefix-cache hit rate" in result.stdout

