@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from pagedkv import CheckpointError
 from pagedkv.model import (
     DenseReference,

@@ -11,11 +11,12 @@ import threading
 
 import numpy as np
 import pytest
+from threadpoolctl import threadpool_limits
+
 from pagedkv import DuplicateSequenceError, InvalidArgumentError, SamplingParams
 from pagedkv.engine import Engine, EngineClosedError, EngineOverloadedError
 from pagedkv.engine_core import EngineConfig, EngineCore, PagedModelRunner
 from pagedkv.model import DenseReference, LlamaModel, LlamaWeights, load_tokenizer
-from threadpoolctl import threadpool_limits
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 

@@ -7,6 +7,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+
 from pagedkv import ModelError, SamplingParams
 from pagedkv.engine import Engine, EngineClosedError
 from pagedkv.engine_core import EngineConfig, EngineCore, PagedModelRunner

@@ -10,6 +10,7 @@ import random
 import threading
 
 import pytest
+
 from pagedkv import InvalidArgumentError, ModelError, PagedKVError, SamplingParams
 from pagedkv.engine import EngineClosedError, EngineOverloadedError, RequestHandle
 from test_engine import tokens_of

@@ -18,8 +18,7 @@ from gguf import GGMLQuantizationType as Q
 from pagedkv.engine import Engine
 from pagedkv.engine_core import EngineConfig
 from pagedkv.errors import CheckpointError
-from pagedkv.model import LlamaConfig, LlamaModel, LlamaWeights, SamplingParams, load_pretrained, save_checkpoint
-from pagedkv.model import pretrained
+from pagedkv.model import LlamaConfig, LlamaModel, LlamaWeights, SamplingParams, load_pretrained, pretrained, save_checkpoint
 from pagedkv.model.gguf import config_from_gguf, load_gguf, unpermute_qk
 from pagedkv.model.gguf_file import GGUFFile, read_gguf
 from pagedkv.model.tokenizer import HFTokenizer
@@ -305,7 +304,7 @@ def test_a_corrupted_header_raises_only_checkpoint_error(tmp_path):
     header_end = len(data) - sum(t.nbytes for t in read_gguf(path).tensors.values())
     rng = np.random.default_rng(7)
     refused = 0
-    for i in range(300):
+    for _ in range(300):
         damaged = bytearray(data)
         for pos in rng.integers(0, header_end, rng.integers(1, 5)):
             damaged[pos] = rng.integers(0, 256)

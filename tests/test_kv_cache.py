@@ -9,8 +9,8 @@ import sys
 
 import numpy as np
 import pytest
-from array_layouts import layouts
 
+from array_layouts import layouts
 from pagedkv import BlockManager, InvalidArgumentError, KVCache, Scheduler, ShapeError
 
 LAYERS, BLOCKS, BS, HEADS, DIM = 2, 64, 4, 2, 8
@@ -118,7 +118,7 @@ def test_write_reads_every_array_layout_in_index_order(argument):
     for name, variant in layouts(args[argument]).items():
         cache = KVCache(LAYERS, BLOCKS, BS, HEADS, DIM)
         cache.write(1, **(args | {argument: variant}))
-        for got, want in zip(cache.gather(1, table, 3 * BS), expected.gather(1, table, 3 * BS)):
+        for got, want in zip(cache.gather(1, table, 3 * BS), expected.gather(1, table, 3 * BS), strict=True):
             assert np.array_equal(got, want), name
 
 
@@ -151,7 +151,7 @@ def test_readme_loop_applies_copy_ops_and_gathers_through_padded_block_tables():
         k = rows(rng, len(step.input_ids))
         cache.write(0, k, k, step.slot_mapping)
         starts = step.query_start_loc
-        keys = list(zip(step.request_ids, step.seq_indices.tolist()))
+        keys = list(zip(step.request_ids, step.seq_indices.tolist(), strict=True))
         before = {key: list(written.get(key) or written.get((key[0], 0), [])) for key in keys}
         for i, (rid, seq) in enumerate(keys):  # a fork starts from its parent's rows
             written[rid, seq] = before[rid, seq] + list(k[starts[i] : starts[i + 1]])

@@ -15,7 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedkv.__main__ import main
-from pagedkv.engine_core import EngineCore, EngineConfig, SimulatedRunner
+from pagedkv.engine_core import EngineConfig, EngineCore, SimulatedRunner
 from pagedkv.model.simulated import SimulatedModel, StepCostModel
 from pagedkv.serving.replay import PagedPolicy, SimulatedTime, replay
 from pagedkv.serving.report import summarize

@@ -9,7 +9,7 @@ valid Unicode. ``TokenIds`` are a sequence of such ints or a 1-D integer array, 
 raises ``pagedkv.errors.InternalError``, and the object it hit refuses every later call with it.
 """
 
-from typing import Iterator, Optional, Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -110,8 +110,8 @@ class KVCache:
         block_tables: npt.NDArray[np.int32],
         context_lens: npt.NDArray[np.int32],
         query_start_loc: npt.NDArray[np.int32],
-        scale: Optional[float] = None,
-        kernel: Optional[str] = None,
+        scale: float | None = None,
+        kernel: str | None = None,
     ) -> npt.NDArray[np.float32]:
         """Paged attention over ``layer``; returns float32 ``[num_tokens, num_heads, head_dim]``.
 
@@ -314,8 +314,8 @@ class ContiguousKV:
         context_lens: npt.NDArray[np.int32],
         query_start_loc: npt.NDArray[np.int32],
         block_size: int = 16,
-        scale: Optional[float] = None,
-        kernel: Optional[str] = None,
+        scale: float | None = None,
+        kernel: str | None = None,
     ) -> npt.NDArray[np.float32]:
         """Attention over the first ``context_lens[i]`` rows of each sequence, in tiles of
         ``block_size`` rows; same semantics and errors as ``KVCache.attention``."""
@@ -357,6 +357,6 @@ def attention_kernel_seconds(
     context_lens: npt.NDArray[np.int32],
     query_start_loc: npt.NDArray[np.int32],
     iterations: int = 100,
-    scale: Optional[float] = None,
+    scale: float | None = None,
 ) -> float:
     """Seconds per ``KVCache.attention`` call spent in the kernel alone, timed inside Rust."""

@@ -318,7 +318,7 @@ class EngineCore:
                 tokens = np.empty(0, dtype=np.int64)
             else:
                 params = [r.params for r in requests]
-                generators = [r.generators[i] for r, i in zip(requests, step.sample_seq_indices.tolist())]
+                generators = [r.generators[i] for r, i in zip(requests, step.sample_seq_indices.tolist(), strict=True)]
                 tokens = np.asarray(self.runner.run(step, params, generators), dtype=np.int64)
             now = self.clock()
             with self._lock:
@@ -356,7 +356,7 @@ class EngineCore:
         """Appends an update's tokens to their requests' outputs; pops the finished requests."""
         events = []
         for request_id, index, token, reason in zip(
-            update.request_ids, update.seq_indices.tolist(), update.token_ids.tolist(), update.finish_reasons
+            update.request_ids, update.seq_indices.tolist(), update.token_ids.tolist(), update.finish_reasons, strict=True
         ):
             request = self._requests[request_id]
             completion = request.output.outputs[index]

@@ -16,8 +16,8 @@ import argparse
 import json
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -74,7 +74,7 @@ class _Progress:
             transient=False,
         )
 
-    def __enter__(self) -> "_Progress":
+    def __enter__(self) -> _Progress:
         self._progress.__enter__()
         return self
 

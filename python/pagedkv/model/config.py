@@ -11,8 +11,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from pagedkv.errors import InvalidArgumentError
 

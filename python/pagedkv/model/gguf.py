@@ -16,7 +16,6 @@ from __future__ import annotations
 import itertools
 import re
 from pathlib import Path
-from typing import Union
 
 import numpy as np
 
@@ -28,7 +27,7 @@ from pagedkv.model.weights import LlamaWeights, _expected_names, _expected_shape
 
 __all__ = ["load_gguf", "config_from_gguf", "unpermute_qk"]
 
-PathLike = Union[str, Path]
+PathLike = str | Path
 
 # GGUF tensor name -> Hugging Face name ({i}: the layer).
 _GLOBAL_TENSORS = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",

@@ -11,7 +11,7 @@ Matrix products run in numpy float32 on the whole batch; there is no per-token P
 from __future__ import annotations
 
 import contextlib
-from typing import ContextManager, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 from threadpoolctl import ThreadpoolController
@@ -83,7 +83,7 @@ class LlamaModel:
         with self._blas_limit():
             return self._forward(step, kv_cache)
 
-    def _blas_limit(self) -> ContextManager[object]:
+    def _blas_limit(self) -> contextlib.AbstractContextManager[object]:
         if self._blas is None:
             return contextlib.nullcontext()
         return self._blas.limit(limits=self._blas_threads, user_api="blas")

@@ -16,9 +16,10 @@ import itertools
 import json
 import math
 import os
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, TypeVar, Union
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -29,7 +30,7 @@ from pagedkv.model.files import CheckpointFile, is_present
 __all__ = ["LayerWeights", "LlamaWeights", "load_config", "load_checkpoint", "save_checkpoint", "CONFIG_FILE", "INDEX_FILE",
            "GENERATION_CONFIG_FILE"]
 
-PathLike = Union[str, Path]
+PathLike = str | Path
 T = TypeVar("T")
 
 CONFIG_FILE = "config.json"
