@@ -256,7 +256,9 @@ def test_bad_inputs_raise_typed_errors():
         pagedkv.set_num_threads(0)
     odd = pagedkv.KVCache(1, 1, 4, 1, 12)
     with pytest.raises(pagedkv.InvalidArgumentError):
-        odd.attention(0, np.zeros((1, 1, 12), np.float32), np.zeros((1, 1), np.int32), np.array([1], np.int32), np.array([0, 1], np.int32))
+        odd.attention(
+            0, np.zeros((1, 1, 12), np.float32), np.zeros((1, 1), np.int32), np.array([1], np.int32), np.array([0, 1], np.int32)
+        )
 
 
 # --- layouts, bounds and sizes (issue 10: items 3, 4, 5) ---------------------------------------

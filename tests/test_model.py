@@ -272,7 +272,9 @@ def test_half_precision_checkpoints_load_as_float32(tmp_path: Path) -> None:
     save_checkpoint(weights, tmp_path / "f16", dtype="float16")
     save_checkpoint(weights, tmp_path / "bf16", dtype="bfloat16")
     f16, bf16 = load_checkpoint(tmp_path / "f16"), load_checkpoint(tmp_path / "bf16")
-    for (name, original), (_, half), (_, brain) in zip(weights.named_tensors(), f16.named_tensors(), bf16.named_tensors(), strict=True):
+    for (name, original), (_, half), (_, brain) in zip(
+        weights.named_tensors(), f16.named_tensors(), bf16.named_tensors(), strict=True
+    ):
         np.testing.assert_array_equal(half, original.astype(np.float16).astype(np.float32), err_msg=name)
         assert not (brain.view(np.uint32) & 0xFFFF).any(), name  # representable in bfloat16
         assert np.all(np.abs(brain - original) <= np.abs(original) * 2.0 ** -8), name  # rounded to nearest

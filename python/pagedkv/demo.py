@@ -34,14 +34,18 @@ Workload = list[tuple[float, list[int], int]]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", type=model_source, default="tiny", help="Hugging Face Llama checkpoint dir, or 'tiny' (random weights)")
+    parser.add_argument(
+        "--model", type=model_source, default="tiny", help="Hugging Face Llama checkpoint dir, or 'tiny' (random weights)"
+    )
     parser.add_argument("--requests", type=positive_int, default=300)
     parser.add_argument("--arrival-span", type=seconds, default=30.0, help="seconds over which requests arrive")
     parser.add_argument("--num-blocks", type=positive_int, default=256, help="KV blocks (16 tokens each)")
     parser.add_argument("--max-num-seqs", type=positive_int, default=48)
     parser.add_argument("--max-num-batched-tokens", type=positive_int, default=1024)
     parser.add_argument("--kv-dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    parser.add_argument("--metrics-port", type=port, default=None, help="serve Prometheus /metrics on this port (0: any free one)")
+    parser.add_argument(
+        "--metrics-port", type=port, default=None, help="serve Prometheus /metrics on this port (0: any free one)"
+    )
     parser.add_argument("--seed", type=non_negative_int, default=0)
 
 
@@ -61,7 +65,11 @@ def _workload(args: argparse.Namespace, vocab_size: int) -> Workload:
 
 
 def _percentile(values: list[float], q: float) -> float:
-    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else (values[0] if values else float("nan"))
+    return (
+        statistics.quantiles(values, n=100, method="inclusive")[q - 1]
+        if len(values) > 1
+        else (values[0] if values else float("nan"))
+    )
 
 
 class _Feeder(threading.Thread):

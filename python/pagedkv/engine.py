@@ -263,7 +263,9 @@ class Engine:
         params = SamplingParams() if params is None else params
         return self._state.submit(self, text, token_ids, params, request_id, priority, cache_salt, timeout)
 
-    def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]], params: SamplingParams | None = None) -> list[RequestOutput]:
+    def generate(
+        self, prompts: str | Sequence[str] | Sequence[Sequence[int]], params: SamplingParams | None = None
+    ) -> list[RequestOutput]:
         """Runs a batch to completion; outputs in prompt order."""
         batch: list[str | Sequence[int]] = [prompts] if isinstance(prompts, str) else list(prompts)
         handles = [self.submit(p, params) for p in batch]

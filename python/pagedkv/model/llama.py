@@ -96,7 +96,9 @@ class LlamaModel:
         if input_ids.ndim != 1 or positions.shape != (num_tokens,):
             raise ShapeError(f"input_ids {input_ids.shape} and positions {positions.shape} must be equal 1-D shapes")
         if num_tokens and int(positions.max()) >= c.max_position_embeddings:
-            raise InvalidArgumentError(f"position {int(positions.max())} is past max_position_embeddings {c.max_position_embeddings}")
+            raise InvalidArgumentError(
+                f"position {int(positions.max())} is past max_position_embeddings {c.max_position_embeddings}"
+            )
         copy_ops = [(int(src), int(dst)) for src, dst in step.copy_ops]
         if copy_ops:
             kv_cache.copy_blocks(copy_ops)

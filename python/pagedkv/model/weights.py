@@ -345,7 +345,9 @@ def _read_header(file: CheckpointFile) -> dict[str, _Tensor]:
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        dtype, shape, offsets = (entry.get(k) for k in ("dtype", "shape", "data_offsets")) if isinstance(entry, dict) else (None,) * 3
+        dtype, shape, offsets = (
+            (entry.get(k) for k in ("dtype", "shape", "data_offsets")) if isinstance(entry, dict) else (None,) * 3
+        )
         if not (isinstance(dtype, str) and isinstance(shape, list) and all(_is_size(d) for d in shape)
                 and isinstance(offsets, list) and len(offsets) == 2 and all(_is_size(o) for o in offsets)
                 and offsets[0] <= offsets[1] <= data_len):

@@ -70,7 +70,13 @@ def latency_cdfs(results: Sequence[ReplayResult], summaries: Sequence[PolicySumm
         for result, summary in zip(results, summaries, strict=True):
             values = np.sort([getattr(r.metrics, metric) for r in result.requests])
             values = np.maximum(values, 1e-3)  # log axis
-            ax.step(values, np.arange(1, len(values) + 1) / len(values), where="post", color=_COLORS.get(result.policy, "gray"), label=_label(summary))
+            ax.step(
+                values,
+                np.arange(1, len(values) + 1) / len(values),
+                where="post",
+                color=_COLORS.get(result.policy, "gray"),
+                label=_label(summary),
+            )
         ax.set_xscale("log")
         ax.set_xlabel("seconds (simulated, log scale)")
         ax.set_ylabel("fraction of requests")
@@ -127,7 +133,9 @@ def summary(summaries: Sequence[PolicySummary], caption: str, path: Path) -> Pat
         values = [getattr(s, key) for s in summaries]
         bars = ax.bar(range(len(values)), values, color=colors)
         for bar, value in zip(bars, values, strict=True):
-            ax.annotate(fmt.format(value), (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=9)
+            ax.annotate(
+                fmt.format(value), (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=9
+            )
         ax.set_xticks(range(len(values)), labels, fontsize=7.5)
         ax.set_title(title, fontsize=10)
         ax.set_ylabel(ylabel)
