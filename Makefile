@@ -5,14 +5,25 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 RUST_SOURCES := $(shell find src -name '*.rs') Cargo.toml pyproject.toml
-PY_DEPS := maturin numpy threadpoolctl pytest hypothesis safetensors tokenizers gguf jinja2 prometheus-client rich matplotlib
+PY_DEPS := maturin numpy threadpoolctl pytest hypothesis safetensors tokenizers gguf jinja2 prometheus-client rich matplotlib ruff mypy
 
-.PHONY: demo test test-rust test-loom test-python bench develop clean
+.PHONY: demo test lint test-rust test-loom test-python bench develop clean
 
 demo: $(VENV)/.built
 	$(PY) -m pagedkv demo
 
-test: test-rust test-loom test-python
+test: lint test-rust test-loom test-fuzz test-python
+
+# The lint gate, cheapest check first: formatting (the crate and fuzz/), ruff on the Python (its
+# settings in pyproject.toml), the stub _core.pyi against the built extension (mypy's stubtest),
+# then clippy with and without the binding. PYO3_PYTHON: the interpreter maturin builds against.
+lint: $(VENV)/.built
+	cargo fmt --check
+	cargo fmt --check --manifest-path fuzz/Cargo.toml
+	$(PY) -m ruff check python tests
+	$(PY) -m mypy.stubtest pagedkv._core
+	cargo clippy --all-targets -- -D warnings
+	PYO3_PYTHON=$(abspath $(PY)) cargo clippy --all-targets --features python -- -D warnings
 
 test-rust:
 	cargo test --release

@@ -14,11 +14,11 @@ import time
 
 import numpy as np
 import pytest
-from array_layouts import layouts
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pagedkv
+from array_layouts import layouts
 from pagedkv import _core
 
 TOLERANCE = {"float32": 1e-5, "float16": 1e-2, "bfloat16": 1e-2}
@@ -60,7 +60,7 @@ class Batch:
         num_heads = query.shape[1]
         out = np.zeros(query.shape, dtype=np.float64)
         start = 0
-        for seq, (nq, context) in enumerate(zip(query_counts, self.contexts)):
+        for seq, (nq, context) in enumerate(zip(query_counts, self.contexts, strict=True)):
             k = self.keys[seq].astype(np.float64)
             v = self.values[seq].astype(np.float64)
             group = num_heads // k.shape[1]
@@ -256,7 +256,9 @@ def test_bad_inputs_raise_typed_errors():
         pagedkv.set_num_threads(0)
     odd = pagedkv.KVCache(1, 1, 4, 1, 12)
     with pytest.raises(pagedkv.InvalidArgumentError):
-        odd.attention(0, np.zeros((1, 1, 12), np.float32), np.zeros((1, 1), np.int32), np.array([1], np.int32), np.array([0, 1], np.int32))
+        odd.attention(
+            0, np.zeros((1, 1, 12), np.float32), np.zeros((1, 1), np.int32), np.array([1], np.int32), np.array([0, 1], np.int32)
+        )
 
 
 # --- layouts, bounds and sizes (issue 10: items 3, 4, 5) ---------------------------------------

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from pagedkv import CheckpointError
 from pagedkv.model import (
     DenseReference,
@@ -61,7 +62,9 @@ def test_rope_theta_written_as_rope_parameters_is_read(checkpoint: Path) -> None
     assert config.rope_theta == 50000.0 and config.rope_scaling is None
 
 
-def llama3_by_formula(theta: float, head_dim: int, factor: float, low: float, high: float, original: int) -> tuple[list[float], dict]:
+def llama3_by_formula(
+    theta: float, head_dim: int, factor: float, low: float, high: float, original: int
+) -> tuple[list[float], dict]:
     """Llama 3.1's frequency rescaling, one frequency at a time, and how many fell in each regime."""
     frequencies, regimes = [], {"kept": 0, "divided": 0, "smoothed": 0}
     for i in range(0, head_dim, 2):
@@ -138,20 +141,34 @@ def single_sequence_step(tokens: np.ndarray) -> Step:
     return Step(tokens, np.arange(len(tokens)))
 
 
-@pytest.mark.parametrize("change, field", [
-    ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_scaling: rope_type 'dynamic' is not supported"),
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 10000.0}}, "rope_parameters: rope_type 'yarn' is not supported"),
-    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0}}, "rope_parameters: rope_type 'longrope'"),
-    ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling.low_freq_factor"),
-    ({"rope_scaling": {**LLAMA31_ROPE, "low_freq_factor": 4.0}}, "rope_scaling: llama3 rope needs 0 < low_freq_factor < high_freq_factor"),
-    ({"rope_scaling": {"rope_type": "linear", "factor": 0}}, "rope_scaling: rope factor"),
-    ({"rope_scaling": {"rope_type": "linear", "factor": 2.0, "beta_fast": 32}}, "rope_scaling.beta_fast"),
-    ({"rope_parameters": {"full_attention": {"rope_type": "default"}}}, "rope_parameters.full_attention"),
-    ({"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}, "conflicting rope theta"),
-    ({"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
-      "rope_scaling": {"rope_type": "linear", "factor": 4.0}}, "disagree"),
-    ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
-])
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_scaling: rope_type 'dynamic' is not supported"),
+        (
+            {"rope_parameters": {"rope_type": "yarn", "factor": 2.0, "rope_theta": 10000.0}},
+            "rope_parameters: rope_type 'yarn' is not supported",
+        ),
+        ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 10000.0}}, "rope_parameters: rope_type 'longrope'"),
+        ({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}, "rope_scaling.low_freq_factor"),
+        (
+            {"rope_scaling": {**LLAMA31_ROPE, "low_freq_factor": 4.0}},
+            "rope_scaling: llama3 rope needs 0 < low_freq_factor < high_freq_factor",
+        ),
+        ({"rope_scaling": {"rope_type": "linear", "factor": 0}}, "rope_scaling: rope factor"),
+        ({"rope_scaling": {"rope_type": "linear", "factor": 2.0, "beta_fast": 32}}, "rope_scaling.beta_fast"),
+        ({"rope_parameters": {"full_attention": {"rope_type": "default"}}}, "rope_parameters.full_attention"),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}}, "conflicting rope theta"),
+        (
+            {
+                "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+                "rope_scaling": {"rope_type": "linear", "factor": 4.0},
+            },
+            "disagree",
+        ),
+        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor"),
+    ],
+)
 def test_rope_settings_this_model_does_not_implement_are_refused(checkpoint: Path, change: dict, field: str) -> None:
     edit_config(checkpoint, **change)
     with pytest.raises(CheckpointError, match=rf"config\.json: .*{re.escape(field)}"):
@@ -222,7 +239,9 @@ def test_a_config_claiming_a_million_layers_fails_fast_before_allocating(checkpo
     tracemalloc.start()
     started = time.perf_counter()
     try:
-        with pytest.raises(CheckpointError, match=r"tensors missing .*model\.layers\.1\.input_layernorm\.weight.* and 8999988 more"):
+        with pytest.raises(
+            CheckpointError, match=r"tensors missing .*model\.layers\.1\.input_layernorm\.weight.* and 8999988 more"
+        ):
             load_checkpoint(checkpoint)
         elapsed = time.perf_counter() - started
         peak = tracemalloc.get_traced_memory()[1]

@@ -108,7 +108,9 @@ def test_demo_with_a_cache_too_small_for_any_request_ends_with_that_error() -> N
     assert_usage_error(result, "request 0", "refused", "max_model_len", "16")
 
 
-def test_demo_exits_nonzero_when_its_feeder_thread_fails(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+def test_demo_exits_nonzero_when_its_feeder_thread_fails(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     real_submit = Engine.submit
     submitted: list[object] = []
 

@@ -11,11 +11,12 @@ import threading
 
 import numpy as np
 import pytest
+from threadpoolctl import threadpool_limits
+
 from pagedkv import DuplicateSequenceError, InvalidArgumentError, SamplingParams
 from pagedkv.engine import Engine, EngineClosedError, EngineOverloadedError
 from pagedkv.engine_core import EngineConfig, EngineCore, PagedModelRunner
 from pagedkv.model import DenseReference, LlamaModel, LlamaWeights, load_tokenizer
-from threadpoolctl import threadpool_limits
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -66,7 +67,9 @@ def expected(reference: DenseReference, batch: list[list[int]], max_tokens: int)
     "config",
     [
         pytest.param(dict(num_blocks=256, block_size=16, max_num_batched_tokens=512), id="plain"),
-        pytest.param(dict(num_blocks=256, block_size=8, max_num_batched_tokens=24, long_prefill_token_threshold=8), id="chunked-prefill"),
+        pytest.param(
+            dict(num_blocks=256, block_size=8, max_num_batched_tokens=24, long_prefill_token_threshold=8), id="chunked-prefill"
+        ),
         # No admission headroom, so admission overfills the 14 blocks and growth must preempt.
         pytest.param(
             dict(num_blocks=14, block_size=8, max_num_seqs=6, max_num_batched_tokens=64, admission_lookahead_tokens=None),
@@ -140,7 +143,9 @@ def test_asyncio_clients(weights):
 
 def test_parallel_sampling_returns_n_samples_sharing_the_prompt(weights):
     with make_engine(weights, num_blocks=128, block_size=8) as engine:
-        (output,) = engine.generate([list(range(3, 40))], SamplingParams(max_tokens=5, n=3, temperature=1.0, seed=7, ignore_eos=True))
+        (output,) = engine.generate(
+            [list(range(3, 40))], SamplingParams(max_tokens=5, n=3, temperature=1.0, seed=7, ignore_eos=True)
+        )
     assert [len(c.token_ids) for c in output.outputs] == [5, 5, 5]
     assert len({tuple(c.token_ids) for c in output.outputs}) > 1, "independent samples should differ"
 
@@ -181,7 +186,12 @@ def test_back_pressure_bounds_the_waiting_queue(weights):
 
 @pytest.mark.parametrize(
     "prompt,error",
-    [([], InvalidArgumentError), ([1, 999_999], InvalidArgumentError), ([1.5], InvalidArgumentError), (list(range(3, 500)) * 20, InvalidArgumentError)],
+    [
+        ([], InvalidArgumentError),
+        ([1, 999_999], InvalidArgumentError),
+        ([1.5], InvalidArgumentError),
+        (list(range(3, 500)) * 20, InvalidArgumentError),
+    ],
 )
 def test_bad_prompts_raise_at_submit(weights, prompt, error):
     with make_engine(weights, num_blocks=64) as engine:

@@ -7,6 +7,7 @@ import dataclasses
 
 import numpy as np
 import pytest
+
 from pagedkv import ModelError, SamplingParams
 from pagedkv.engine import Engine, EngineClosedError
 from pagedkv.engine_core import EngineConfig, EngineCore, PagedModelRunner
@@ -23,7 +24,9 @@ def draws(row: list[float], count: int = 200, **params) -> set[int]:
     return set(sample(logits, [p] * count, [np.random.default_rng(i) for i in range(count)]).tolist())
 
 
-@pytest.mark.parametrize("params", [dict(temperature=0.7), dict(temperature=0.7, top_k=2), dict(temperature=0.7, top_p=0.9), dict(temperature=0.0)])
+@pytest.mark.parametrize(
+    "params", [dict(temperature=0.7), dict(temperature=0.7, top_k=2), dict(temperature=0.7, top_p=0.9), dict(temperature=0.0)]
+)
 def test_a_plus_inf_logit_is_the_token_drawn(params):
     """Item 22: +inf beats every finite logit; several +inf share the draw."""
     assert draws([0.0, 1.0, INF, 3.0], **params) == {2}
@@ -31,7 +34,9 @@ def test_a_plus_inf_logit_is_the_token_drawn(params):
     assert both == ({0} if params["temperature"] == 0 else {0, 2})
 
 
-@pytest.mark.parametrize("params", [dict(temperature=0.0), dict(temperature=0.7), dict(temperature=0.7, top_k=2), dict(temperature=0.7, top_p=0.5)])
+@pytest.mark.parametrize(
+    "params", [dict(temperature=0.0), dict(temperature=0.7), dict(temperature=0.7, top_k=2), dict(temperature=0.7, top_p=0.5)]
+)
 @pytest.mark.parametrize("row", [[0.0, 1.0, NAN, 3.0], [NAN] * 4, [-INF] * 4], ids=["one-nan", "all-nan", "all-minus-inf"])
 def test_a_row_with_nan_or_only_minus_inf_gives_no_token(params, row):
     """Item 22: never the NaN token, never token 0 by default: no token at all."""

@@ -8,7 +8,8 @@ import gc
 import threading
 import time
 import weakref
-from typing import Any, Callable, Coroutine, TypeVar
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
 
 from pagedkv import SamplingParams
 from test_engine import GREEDY, make_engine, tokens_of

@@ -10,6 +10,7 @@ import random
 import threading
 
 import pytest
+
 from pagedkv import InvalidArgumentError, ModelError, PagedKVError, SamplingParams
 from pagedkv.engine import EngineClosedError, EngineOverloadedError, RequestHandle
 from test_engine import tokens_of
@@ -44,7 +45,13 @@ async def cancel_midway(handle: RequestHandle, rng: random.Random) -> None:
 
 @pytest.mark.parametrize("seed", [1, 2, 3])
 def test_threads_interleaving_every_operation_leave_a_sound_engine(weights, seed):
-    engine, _ = poisoned_engine(weights, num_blocks=NUM_BLOCKS, block_size=8, max_num_seqs=4, max_num_batched_tokens=64, admission_lookahead_tokens=None,
+    engine, _ = poisoned_engine(
+        weights,
+        num_blocks=NUM_BLOCKS,
+        block_size=8,
+        max_num_seqs=4,
+        max_num_batched_tokens=64,
+        admission_lookahead_tokens=None,
     )
     handles: list[RequestHandle] = []
     failures: list[BaseException] = []

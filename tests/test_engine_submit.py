@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 
 import pytest
+
 from pagedkv import DuplicateSequenceError, InvalidArgumentError, SamplingParams
 from pagedkv.engine import Engine
 from pagedkv.engine_core import EngineConfig, EngineCore, PagedModelRunner

@@ -18,8 +18,7 @@ from gguf import GGMLQuantizationType as Q
 from pagedkv.engine import Engine
 from pagedkv.engine_core import EngineConfig
 from pagedkv.errors import CheckpointError
-from pagedkv.model import LlamaConfig, LlamaModel, LlamaWeights, SamplingParams, load_pretrained, save_checkpoint
-from pagedkv.model import pretrained
+from pagedkv.model import LlamaConfig, LlamaModel, LlamaWeights, SamplingParams, load_pretrained, pretrained, save_checkpoint
 from pagedkv.model.gguf import config_from_gguf, load_gguf, unpermute_qk
 from pagedkv.model.gguf_file import GGUFFile, read_gguf
 from pagedkv.model.tokenizer import HFTokenizer
@@ -100,8 +99,12 @@ def test_q8_0_block_is_int8_times_d(tmp_path):
     [
         pytest.param(Q.F16, np.array([0x3E00, 0xC000, 0x7BFF, 0x0001], "<u2"), [1.5, -2.0, 65504.0, 2.0**-24], id="F16"),
         pytest.param(Q.BF16, np.array([0x3F80, 0xC040, 0x4049, 0x0000], "<u2"), [1.0, -3.0, 3.140625, 0.0], id="BF16"),
-        pytest.param(Q.F32, np.array([1.0, -0.1, 3e38, 1e-30], "<f4"), [1.0, np.float32(-0.1), np.float32(3e38), np.float32(1e-30)],
-                     id="F32"),
+        pytest.param(
+            Q.F32,
+            np.array([1.0, -0.1, 3e38, 1e-30], "<f4"),
+            [1.0, np.float32(-0.1), np.float32(3e38), np.float32(1e-30)],
+            id="F32",
+        ),
     ],
 )
 def test_float_types_decode_their_bit_patterns(tmp_path, qtype, raw, expected):
@@ -121,7 +124,11 @@ def test_an_unsupported_tensor_type_is_refused_by_name(tmp_path):
 
 def llama_cpp_permute(weights: np.ndarray, num_heads: int) -> np.ndarray:
     """What llama.cpp's convert_hf_to_gguf does to a Q or K projection for its rope layout."""
-    return weights.reshape(num_heads, 2, weights.shape[0] // num_heads // 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
+    return (
+        weights.reshape(num_heads, 2, weights.shape[0] // num_heads // 2, *weights.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weights.shape)
+    )
 
 
 @pytest.mark.parametrize("num_heads, head_dim, row", [(9, 64, 576), (3, 64, 576), (2, 8, 5)])
@@ -180,11 +187,23 @@ def tiny_gguf(path: Path, tied: bool, config: LlamaConfig | None = None, **metad
     expected back."""
     c = (config or LlamaConfig.tiny()).replace(tie_word_embeddings=tied)
     w = LlamaWeights.random(c, seed=3)
-    tensors: dict[str, tuple[np.ndarray, Q]] = {"token_embd.weight": (w.embed_tokens, Q.Q8_0), "output_norm.weight": (w.norm + 0.5, Q.F32)}
+    tensors: dict[str, tuple[np.ndarray, Q]] = {
+        "token_embd.weight": (w.embed_tokens, Q.Q8_0),
+        "output_norm.weight": (w.norm + 0.5, Q.F32),
+    }
     if not tied:
         tensors["output.weight"] = (w.lm_head, Q.Q4_1)
-    hf_fields = {"attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj", "attn_output": "o_proj", "ffn_gate": "gate_proj",
-                 "ffn_up": "up_proj", "ffn_down": "down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"}
+    hf_fields = {
+        "attn_q": "q_proj",
+        "attn_k": "k_proj",
+        "attn_v": "v_proj",
+        "attn_output": "o_proj",
+        "ffn_gate": "gate_proj",
+        "ffn_up": "up_proj",
+        "ffn_down": "down_proj",
+        "attn_norm": "input_layernorm",
+        "ffn_norm": "post_attention_layernorm",
+    }
     for i, layer in enumerate(w.layers):
         for kind, field in hf_fields.items():
             value = getattr(layer, field) + (0.25 * i if kind.endswith("norm") else 0.0)
@@ -197,7 +216,9 @@ def tiny_gguf(path: Path, tied: bool, config: LlamaConfig | None = None, **metad
         for kind, field in hf_fields.items():
             value = getattr(layer, field) + (0.25 * i if kind.endswith("norm") else 0.0)
             heads = {"attn_q": c.num_heads, "attn_k": c.num_kv_heads}.get(kind)
-            value = as_stored(llama_cpp_permute(value, heads), TENSOR_TYPES[kind]) if heads else as_stored(value, TENSOR_TYPES[kind])
+            value = (
+                as_stored(llama_cpp_permute(value, heads), TENSOR_TYPES[kind]) if heads else as_stored(value, TENSOR_TYPES[kind])
+            )
             stored[field] = unpermute_qk(value, heads) if heads else value
         expected_layers.append(type(layer)(**stored))
     embed = as_stored(w.embed_tokens, Q.Q8_0)
@@ -305,7 +326,7 @@ def test_a_corrupted_header_raises_only_checkpoint_error(tmp_path):
     header_end = len(data) - sum(t.nbytes for t in read_gguf(path).tensors.values())
     rng = np.random.default_rng(7)
     refused = 0
-    for i in range(300):
+    for _ in range(300):
         damaged = bytearray(data)
         for pos in rng.integers(0, header_end, rng.integers(1, 5)):
             damaged[pos] = rng.integers(0, 256)

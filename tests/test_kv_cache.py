@@ -9,8 +9,8 @@ import sys
 
 import numpy as np
 import pytest
-from array_layouts import layouts
 
+from array_layouts import layouts
 from pagedkv import BlockManager, InvalidArgumentError, KVCache, Scheduler, ShapeError
 
 LAYERS, BLOCKS, BS, HEADS, DIM = 2, 64, 4, 2, 8
@@ -59,12 +59,20 @@ def test_copy_on_write_op_copies_the_shared_tail_in_every_layer():
     assert np.array_equal(child_k[:6], parent_k)
     assert np.array_equal(child_k[6], new[0])
     for layer in range(LAYERS):
-        assert np.array_equal(cache.gather(layer, m.block_table(2).tolist(), 6)[1], cache.gather(layer, m.block_table(1).tolist(), 6)[1])
+        assert np.array_equal(
+            cache.gather(layer, m.block_table(2).tolist(), 6)[1], cache.gather(layer, m.block_table(1).tolist(), 6)[1]
+        )
 
 
 def test_properties_and_size():
     cache = KVCache(LAYERS, BLOCKS, BS, HEADS, DIM, dtype="bfloat16")
-    assert (cache.num_layers, cache.num_blocks, cache.block_size, cache.num_kv_heads, cache.head_dim) == (LAYERS, BLOCKS, BS, HEADS, DIM)
+    assert (cache.num_layers, cache.num_blocks, cache.block_size, cache.num_kv_heads, cache.head_dim) == (
+        LAYERS,
+        BLOCKS,
+        BS,
+        HEADS,
+        DIM,
+    )
     assert cache.dtype == "bfloat16"
     assert cache.nbytes == 2 * LAYERS * BLOCKS * BS * HEADS * DIM * 2
 
@@ -118,7 +126,7 @@ def test_write_reads_every_array_layout_in_index_order(argument):
     for name, variant in layouts(args[argument]).items():
         cache = KVCache(LAYERS, BLOCKS, BS, HEADS, DIM)
         cache.write(1, **(args | {argument: variant}))
-        for got, want in zip(cache.gather(1, table, 3 * BS), expected.gather(1, table, 3 * BS)):
+        for got, want in zip(cache.gather(1, table, 3 * BS), expected.gather(1, table, 3 * BS), strict=True):
             assert np.array_equal(got, want), name
 
 
@@ -151,7 +159,7 @@ def test_readme_loop_applies_copy_ops_and_gathers_through_padded_block_tables():
         k = rows(rng, len(step.input_ids))
         cache.write(0, k, k, step.slot_mapping)
         starts = step.query_start_loc
-        keys = list(zip(step.request_ids, step.seq_indices.tolist()))
+        keys = list(zip(step.request_ids, step.seq_indices.tolist(), strict=True))
         before = {key: list(written.get(key) or written.get((key[0], 0), [])) for key in keys}
         for i, (rid, seq) in enumerate(keys):  # a fork starts from its parent's rows
             written[rid, seq] = before[rid, seq] + list(k[starts[i] : starts[i + 1]])
@@ -344,8 +352,12 @@ def test_sizes_that_cannot_be_allocated_raise_memory_error_under_a_4_gib_cap():
         lambda c, k, s: c.gather(0, [True], 1),
         lambda c, k, s: c.copy_blocks([(True, False)]),
         lambda c, k, s: c.fill_random(-1),
-        lambda c, k, s: c.attention(0, k, np.zeros((2, 1), np.int32), np.ones(2, np.int32), np.arange(3, dtype=np.int32), scale="big"),
-        lambda c, k, s: c.attention(0, k, np.zeros((2, 1), np.int32), np.ones(2, np.int32), np.arange(3, dtype=np.int32), kernel=5),
+        lambda c, k, s: c.attention(
+            0, k, np.zeros((2, 1), np.int32), np.ones(2, np.int32), np.arange(3, dtype=np.int32), scale="big"
+        ),
+        lambda c, k, s: c.attention(
+            0, k, np.zeros((2, 1), np.int32), np.ones(2, np.int32), np.arange(3, dtype=np.int32), kernel=5
+        ),
     ],
 )
 def test_arguments_of_the_wrong_type_or_range_are_invalid_argument_errors(call):

@@ -8,16 +8,16 @@ end)`` runs ``tokens[start:end]`` of a sequence whose slots were allocated or ap
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
 
 import numpy as np
 import pytest
 from threadpoolctl import threadpool_limits
 
 import pagedkv
-from pagedkv import BlockManager, CheckpointError, InvalidArgumentError, KVCache
+from pagedkv import BlockManager, CheckpointError, InvalidArgumentError
 from pagedkv.model import (
     ByteTokenizer,
     DenseReference,
@@ -33,6 +33,7 @@ from pagedkv.model import (
     sample,
     save_checkpoint,
 )
+
 
 @pytest.fixture(autouse=True, scope="module")
 def single_threaded_blas() -> object:
@@ -102,7 +103,7 @@ class Harness:
         logits = self.model.forward(step, self.cache)
         assert logits.dtype == np.float32 and logits.shape == (len(step.input_ids), self.model.config.vocab_size)
         per_item = np.split(logits, step.query_start_loc[1:-1])
-        for (seq, tokens, start, end), got in zip(work, per_item):
+        for (seq, tokens, start, end), got in zip(work, per_item, strict=True):
             want = self.reference.logits(tokens[:end])[start:end]
             error = np.max(np.abs(got - want))
             assert error < TOLERANCE, f"seq {seq} rows {start}:{end}: max abs error {error:.2e}"
@@ -124,7 +125,7 @@ def test_mixed_length_batch_prefill_then_decode_matches_reference() -> None:
     logits = h.run([(seq, tokens, 0, len(tokens)) for seq, tokens in prompts.items()])
     for _ in range(3):
         work = []
-        for (seq, tokens), rows in zip(prompts.items(), logits):
+        for (seq, tokens), rows in zip(prompts.items(), logits, strict=True):
             tokens.append(int(np.argmax(rows[-1])))
             assert h.manager.append(seq, [tokens[-1]]) is None
             work.append((seq, tokens, len(tokens) - 1, len(tokens)))
@@ -192,7 +193,7 @@ def test_greedy_generation_through_the_paged_model_matches_the_reference() -> No
             tokens.append(int(np.argmax(logits[seq])))
             h.manager.append(seq, [tokens[-1]])
         step = build_step(h.manager, [(seq, t, len(t) - 1, len(t)) for seq, t in enumerate(sequences)])
-    for prompt, tokens in zip(prompts, sequences):
+    for prompt, tokens in zip(prompts, sequences, strict=True):
         assert tokens[len(prompt):] == h.reference.generate_greedy(prompt, 6)
 
 
@@ -271,7 +272,9 @@ def test_half_precision_checkpoints_load_as_float32(tmp_path: Path) -> None:
     save_checkpoint(weights, tmp_path / "f16", dtype="float16")
     save_checkpoint(weights, tmp_path / "bf16", dtype="bfloat16")
     f16, bf16 = load_checkpoint(tmp_path / "f16"), load_checkpoint(tmp_path / "bf16")
-    for (name, original), (_, half), (_, brain) in zip(weights.named_tensors(), f16.named_tensors(), bf16.named_tensors()):
+    for (name, original), (_, half), (_, brain) in zip(
+        weights.named_tensors(), f16.named_tensors(), bf16.named_tensors(), strict=True
+    ):
         np.testing.assert_array_equal(half, original.astype(np.float16).astype(np.float32), err_msg=name)
         assert not (brain.view(np.uint32) & 0xFFFF).any(), name  # representable in bfloat16
         assert np.all(np.abs(brain - original) <= np.abs(original) * 2.0 ** -8), name  # rounded to nearest

@@ -25,7 +25,10 @@ def step(s: Scheduler):
     """Schedules a step, samples with `next_token` (+ sample index), updates; returns both."""
     out = s.schedule()
     rows = out.logits_indices
-    sampled = [next_token(int(out.input_ids[r]), int(out.positions[r])) + int(k) for r, k in zip(rows, out.sample_seq_indices)]
+    sampled = [
+        next_token(int(out.input_ids[r]), int(out.positions[r])) + int(k)
+        for r, k in zip(rows, out.sample_seq_indices, strict=True)
+    ]
     produced = s.update(out, sampled)
     s.check_invariants()
     return out, produced

@@ -15,7 +15,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedkv.__main__ import main
-from pagedkv.engine_core import EngineCore, EngineConfig, SimulatedRunner
+from pagedkv.engine_core import EngineConfig, EngineCore, SimulatedRunner
 from pagedkv.model.simulated import SimulatedModel, StepCostModel
 from pagedkv.serving.replay import PagedPolicy, SimulatedTime, replay
 from pagedkv.serving.report import summarize
@@ -73,7 +73,9 @@ def test_reservations_chunk_prompts_under_the_token_budget():
     # goes first at every step. Step 1: A's prompt 2 + B's chunk 2 (4 s); step 2: A decodes 1 +
     # B's chunk 3 (4 s); step 3: A decodes 1 + B's last token 1, both sample and finish (2 s).
     clock = SimulatedTime()
-    policy = ContinuousReservationPolicy(20, 10, clock, cost=StepCostModel(fixed=0.0, per_token=1.0, per_context_token=0.0), max_num_batched_tokens=4)
+    policy = ContinuousReservationPolicy(
+        20, 10, clock, cost=StepCostModel(fixed=0.0, per_token=1.0, per_context_token=0.0), max_num_batched_tokens=4
+    )
     result = replay(policy, [request("A", 2, 3), request("B", 6, 1)], clock)
     assert [s.scheduled_tokens for s in result.steps] == [4, 4, 2]
     assert [s.prefill_tokens for s in result.steps] == [4, 3, 1]

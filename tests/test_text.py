@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pagedkv.engine_core import EngineConfig, EngineCore
@@ -148,7 +148,7 @@ def cut(text: str, stops: Sequence[str]) -> tuple[str, bool]:
 def test_stop_strings_cut_at_the_earliest_occurrence_whatever_the_chunking(text, stops, splits):
     # A two-letter alphabet makes overlapping stop strings and prefixes of them common.
     bounds = sorted({0, len(text), *(min(s, len(text)) for s in splits)})
-    chunks = [text[a:b] for a, b in zip(bounds, bounds[1:])]
+    chunks = [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
     matcher = StopStringMatcher(stops)
     delivered = seen = ""
     for chunk in chunks:
@@ -197,7 +197,7 @@ class ScriptedRunner:
 
     def run(self, step, params, generators) -> np.ndarray:
         tokens = []
-        for request_id, index in zip(step.sample_request_ids, step.sample_seq_indices.tolist()):
+        for request_id, index in zip(step.sample_request_ids, step.sample_seq_indices.tolist(), strict=True):
             script = self.scripts[request_id]
             script = script[index] if isinstance(script, tuple) else script
             at = self.given.get((request_id, index), 0)

@@ -8,18 +8,20 @@ from __future__ import annotations
 
 from pagedkv._core import (
     BlockManager,
+    ContiguousKV,
     KVCache,
+    ReadBandwidthProbe,
     Scheduler,
     SchedulerOutput,
     UpdateOutput,
     __version__,
-    ContiguousKV,
-    ReadBandwidthProbe,
     available_kernels,
     get_num_threads,
     measure_read_bandwidth,
     set_num_threads,
 )
+from pagedkv.engine import Engine, EngineClosedError, EngineOverloadedError, RequestHandle
+from pagedkv.engine_core import CompletionOutput, EngineConfig, EngineCore, RequestMetrics, RequestOutput, TokenEvent
 from pagedkv.errors import (
     CheckpointError,
     DuplicateSequenceError,
@@ -32,8 +34,6 @@ from pagedkv.errors import (
     ShapeError,
     UnknownSequenceError,
 )
-from pagedkv.engine import Engine, EngineClosedError, EngineOverloadedError, RequestHandle
-from pagedkv.engine_core import CompletionOutput, EngineConfig, EngineCore, RequestMetrics, RequestOutput, TokenEvent
 from pagedkv.model import LlamaConfig, LlamaModel, SamplingParams, SimulatedModel
 
 __all__ = [

@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 from pagedkv.bench import BENCHES
 from pagedkv.errors import CheckpointError, InvalidArgumentError, PagedKVError

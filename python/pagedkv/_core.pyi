@@ -9,28 +9,52 @@ valid Unicode. ``TokenIds`` are a sequence of such ints or a 1-D integer array, 
 raises ``pagedkv.errors.InternalError``, and the object it hit refuses every later call with it.
 """
 
-from typing import Iterator, Optional, Sequence
+from collections.abc import Sequence
+from typing import TypeAlias
 
 import numpy as np
 import numpy.typing as npt
+from typing_extensions import Self, final
+
+# Every class is a PyO3 class: not subclassable (``@final``, which implies a disjoint base), and
+# constructed by ``__new__`` (PyO3's ``#[new]``), so the stubs declare ``__new__``, never ``__init__``.
+
+__all__ = [
+    "__version__",
+    "BlockManager",
+    "KVCache",
+    "Scheduler",
+    "SchedulerOutput",
+    "UpdateOutput",
+    "ContiguousKV",
+    "ReadBandwidthProbe",
+    "set_num_threads",
+    "get_num_threads",
+    "available_kernels",
+    "measure_read_bandwidth",
+    "measure_fma_peak",
+    "attention_kernel_seconds",
+]
 
 __version__: str
 
-TokenIds = Sequence[int] | npt.NDArray[np.integer]
+# Private: a name of the stub only (the extension has no such attribute); documented as TokenIds above.
+_TokenIds: TypeAlias = Sequence[int] | npt.NDArray[np.integer]
 
+@final
 class BlockManager:
     """Paged KV block manager: fixed-size blocks, prefix sharing, copy-on-write. Thread-safe."""
 
-    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True) -> None:
+    def __new__(cls, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True) -> Self:
         """``num_blocks`` at most ``2**31 - 1`` (block tables are int32) and ``num_blocks *
         block_size`` within int64 (slot numbers), else InvalidArgumentError."""
-    def allocate(self, seq_id: int, token_ids: TokenIds, cache_salt: str | None = None) -> int:
+    def allocate(self, seq_id: int, token_ids: _TokenIds, cache_salt: str | None = None) -> int:
         """Create ``seq_id`` holding ``token_ids``; return the number of tokens served from the cache."""
-    def can_allocate(self, token_ids: TokenIds, cache_salt: str | None = None) -> bool:
+    def can_allocate(self, token_ids: _TokenIds, cache_salt: str | None = None) -> bool:
         """Whether ``allocate`` would succeed now, counting evictable prefix hits as used capacity."""
-    def cached_prefix_len(self, token_ids: TokenIds, cache_salt: str | None = None) -> int:
+    def cached_prefix_len(self, token_ids: _TokenIds, cache_salt: str | None = None) -> int:
         """Tokens of ``token_ids`` that ``allocate`` would serve from the cache (never all of them)."""
-    def append(self, seq_id: int, token_ids: TokenIds) -> tuple[int, int] | None:
+    def append(self, seq_id: int, token_ids: _TokenIds) -> tuple[int, int] | None:
         """Give ``token_ids`` slots; return the copy-on-write op ``(src, dst)`` if the tail was shared."""
     def fork(self, parent_id: int, child_id: int) -> None:
         """Make ``child_id`` share every block of ``parent_id``."""
@@ -59,24 +83,25 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         """Clean plus evictable cached blocks."""
     def __len__(self) -> int: ...
-    def __contains__(self, seq_id: object) -> bool:
+    def __contains__(self, seq_id: object, /) -> bool:
         """Never raises: anything that is not a valid id (-1, 2**63, a str) is not in it."""
 
+@final
 class KVCache:
     """Paged K/V storage of every layer: ``[num_blocks, num_kv_heads, block_size, head_dim]`` tiles.
 
     Array arguments are read in index order whatever their memory layout (Fortran order, strided,
     reversed or unaligned views are copied to C order first)."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         num_layers: int,
         num_blocks: int,
         block_size: int,
         num_kv_heads: int,
         head_dim: int,
         dtype: str = "float32",
-    ) -> None:
+    ) -> Self:
         """Zeroed storage. ``InvalidArgumentError`` for a dimension below 1, ``num_blocks`` above
         2**31 (block tables hold int32 ids) or a total size past ``isize::MAX`` bytes;
         ``MemoryError`` when the memory cannot be allocated."""
@@ -110,8 +135,8 @@ class KVCache:
         block_tables: npt.NDArray[np.int32],
         context_lens: npt.NDArray[np.int32],
         query_start_loc: npt.NDArray[np.int32],
-        scale: Optional[float] = None,
-        kernel: Optional[str] = None,
+        scale: float | None = None,
+        kernel: str | None = None,
     ) -> npt.NDArray[np.float32]:
         """Paged attention over ``layer``; returns float32 ``[num_tokens, num_heads, head_dim]``.
 
@@ -141,6 +166,7 @@ class KVCache:
     @property
     def nbytes(self) -> int: ...
 
+@final
 class Scheduler:
     """Continuous-batching scheduler over a paged KV cache (Rust). Each step runs the running
     sequences first (one decode token or the next prompt chunk), then admits waiting requests from
@@ -150,8 +176,8 @@ class Scheduler:
     request is never queued behind one of priority ``q`` added more than ``(p - q) * aging_steps``
     steps after it. ``schedule`` and ``update`` must alternate and release the GIL. Thread-safe."""
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         num_blocks: int,
         block_size: int = 16,
         max_num_seqs: int = 256,
@@ -161,9 +187,9 @@ class Scheduler:
         policy: str = "fcfs",
         aging_steps: int = 100,
         long_prefill_token_threshold: int = 0,
-        eos_token_ids: TokenIds | None = None,
+        eos_token_ids: _TokenIds | None = None,
         admission_lookahead_tokens: int | None = 32,
-    ) -> None:
+    ) -> Self:
         """``max_model_len`` defaults to the whole cache and may not exceed it;
         ``long_prefill_token_threshold`` caps one sequence's prompt tokens per step (0: no cap).
         ``max_model_len`` and ``max_num_batched_tokens`` at most ``2**31 - 1`` (int32 step arrays).
@@ -177,9 +203,9 @@ class Scheduler:
     def add_request(
         self,
         request_id: str,
-        prompt_token_ids: TokenIds,
+        prompt_token_ids: _TokenIds,
         max_tokens: int = 16,
-        stop_token_ids: TokenIds | None = None,
+        stop_token_ids: _TokenIds | None = None,
         ignore_eos: bool = False,
         priority: int = 0,
         arrival_time: float | None = None,
@@ -193,7 +219,7 @@ class Scheduler:
         """Drop a request in any state, freeing every block (UnknownSequenceError if not live)."""
     def schedule(self) -> SchedulerOutput:
         """Build the next step. InvalidArgumentError if the previous step was not updated."""
-    def update(self, output: SchedulerOutput, sampled_token_ids: TokenIds) -> UpdateOutput:
+    def update(self, output: SchedulerOutput, sampled_token_ids: _TokenIds) -> UpdateOutput:
         """Append one token per sample (``len == output.num_samples``, else ShapeError), finish
         sequences (stop token, eos unless ignore_eos, max_tokens, max_model_len), free blocks.
         InvalidArgumentError unless ``output`` is the step awaiting update of this scheduler."""
@@ -220,9 +246,10 @@ class Scheduler:
     @property
     def max_model_len(self) -> int: ...
     def __len__(self) -> int: ...
-    def __contains__(self, request_id: object) -> bool:
+    def __contains__(self, request_id: object, /) -> bool:
         """Never raises: anything that is not a valid request id is not in it."""
 
+@final
 class SchedulerOutput:
     """One step (S rows, T tokens, K samples). Arrays are made on first access, without copying.
     Query j of row i sits at position ``context_lens[i] - nq_i + j`` (causal)."""
@@ -277,6 +304,7 @@ class SchedulerOutput:
         """num_running, num_waiting, num_preempted, num_admitted, num_scheduled_tokens,
         num_prefill_tokens, prefix_queried_tokens, prefix_hit_tokens, kv_usage."""
 
+@final
 class UpdateOutput:
     """What one update produced, one entry per sample (samples of aborted requests dropped).
     Iterates as ``(request_id, seq_index, token_id, finish_reason)`` tuples; finish_reason is None
@@ -294,19 +322,20 @@ class UpdateOutput:
     def finished_request_ids(self) -> list[str]:
         """Requests whose every sequence finished in this update."""
     def __len__(self) -> int: ...
-    def __getitem__(self, index: int) -> tuple[str, int, int, str | None]: ...
-    def __iter__(self) -> Iterator[tuple[str, int, int, str | None]]: ...
+    # Iterable through __getitem__ (the sequence protocol; the class defines no __iter__).
+    def __getitem__(self, index: int, /) -> tuple[str, int, int, str | None]: ...
 # --- attention (functions and classes of src/python/attention.rs) ------------------------------
 
+@final
 class ContiguousKV:
     """Contiguous K/V ``[num_seqs, num_kv_heads, max_context, head_dim]`` filled with pseudo-random
     values: the unpaged baseline for benchmarks, running the same loop as ``KVCache.attention``."""
 
     dtype: str
 
-    def __init__(
-        self, num_seqs: int, num_kv_heads: int, max_context: int, head_dim: int, dtype: str = "float32", seed: int = 0
-    ) -> None:
+    def __new__(
+        cls, num_seqs: int, num_kv_heads: int, max_context: int, head_dim: int, dtype: str = "float32", seed: int = 0
+    ) -> Self:
         """``MemoryError`` when the K/V cannot be allocated."""
     def attention(
         self,
@@ -314,8 +343,8 @@ class ContiguousKV:
         context_lens: npt.NDArray[np.int32],
         query_start_loc: npt.NDArray[np.int32],
         block_size: int = 16,
-        scale: Optional[float] = None,
-        kernel: Optional[str] = None,
+        scale: float | None = None,
+        kernel: str | None = None,
     ) -> npt.NDArray[np.float32]:
         """Attention over the first ``context_lens[i]`` rows of each sequence, in tiles of
         ``block_size`` rows; same semantics and errors as ``KVCache.attention``."""
@@ -338,13 +367,14 @@ def measure_read_bandwidth(nbytes: int, sweeps: int = 5) -> list[float]:
 def measure_fma_peak() -> float:
     """f32 GFLOP/s (an FMA counts 2) of all attention threads running a register-only FMA loop."""
 
+@final
 class ReadBandwidthProbe:
     """A freshly written buffer whose read-only sweeps measure memory bandwidth on the attention
     threads; keep one and sweep it between the measurements it is compared with."""
 
     nbytes: int
 
-    def __init__(self, nbytes: int) -> None:
+    def __new__(cls, nbytes: int) -> Self:
         """``MemoryError`` when ``nbytes`` cannot be allocated."""
     def sweep(self) -> float:
         """Reads the whole buffer once; returns GB/s (10^9 bytes per second)."""
@@ -357,6 +387,6 @@ def attention_kernel_seconds(
     context_lens: npt.NDArray[np.int32],
     query_start_loc: npt.NDArray[np.int32],
     iterations: int = 100,
-    scale: Optional[float] = None,
+    scale: float | None = None,
 ) -> float:
     """Seconds per ``KVCache.attention`` call spent in the kernel alone, timed inside Rust."""

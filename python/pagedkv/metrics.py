@@ -9,7 +9,7 @@ benchmarks) never collide; :meth:`EngineMetrics.serve` exposes it at ``/metrics`
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 

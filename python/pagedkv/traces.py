@@ -49,7 +49,9 @@ def load_trace(path: str | Path | None = None, limit: int | None = None) -> list
                     start = start or stamp
                     arrival_s = (stamp - start).total_seconds()  # TypeError: naive and aware stamps mixed
                 except (KeyError, TypeError, ValueError) as error:
-                    raise InvalidArgumentError(f"{name}: row {row_number}: expected TIMESTAMP,ContextTokens,GeneratedTokens ({error})") from None
+                    raise InvalidArgumentError(
+                        f"{name}: row {row_number}: expected TIMESTAMP,ContextTokens,GeneratedTokens ({error})"
+                    ) from None
                 if requests and arrival_s < requests[-1].arrival_s:
                     raise InvalidArgumentError(f"{name}: row {row_number}: timestamp earlier than the row before")
                 requests.append(TraceRequest(arrival_s, prompt_tokens=max(1, prompt_tokens), output_tokens=max(1, output_tokens)))

@@ -12,7 +12,8 @@ import argparse
 import json
 import statistics
 import time
-from typing import Callable, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 from pagedkv import BlockManager
 from pagedkv.bench.seed_reference import SeedPageAllocator

@@ -240,7 +240,7 @@ class ReferenceScheduler:
         self.pending = None
         produced = []
         finished = False
-        for seq, token in zip(samplers, sampled_token_ids):
+        for seq, token in zip(samplers, sampled_token_ids, strict=True):
             seq.tokens.append(token)
             seq.num_output += 1
             reason = None

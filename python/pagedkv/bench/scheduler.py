@@ -20,7 +20,8 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -32,7 +33,9 @@ from pagedkv.traces import TraceRequest, load_trace
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--requests", type=non_negative_int, default=2000, help="trace requests to replay (0: all 19,366)")
-    parser.add_argument("--reference-requests", type=positive_int, default=None, help="requests for the Python reference (default: same)")
+    parser.add_argument(
+        "--reference-requests", type=positive_int, default=None, help="requests for the Python reference (default: same)"
+    )
     parser.add_argument("--num-blocks", type=positive_int, default=4096)
     parser.add_argument("--block-size", type=positive_int, default=16)
     parser.add_argument("--max-num-seqs", type=positive_int, default=256)

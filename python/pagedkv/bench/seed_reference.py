@@ -13,7 +13,7 @@ class Page:
 
     capacity: int
     tokens: list[int] = field(default_factory=list)
-    next_page: "Page | None" = None
+    next_page: Page | None = None
 
 
 class SeedPageAllocator:

@@ -16,8 +16,8 @@ import argparse
 import json
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -42,21 +42,37 @@ DEFAULT_SWEEP_RATES = (0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the results as JSON only")
     parser.add_argument(
-        "--trace", type=trace_source(list(SHIPPED_TRACES)), default="conv", help="'conv', 'code' or a CSV path (TIMESTAMP,ContextTokens,GeneratedTokens)"
+        "--trace",
+        type=trace_source(list(SHIPPED_TRACES)),
+        default="conv",
+        help="'conv', 'code' or a CSV path (TIMESTAMP,ContextTokens,GeneratedTokens)",
     )
     parser.add_argument("--requests", type=positive_int, default=2000, help="trace requests to replay (from the start)")
-    parser.add_argument("--rate", type=positive_float, default=None, help="Poisson arrivals at this many requests/s (default: replay the trace's arrival times)")
+    parser.add_argument(
+        "--rate",
+        type=positive_float,
+        default=None,
+        help="Poisson arrivals at this many requests/s (default: replay the trace's arrival times)",
+    )
     parser.add_argument("--sweep", action="store_true", help="also sweep Poisson request rates")
-    parser.add_argument("--sweep-rates", type=comma_list(positive_float), default=DEFAULT_SWEEP_RATES, help="comma-separated requests/s")
+    parser.add_argument(
+        "--sweep-rates", type=comma_list(positive_float), default=DEFAULT_SWEEP_RATES, help="comma-separated requests/s"
+    )
     parser.add_argument("--sweep-requests", type=positive_int, default=600, help="requests per sweep point")
     parser.add_argument("--plot", type=output_dir, default=None, metavar="DIR", help="write PNG plots into DIR")
-    parser.add_argument("--quick", action="store_true", help=f"a fast smoke run ({QUICK_REQUESTS} requests, a 2-point sweep if --sweep)")
+    parser.add_argument(
+        "--quick", action="store_true", help=f"a fast smoke run ({QUICK_REQUESTS} requests, a 2-point sweep if --sweep)"
+    )
     parser.add_argument("--num-blocks", type=positive_int, default=4096, help="KV memory in blocks (the same for every policy)")
     parser.add_argument("--block-size", type=positive_int, default=16)
-    parser.add_argument("--max-model-len", type=positive_int, default=8192, help="longest sequence, and each reservation of the baselines")
+    parser.add_argument(
+        "--max-model-len", type=positive_int, default=8192, help="longest sequence, and each reservation of the baselines"
+    )
     parser.add_argument("--max-num-seqs", type=positive_int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
-    parser.add_argument("--system-prompts", type=positive_int, default=8, help="shared system prompts of the prefix-caching variant")
+    parser.add_argument(
+        "--system-prompts", type=positive_int, default=8, help="shared system prompts of the prefix-caching variant"
+    )
     parser.add_argument("--real-requests", type=non_negative_int, default=24, help="requests of the tiny-model run (0 to skip)")
     parser.add_argument("--seed", type=non_negative_int, default=0)
 
@@ -74,7 +90,7 @@ class _Progress:
             transient=False,
         )
 
-    def __enter__(self) -> "_Progress":
+    def __enter__(self) -> _Progress:
         self._progress.__enter__()
         return self
 
@@ -101,7 +117,13 @@ class _Comparison:
 
 
 def _compare(
-    args: argparse.Namespace, setup: ServingSetup, count: int, rate: float | None, progress: _Progress, label: str, headline_only: bool = False
+    args: argparse.Namespace,
+    setup: ServingSetup,
+    count: int,
+    rate: float | None,
+    progress: _Progress,
+    label: str,
+    headline_only: bool = False,
 ) -> _Comparison:
     """Runs policies 1–3 on the trace and all four on the shared-prefix variant (same lengths and
     arrivals plus a system prompt each; only policy 4 there if ``headline_only``); prefix caching
@@ -111,7 +133,11 @@ def _compare(
         raise InvalidArgumentError(f"--trace {args.trace}: no requests")
     base = build_workload(trace, max_model_len=setup.max_model_len, rate=rate, seed=args.seed)
     shared = build_workload(
-        trace, max_model_len=setup.max_model_len, rate=rate, seed=args.seed, system_prompts=SystemPrompts(count=args.system_prompts)
+        trace,
+        max_model_len=setup.max_model_len,
+        rate=rate,
+        seed=args.seed,
+        system_prompts=SystemPrompts(count=args.system_prompts),
     )
     comparison = _Comparison(base, shared, {}, {})
     runs = [(base, name) for name in POLICIES if name != PAGED_PREFIX]
@@ -159,9 +185,13 @@ def _real_model(args: argparse.Namespace, progress: _Progress) -> dict[str, obje
     count = min(args.real_requests, 8) if args.quick else args.real_requests
     config = LlamaConfig.tiny()
     model = LlamaModel(LlamaWeights.random(config, seed=args.seed))
-    setup = ServingSetup(num_blocks=256, block_size=args.block_size, max_model_len=1024, max_num_seqs=32, max_num_batched_tokens=512)
+    setup = ServingSetup(
+        num_blocks=256, block_size=args.block_size, max_model_len=1024, max_num_seqs=32, max_num_batched_tokens=512
+    )
     trace = load_trace(args.trace, limit=count)
-    common = dict(max_model_len=setup.max_model_len, rate=math.inf, length_scale=1 / 8, vocab=(3, config.vocab_size), seed=args.seed)
+    common = dict(
+        max_model_len=setup.max_model_len, rate=math.inf, length_scale=1 / 8, vocab=(3, config.vocab_size), seed=args.seed
+    )
     workloads = {
         PAGED: build_workload(trace, **common),
         PAGED_PREFIX: build_workload(trace, system_prompts=SystemPrompts(count=2), **common),
@@ -204,14 +234,17 @@ def run(args: argparse.Namespace) -> int:
 
         headline = main.headline()
         memory = f"KV {setup.kv_capacity_slots:,} token slots, max_model_len {setup.max_model_len}; simulated 7B/A100 cost model"
-        arrivals = f"Poisson {args.rate:g} req/s" if args.rate else f"replayed arrivals, {main.base.offered_rate:.1f} req/s offered"
+        arrivals = (
+            f"Poisson {args.rate:g} req/s" if args.rate else f"replayed arrivals, {main.base.offered_rate:.1f} req/s offered"
+        )
         paths = plots.write_all(
             args.plot,
             [main.results[k] for k in headline],
             [main.summaries[k] for k in headline],
             sweep,
             caption=f"{args.trace} trace, {len(main.base.requests)} requests, {arrivals}; {memory}",
-            sweep_caption=f"{args.trace} trace lengths, {args.sweep_requests if not args.quick else QUICK_REQUESTS} requests per point; {memory}",
+            sweep_caption=f"{args.trace} trace lengths, {QUICK_REQUESTS if args.quick else args.sweep_requests} requests "
+            f"per point; {memory}",
         )
         report["plots"] = [str(p) for p in paths]
     if args.json:
@@ -221,7 +254,9 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _report(args: argparse.Namespace, setup: ServingSetup, main: _Comparison, sweep: list, real: dict | None) -> dict[str, object]:
+def _report(
+    args: argparse.Namespace, setup: ServingSetup, main: _Comparison, sweep: list, real: dict | None
+) -> dict[str, object]:
     summaries = main.summaries
     headline = [summaries[key] for key in main.headline()]
     by_name = {s.name: s for s in headline}
@@ -295,7 +330,8 @@ def _print_report(report: dict, main: _Comparison) -> None:
     for point in report["sweep"]:
         print(
             f"sweep {point['rate_requests_per_s']:5.2f} req/s  {point['policy']:<24} "
-            f"{point['throughput_requests_per_s']:5.2f} req/s  TTFT p99 {point['ttft_p99_s']:8.2f}s  e2e p99 {point['e2e_p99_s']:8.2f}s",
+            f"{point['throughput_requests_per_s']:5.2f} req/s  "
+            f"TTFT p99 {point['ttft_p99_s']:8.2f}s  e2e p99 {point['e2e_p99_s']:8.2f}s",
             file=out,
         )
     if report["real_model"]:

@@ -11,8 +11,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, NoReturn, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from pagedkv.errors import InvalidArgumentError
 
@@ -24,7 +25,15 @@ T = TypeVar("T")
 _HF_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads"}
 
 # Keys of a rope settings object (config.json "rope_parameters" or "rope_scaling") this model reads.
-_ROPE_KEYS = {"rope_type", "type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
+_ROPE_KEYS = {
+    "rope_type",
+    "type",
+    "rope_theta",
+    "factor",
+    "low_freq_factor",
+    "high_freq_factor",
+    "original_max_position_embeddings",
+}
 
 
 @dataclass(frozen=True)
@@ -60,7 +69,9 @@ class RopeScaling:
                 f"llama3 rope needs 0 < low_freq_factor < high_freq_factor, got {low!r} and {high!r}"
             )
         if not isinstance(original, int) or isinstance(original, bool) or original <= 0:
-            raise InvalidArgumentError(f"llama3 rope original_max_position_embeddings must be a positive integer, got {original!r}")
+            raise InvalidArgumentError(
+                f"llama3 rope original_max_position_embeddings must be a positive integer, got {original!r}"
+            )
 
     def to_hf_dict(self) -> dict[str, Any]:
         """The ``rope_scaling`` object of a ``config.json``."""

@@ -16,7 +16,6 @@ from __future__ import annotations
 import itertools
 import re
 from pathlib import Path
-from typing import Union
 
 import numpy as np
 
@@ -28,7 +27,7 @@ from pagedkv.model.weights import LlamaWeights, _expected_names, _expected_shape
 
 __all__ = ["load_gguf", "config_from_gguf", "unpermute_qk"]
 
-PathLike = Union[str, Path]
+PathLike = str | Path
 
 # GGUF tensor name -> Hugging Face name ({i}: the layer).
 _GLOBAL_TENSORS = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
@@ -56,7 +55,9 @@ def load_gguf(path: PathLike) -> tuple[LlamaWeights, HFTokenizer]:
     config = config_from_gguf(gguf)
     tokenizer = HFTokenizer.from_gguf_metadata(gguf.metadata, gguf.file.path)
     if tokenizer.vocab_size > config.vocab_size:
-        raise CheckpointError(gguf.file.path, f"the tokenizer has {tokenizer.vocab_size} ids but the model only {config.vocab_size}")
+        raise CheckpointError(
+            gguf.file.path, f"the tokenizer has {tokenizer.vocab_size} ids but the model only {config.vocab_size}"
+        )
     names = _hf_names(gguf, config)
     num_missing = _num_expected(config) - len(names)  # counted: a config may claim a million layers
     if num_missing:
@@ -98,7 +99,9 @@ def _read_config(f: _Fields, gguf: GGUFFile) -> LlamaConfig:
     if f.int_("llama.attention.value_length", head_dim) != head_dim:
         raise InvalidArgumentError("llama.attention.value_length must equal key_length")
     if f.int_("llama.rope.dimension_count", head_dim) != head_dim:
-        raise InvalidArgumentError(f"llama.rope.dimension_count must equal the head size {head_dim} (partial rotary embedding is not supported)")
+        raise InvalidArgumentError(
+            f"llama.rope.dimension_count must equal the head size {head_dim} (partial rotary embedding is not supported)"
+        )
     tokens = f.get("tokenizer.ggml.tokens", lambda v: isinstance(v, list), "a list", [])
     return LlamaConfig(
         vocab_size=f.int_("llama.vocab_size", len(tokens)),
@@ -142,7 +145,9 @@ def _hf_names(gguf: GGUFFile, config: LlamaConfig) -> dict[str, str]:
         if expected is None:
             continue
         if tensor.shape != expected:
-            raise CheckpointError(gguf.file.path, f"tensor {name} ({hf_name}) has shape {tensor.shape}, but the metadata implies {expected}")
+            raise CheckpointError(
+                gguf.file.path, f"tensor {name} ({hf_name}) has shape {tensor.shape}, but the metadata implies {expected}"
+            )
         names[name] = hf_name
     return names
 

@@ -19,9 +19,10 @@ from __future__ import annotations
 import math
 import mmap
 import struct
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, quants
@@ -226,10 +227,14 @@ class _Parser:
         if 0 in shape:
             raise self.fail(f"tensor {name} has an empty dimension {shape}")
         if shape[-1] % block_size:
-            raise self.fail(f"tensor {name}: row length {shape[-1]} is not a multiple of {tensor_type.name}'s block of {block_size}")
+            raise self.fail(
+                f"tensor {name}: row length {shape[-1]} is not a multiple of {tensor_type.name}'s block of {block_size}"
+            )
         nbytes = math.prod(shape) // block_size * type_size
         offset = data_start + relative
         if relative % alignment or offset + nbytes > self._size:
-            raise self.fail(f"tensor {name} ({nbytes} bytes at data offset {relative}) is misaligned or lies past the end of the file")
+            raise self.fail(
+                f"tensor {name} ({nbytes} bytes at data offset {relative}) is misaligned or lies past the end of the file"
+            )
         return GGUFTensor(name, tensor_type, shape, offset, nbytes)
 

@@ -11,7 +11,7 @@ Matrix products run in numpy float32 on the whole batch; there is no per-token P
 from __future__ import annotations
 
 import contextlib
-from typing import ContextManager, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 from threadpoolctl import ThreadpoolController
@@ -83,7 +83,7 @@ class LlamaModel:
         with self._blas_limit():
             return self._forward(step, kv_cache)
 
-    def _blas_limit(self) -> ContextManager[object]:
+    def _blas_limit(self) -> contextlib.AbstractContextManager[object]:
         if self._blas is None:
             return contextlib.nullcontext()
         return self._blas.limit(limits=self._blas_threads, user_api="blas")
@@ -96,7 +96,9 @@ class LlamaModel:
         if input_ids.ndim != 1 or positions.shape != (num_tokens,):
             raise ShapeError(f"input_ids {input_ids.shape} and positions {positions.shape} must be equal 1-D shapes")
         if num_tokens and int(positions.max()) >= c.max_position_embeddings:
-            raise InvalidArgumentError(f"position {int(positions.max())} is past max_position_embeddings {c.max_position_embeddings}")
+            raise InvalidArgumentError(
+                f"position {int(positions.max())} is past max_position_embeddings {c.max_position_embeddings}"
+            )
         copy_ops = [(int(src), int(dst)) for src, dst in step.copy_ops]
         if copy_ops:
             kv_cache.copy_blocks(copy_ops)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Union
 
 from pagedkv.errors import CheckpointError
 from pagedkv.model.config import LlamaConfig
@@ -22,7 +21,7 @@ from pagedkv.model.weights import LlamaWeights, load_checkpoint
 
 __all__ = ["PackagedModel", "REGISTRY", "load_pretrained", "locate_registered"]
 
-PathLike = Union[str, Path]
+PathLike = str | Path
 
 
 @dataclass(frozen=True)

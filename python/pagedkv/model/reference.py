@@ -9,7 +9,7 @@ which the tests check on their own against the formulas.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 

@@ -7,7 +7,8 @@ of ``input_ids``, ``positions`` and ``slot_mapping``.
 
 from __future__ import annotations
 
-from typing import Iterable, Protocol, Union
+from collections.abc import Iterable
+from typing import Protocol
 
 import numpy as np
 
@@ -47,7 +48,7 @@ class ModelStep(Protocol):
     def block_tables(self) -> np.ndarray: ...
 
     @property
-    def copy_ops(self) -> Union[np.ndarray, Iterable[tuple[int, int]]]: ...
+    def copy_ops(self) -> np.ndarray | Iterable[tuple[int, int]]: ...
 
     @property
     def logits_indices(self) -> np.ndarray: ...

@@ -9,8 +9,9 @@ directory, ``tokenizer_config.json``. The byte tokenizer has no template.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Callable, Mapping, Protocol, Sequence, Union
+from typing import Any, Protocol
 
 from pagedkv.errors import CheckpointError, InvalidArgumentError
 from pagedkv.model.config import _Fields
@@ -92,7 +93,7 @@ class HFTokenizer:
         self.eos_token = eos_token
 
     @classmethod
-    def from_file(cls, file: Union[str, Path, CheckpointFile]) -> HFTokenizer:
+    def from_file(cls, file: str | Path | CheckpointFile) -> HFTokenizer:
         """Loads a ``tokenizer.json``: a :class:`CheckpointFile`, or a path, which must be a
         regular file inside its own directory."""
         from tokenizers import Tokenizer as _Tokenizer
@@ -121,7 +122,8 @@ class HFTokenizer:
         ``tokenizer.chat_template`` becomes :attr:`chat_template`. Raises :class:`CheckpointError`
         naming ``path`` for another tokenizer model or pre-tokenizer, or malformed vocabulary
         metadata."""
-        from tokenizers import AddedToken, Tokenizer as _Tokenizer, decoders, models, processors
+        from tokenizers import AddedToken, decoders, models, processors
+        from tokenizers import Tokenizer as _Tokenizer
 
         def fail(detail: str) -> CheckpointError:
             return CheckpointError(path, f"GGUF tokenizer metadata: {detail}")
@@ -159,7 +161,7 @@ class HFTokenizer:
         tokenizer.pre_tokenizer = _GGUF_PRE_TOKENIZERS[pre]()
         tokenizer.decoder = decoders.ByteLevel()
         added = [AddedToken(token, special=token_type == _CONTROL, normalized=False)
-                 for token, token_type in zip(tokens, types) if token_type in (_CONTROL, _USER_DEFINED)]
+                 for token, token_type in zip(tokens, types, strict=True) if token_type in (_CONTROL, _USER_DEFINED)]
         tokenizer.add_tokens(added)  # each is already in the vocabulary: its id is kept
         bos, eos = added_ids
         pieces = ([tokens[bos]] if bos is not None else []) + ["$A"] + ([tokens[eos]] if eos is not None else [])
@@ -240,7 +242,7 @@ def _digits_then_byte_level() -> Any:
 _GGUF_PRE_TOKENIZERS: dict[str, Callable[[], Any]] = {"gpt2": _byte_level, "smollm": _digits_then_byte_level}
 
 
-def load_tokenizer(checkpoint_dir: Union[str, Path, None], vocab_size: int) -> Tokenizer:
+def load_tokenizer(checkpoint_dir: str | Path | None, vocab_size: int) -> Tokenizer:
     """The tokenizer for a model of ``vocab_size`` ids: ``checkpoint_dir/tokenizer.json`` if the
     directory has that entry, else a :class:`ByteTokenizer`. Raises :class:`CheckpointError` when
     the entry is not a regular file inside the directory or not a tokenizer, and

@@ -16,9 +16,10 @@ import itertools
 import json
 import math
 import os
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Mapping, TypeVar, Union
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -29,7 +30,7 @@ from pagedkv.model.files import CheckpointFile, is_present
 __all__ = ["LayerWeights", "LlamaWeights", "load_config", "load_checkpoint", "save_checkpoint", "CONFIG_FILE", "INDEX_FILE",
            "GENERATION_CONFIG_FILE"]
 
-PathLike = Union[str, Path]
+PathLike = str | Path
 T = TypeVar("T")
 
 CONFIG_FILE = "config.json"
@@ -344,7 +345,9 @@ def _read_header(file: CheckpointFile) -> dict[str, _Tensor]:
     for name, entry in header.items():
         if name == "__metadata__":
             continue
-        dtype, shape, offsets = (entry.get(k) for k in ("dtype", "shape", "data_offsets")) if isinstance(entry, dict) else (None,) * 3
+        dtype, shape, offsets = (
+            (entry.get(k) for k in ("dtype", "shape", "data_offsets")) if isinstance(entry, dict) else (None,) * 3
+        )
         if not (isinstance(dtype, str) and isinstance(shape, list) and all(_is_size(d) for d in shape)
                 and isinstance(offsets, list) and len(offsets) == 2 and all(_is_size(o) for o in offsets)
                 and offsets[0] <= offsets[1] <= data_len):

@@ -3,8 +3,8 @@ the rate sweep, and a one-glance summary."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Mapping, Sequence
 
 import matplotlib
 
@@ -36,7 +36,7 @@ def _label(summary_or_name: PolicySummary | str, workload: str | None = None) ->
 def kv_usage_over_time(results: Sequence[ReplayResult], summaries: Sequence[PolicySummary], caption: str, path: Path) -> Path:
     """One panel per policy: KV slots reserved and KV slots holding live tokens, over time."""
     fig, axes = plt.subplots(len(results), 1, figsize=(11, 2.3 * len(results) + 1), sharex=True, sharey=True)
-    for ax, result, summary in zip(np.atleast_1d(axes), results, summaries):
+    for ax, result, summary in zip(np.atleast_1d(axes), results, summaries, strict=True):
         t = np.array([s.start_s for s in result.steps] + [result.steps[-1].start_s + result.steps[-1].duration_s])
         reserved = np.array([s.reserved_slots for s in result.steps] + [0]) / result.kv_capacity_slots
         live = np.array([s.live_tokens for s in result.steps] + [0]) / result.kv_capacity_slots
@@ -67,10 +67,16 @@ def latency_cdfs(results: Sequence[ReplayResult], summaries: Sequence[PolicySumm
         ("ttft", axes[0], "Time to first token"),
         ("e2e_latency", axes[1], "End-to-end latency (arrival to last token)"),
     ):
-        for result, summary in zip(results, summaries):
+        for result, summary in zip(results, summaries, strict=True):
             values = np.sort([getattr(r.metrics, metric) for r in result.requests])
             values = np.maximum(values, 1e-3)  # log axis
-            ax.step(values, np.arange(1, len(values) + 1) / len(values), where="post", color=_COLORS.get(result.policy, "gray"), label=_label(summary))
+            ax.step(
+                values,
+                np.arange(1, len(values) + 1) / len(values),
+                where="post",
+                color=_COLORS.get(result.policy, "gray"),
+                label=_label(summary),
+            )
         ax.set_xscale("log")
         ax.set_xlabel("seconds (simulated, log scale)")
         ax.set_ylabel("fraction of requests")
@@ -123,11 +129,13 @@ def summary(summaries: Sequence[PolicySummary], caption: str, path: Path) -> Pat
         ("throughput_tokens_per_s", "Throughput at saturation", "generated tokens / s", "{:.0f}"),
         ("peak_running", "Largest running batch", "concurrent sequences", "{}"),
     )
-    for ax, (key, title, ylabel, fmt) in zip(axes, panels):
+    for ax, (key, title, ylabel, fmt) in zip(axes, panels, strict=True):
         values = [getattr(s, key) for s in summaries]
         bars = ax.bar(range(len(values)), values, color=colors)
-        for bar, value in zip(bars, values):
-            ax.annotate(fmt.format(value), (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=9)
+        for bar, value in zip(bars, values, strict=True):
+            ax.annotate(
+                fmt.format(value), (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=9
+            )
         ax.set_xticks(range(len(values)), labels, fontsize=7.5)
         ax.set_title(title, fontsize=10)
         ax.set_ylabel(ylabel)

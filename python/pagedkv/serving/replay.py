@@ -11,8 +11,9 @@ or wall seconds (:class:`WallTime`, which sleeps over idle gaps).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from typing import Protocol
 
 from pagedkv.engine_core import EngineCore, RequestMetrics, VirtualClock
 from pagedkv.model.sampling import SamplingParams
@@ -184,7 +185,7 @@ class PagedPolicy:
         step = self.core.last_step
         if step is None or step.stats["num_scheduled_tokens"] == 0:
             raise RuntimeError(f"{self.name}: the scheduler scheduled nothing while requests are unfinished")
-        for request_id, context_len in zip(step.request_ids, step.context_lens.tolist()):
+        for request_id, context_len in zip(step.request_ids, step.context_lens.tolist(), strict=True):
             self._context_len[request_id] = context_len
         # Every block in use is full except the last of each running sequence (no forks here),
         # so the unwritten slots are the tails of those last blocks. A preempted sequence keeps

@@ -76,7 +76,8 @@ class _MaxLengthReservation:
     def add_request(self, request: ServingRequest) -> None:
         if request.prompt_len + request.max_tokens > self.max_model_len:
             raise InvalidArgumentError(
-                f"request {request.request_id}: {request.prompt_len} + {request.max_tokens} tokens exceed max_model_len {self.max_model_len}"
+                f"request {request.request_id}: {request.prompt_len} + {request.max_tokens} tokens "
+                f"exceed max_model_len {self.max_model_len}"
             )
         self._waiting.append(_Sequence(request, RequestMetrics(arrival_time=request.arrival_s)))
 

@@ -3,10 +3,10 @@ one batching budget and one simulated cost model, each on its own virtual clock.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
-from pagedkv.engine_core import EngineCore, EngineConfig, SimulatedRunner
+from pagedkv.engine_core import EngineConfig, EngineCore, SimulatedRunner
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.model.simulated import SimulatedModel, StepCostModel
 from pagedkv.serving.replay import PagedPolicy, ReplayResult, ServingPolicy, SimulatedTime, replay

@@ -10,8 +10,8 @@ block-granular prefix cache would leave.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
@@ -107,7 +107,7 @@ def build_workload(
 
     requests = []
     truncated = 0
-    for i, (entry, arrival) in enumerate(zip(trace, arrivals)):
+    for i, (entry, arrival) in enumerate(zip(trace, arrivals, strict=True)):
         request_rng = np.random.default_rng([seed, i])
         max_tokens = min(scaled(entry.output_tokens), max_model_len // 2)
         prefix_index = int(request_rng.integers(len(shared))) if shared else None
