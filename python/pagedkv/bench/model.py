@@ -5,8 +5,8 @@ prompts so that nothing is shared) it measures single-request decode tokens/s, p
 a 512-token prompt, and aggregate decode tokens/s at 4, 16 and 32 concurrent requests of 40-token
 prompts generating 64 tokens. Decode rates count decode steps only (a step that prefills is left
 out), as llama.cpp's ``S_TG`` does. Each figure is set against the machine's limit measured in the
-same round: read bandwidth ÷ the bytes of weights a decode step reads, and the FMA peak ÷ the
-FLOPs of a prompt token.
+same rounds: read bandwidth ÷ the bytes of weights a decode step reads (times the batch, capped
+by the FMA peak ÷ the FLOPs of a decoded token), and the FMA peak ÷ the FLOPs of a prompt token.
 
 Peers, when built by ``make peers`` (``--peers``, or automatically when ``.peers/`` exists):
 llama.cpp's ``llama-bench`` (pp512, tg64) and ``llama-batched-bench`` (``-npp 40 -ntg 64 -npl
@@ -71,8 +71,18 @@ def weight_bytes_per_token(config: LlamaConfig, bytes_per_weight: float) -> floa
 def prompt_flops_per_token(config: LlamaConfig, prompt_tokens: int) -> float:
     """FLOPs per token of a prompt: the layers' matrix products (2 per weight; the output
     projection runs for the last token only) plus causal attention at the mean context."""
-    attention = 4.0 * config.num_heads * config.head_dim * (prompt_tokens + 1) / 2 * config.num_layers
-    return 2.0 * _matrix_params(config, with_lm_head=False) + attention
+    return 2.0 * _matrix_params(config, with_lm_head=False) + _attention_flops(config, (prompt_tokens + 1) / 2)
+
+
+def decode_flops_per_token(config: LlamaConfig, context: float) -> float:
+    """FLOPs of one decoded token: every matrix product, the output projection included, and
+    attention over ``context`` tokens."""
+    return 2.0 * _matrix_params(config, with_lm_head=True) + _attention_flops(config, context)
+
+
+def _attention_flops(config: LlamaConfig, context: float) -> float:
+    """QK^T and PV: 4·head_dim per (query head, attended key), in every layer."""
+    return 4.0 * config.num_heads * config.head_dim * context * config.num_layers
 
 
 def _matrix_params(config: LlamaConfig, with_lm_head: bool) -> int:
@@ -242,12 +252,13 @@ def run(args) -> int:
     bandwidth = medians["limits"]["bandwidth_gbps"]["median"] * 1e9
     fma = medians["limits"]["fma_peak_gflops"]["median"] * 1e9
     ours = medians[f"pagedkv {weight_dtype}"]
+    # A decode step reads the weights once for all its n tokens: n × bandwidth ÷ weight bytes,
+    # until the FMA peak binds (at the mean context of a 40 + 64 token request).
+    decode_flops = decode_flops_per_token(config, BATCH_PROMPT_TOKENS + NEW_TOKENS / 2)
     limits = {"decode": bandwidth / decode_bytes, "prompt": fma / prompt_flops}
+    limits.update({f"batch_{n}": min(n * bandwidth / decode_bytes, fma / decode_flops) for n in batches})
     for key, figure in ours.items():
-        limit = limits["prompt"] if key == "prompt" else limits["decode"]
-        # At batch n a step reads the weights once for n tokens: the limit scales with n.
-        scale = int(key.split("_")[1]) if key.startswith("batch_") else 1
-        figure["fraction_of_limit"] = figure["median"] / (limit * scale)
+        figure["fraction_of_limit"] = figure["median"] / limits[key]
         figure["ratios"] = {peer: figure["median"] / figs[key]["median"]
                             for peer, figs in medians.items() if peer not in ("limits", f"pagedkv {weight_dtype}") and key in figs}
     report = {
@@ -257,6 +268,7 @@ def run(args) -> int:
         "samples": samples,
         "decode_weight_bytes": decode_bytes,
         "prompt_flops_per_token": prompt_flops,
+        "decode_flops_per_token": decode_flops,
         "limits_tokens_per_s": limits,
         "peers": peers_info,
         "figures": medians,
