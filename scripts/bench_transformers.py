@@ -20,6 +20,7 @@ import time
 
 import torch
 from transformers import AutoModelForCausalLM
+from transformers.utils import logging as transformers_logging
 
 
 def generate_seconds(model, ids: torch.Tensor, new: int) -> float:
@@ -38,6 +39,7 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--batches", default="4,16,32")
     args = parser.parse_args()
+    transformers_logging.disable_progress_bar()
     if args.threads:
         torch.set_num_threads(args.threads)
     directory, _, name = args.gguf.rpartition("/")

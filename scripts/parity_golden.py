@@ -25,6 +25,7 @@ import numpy as np
 import torch
 import transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as transformers_logging
 
 MAX_NEW_TOKENS = 32
 
@@ -148,6 +149,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=int(os.environ.get("PARITY_THREADS", "2")))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    transformers_logging.disable_progress_bar()
 
     model, tokenizer = load(args.gguf)
     eos = model.generation_config.eos_token_id
