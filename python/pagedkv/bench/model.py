@@ -146,7 +146,8 @@ def llama_bench(peers: Path, precision: str, threads: int) -> dict[str, float]:
 
 def llama_batched_bench(peers: Path, precision: str, threads: int, batches: tuple[int, ...]) -> dict[str, float]:
     """llama-batched-bench S_TG (aggregate decode tokens/s) at each batch."""
-    context = max(batches) * (BATCH_PROMPT_TOKENS + NEW_TOKENS) + 64
+    # Its cache is split evenly between the max(batches) sequences: room for 40 + 64 tokens each.
+    context = max(batches) * (BATCH_PROMPT_TOKENS + NEW_TOKENS + 16)
     rows = _run_json_lines([str(peers / "bin" / "llama-batched-bench"), "-m", str(peers / "models" / f"smollm2-{precision}.gguf"),
                             "-c", str(context), "-b", "2048", "-ub", "512", "-npp", str(BATCH_PROMPT_TOKENS), "-ntg", str(NEW_TOKENS),
                             "-npl", ",".join(map(str, batches)), "-t", str(threads), "--output-format", "jsonl"])
@@ -210,6 +211,8 @@ def run(args) -> int:
         load = _load()
         for key, value in values.items():
             figures.setdefault(contender, {}).setdefault(key, []).append((value, load))
+        print(f"  {contender}: " + ", ".join(f"{k} {v:.1f}" for k, v in values.items()) + f" (load {load:.1f})",
+              file=sys.stderr, flush=True)
 
     def pagedkv_round() -> None:
         record("limits", {"bandwidth_gbps": probe.sweep(), "fma_peak_gflops": _core.measure_fma_peak()})
