@@ -65,3 +65,32 @@ $(VENV)/.built: $(VENV)/.deps $(RUST_SOURCES)
 
 clean:
 	rm -rf $(VENV) target
+
+# ---- Parity with transformers and the peers of `bench model` (outside CI) -----------------------
+# .venv-peers holds torch, transformers and gguf (never the project's venv); .peers/ holds the
+# llama.cpp build and the F16/F32 GGUFs. Both are gitignored caches: delete them to rebuild.
+PEERS_VENV := .venv-peers
+PEERS_PY := $(PEERS_VENV)/bin/python
+PARITY_DEPS := torch==2.15.0 transformers==5.24.0 accelerate==1.15.0 gguf==0.19.0 numpy
+SMOLLM2 = $$($(PY) -c 'from pagedkv.model.pretrained import locate_registered; print(locate_registered("smollm2-135m"))')
+
+.PHONY: parity-golden parity peers
+
+$(PEERS_VENV)/.parity:
+	$(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_PY) -m pip install --quiet --upgrade pip
+	$(PEERS_PY) -m pip install --quiet $(PARITY_DEPS)
+	touch $@
+
+# Records transformers' greedy tokens into the golden file tests/test_parity.py checks.
+parity-golden: $(VENV)/.built $(PEERS_VENV)/.parity
+	$(PEERS_PY) scripts/parity_golden.py --gguf "$(SMOLLM2)" --out tests/data/smollm2_golden.json
+
+# The live comparison: tokens and logits (f32, within 1e-4) of pagedkv against transformers now.
+parity: $(VENV)/.built $(PEERS_VENV)/.parity
+	$(PEERS_PY) scripts/parity_golden.py --gguf "$(SMOLLM2)" --out .peers/parity/live.json --logits .peers/parity/logits.npz
+	$(PY) scripts/parity_live.py --live .peers/parity/live.json --logits .peers/parity/logits.npz
+
+# llama.cpp built CPU-only from the llama-cpp-python sdist, and the model at F16 / F32.
+peers: $(VENV)/.built $(PEERS_VENV)/.parity
+	PEERS_VENV=$(abspath $(PEERS_VENV)) PROJECT_PY=$(abspath $(PY)) bash scripts/build_peers.sh

@@ -21,8 +21,9 @@ Invariants:
   a stop string cut it (or the sample ended without a last token — aborted, failed — when the
   text still held back is dropped, as it was never streamed). A sample whose stop string
   completes ends with ``finish_reason == "stop"`` in the step that completed it; once every sample
-  of its request has ended so, the request is aborted in the scheduler in that same step (its blocks freed). (A sample stopped while others
-  of its request run has its later tokens dropped: the scheduler finishes requests, not samples.)
+  of its request has ended so, the request is aborted in the scheduler in that same step (its
+  blocks freed). (A sample stopped while others of its request run has its later tokens dropped:
+  the scheduler finishes requests, not samples.)
   A tokenizer that raises fails the request alone, like NaN logits.
 - A sample row the model left nothing to draw from (:data:`~pagedkv.model.sampling.NO_TOKEN`: NaN
   logits) fails its request alone: it ends with ``finish_reason == "error"`` and ``error`` set.

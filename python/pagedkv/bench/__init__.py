@@ -9,5 +9,6 @@ BENCHES = {
     "attention": "pagedkv.bench.attention",
     "scheduler": "pagedkv.bench.scheduler",
     "serve": "pagedkv.bench.serve",
+    "model": "pagedkv.bench.model",
     "all": "pagedkv.bench.all",
 }
