@@ -55,7 +55,7 @@ def run(smollm2, config: EngineConfig, names: list[str]) -> tuple[dict[str, list
 def assert_golden(tokens: dict[str, list[int]], finish: dict[str, str]) -> None:
     for name, got in tokens.items():
         expected = PROMPTS[name]["expected_token_ids"]
-        diverged = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), None)
+        diverged = next((i for i, (a, b) in enumerate(zip(got, expected, strict=False)) if a != b), None)
         margin = None if diverged is None else PROMPTS[name]["top1_margins"][diverged]
         assert got == expected, f"{name}: first difference at new token {diverged} (transformers' top-1 margin there {margin})"
         assert finish[name] == FINISH[PROMPTS[name]["finish_reason"]], name

@@ -25,9 +25,9 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
@@ -148,9 +148,29 @@ def llama_batched_bench(peers: Path, precision: str, threads: int, batches: tupl
     """llama-batched-bench S_TG (aggregate decode tokens/s) at each batch."""
     # Its cache is split evenly between the max(batches) sequences: room for 40 + 64 tokens each.
     context = max(batches) * (BATCH_PROMPT_TOKENS + NEW_TOKENS + 16)
-    rows = _run_json_lines([str(peers / "bin" / "llama-batched-bench"), "-m", str(peers / "models" / f"smollm2-{precision}.gguf"),
-                            "-c", str(context), "-b", "2048", "-ub", "512", "-npp", str(BATCH_PROMPT_TOKENS), "-ntg", str(NEW_TOKENS),
-                            "-npl", ",".join(map(str, batches)), "-t", str(threads), "--output-format", "jsonl"])
+    rows = _run_json_lines(
+        [
+            str(peers / "bin" / "llama-batched-bench"),
+            "-m",
+            str(peers / "models" / f"smollm2-{precision}.gguf"),
+            "-c",
+            str(context),
+            "-b",
+            "2048",
+            "-ub",
+            "512",
+            "-npp",
+            str(BATCH_PROMPT_TOKENS),
+            "-ntg",
+            str(NEW_TOKENS),
+            "-npl",
+            ",".join(map(str, batches)),
+            "-t",
+            str(threads),
+            "--output-format",
+            "jsonl",
+        ]
+    )
     return {f"batch_{row['pl']}": float(row["speed_tg"]) for row in rows}
 
 
@@ -159,9 +179,20 @@ class TransformersPeer:
 
     def __init__(self, venv: Path, gguf: Path, threads: int, batches: tuple[int, ...]) -> None:
         self.process = subprocess.Popen(
-            [str(venv / "bin" / "python"), str(REPO / "scripts" / "bench_transformers.py"), "--gguf", str(gguf),
-             "--threads", str(threads), "--batches", ",".join(map(str, batches))],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            [
+                str(venv / "bin" / "python"),
+                str(REPO / "scripts" / "bench_transformers.py"),
+                "--gguf",
+                str(gguf),
+                "--threads",
+                str(threads),
+                "--batches",
+                ",".join(map(str, batches)),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         self.info = self._read()
 
     def _read(self) -> dict:
@@ -211,13 +242,18 @@ def run(args) -> int:
         load = _load()
         for key, value in values.items():
             figures.setdefault(contender, {}).setdefault(key, []).append((value, load))
-        print(f"  {contender}: " + ", ".join(f"{k} {v:.1f}" for k, v in values.items()) + f" (load {load:.1f})",
-              file=sys.stderr, flush=True)
+        print(
+            f"  {contender}: " + ", ".join(f"{k} {v:.1f}" for k, v in values.items()) + f" (load {load:.1f})",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def pagedkv_round() -> None:
         record("limits", {"bandwidth_gbps": probe.sweep(), "fma_peak_gflops": _core.measure_fma_peak()})
-        values = {"decode": pagedkv_rates(model, 1, BATCH_PROMPT_TOKENS, NEW_TOKENS, rng).decode,
-                  "prompt": pagedkv_rates(model, 1, PROMPT_TOKENS, 1, rng).prompt}
+        values = {
+            "decode": pagedkv_rates(model, 1, BATCH_PROMPT_TOKENS, NEW_TOKENS, rng).decode,
+            "prompt": pagedkv_rates(model, 1, PROMPT_TOKENS, 1, rng).prompt,
+        }
         for n in batches:
             values[f"batch_{n}"] = pagedkv_rates(model, n, BATCH_PROMPT_TOKENS, NEW_TOKENS, rng).decode
         record(f"pagedkv {weight_dtype}", values)
@@ -229,9 +265,13 @@ def run(args) -> int:
         peers = args.peers_dir
         peers_info["llama.cpp"] = (peers / "version.txt").read_text().strip() if (peers / "version.txt").exists() else None
         for precision in PRECISIONS:
+
             def llama_round(precision=precision) -> None:
-                record(f"llama.cpp {precision}", {**llama_bench(peers, precision, threads),
-                                                  **llama_batched_bench(peers, precision, threads, batches)})
+                record(
+                    f"llama.cpp {precision}",
+                    {**llama_bench(peers, precision, threads), **llama_batched_bench(peers, precision, threads, batches)},
+                )
+
             contenders.append((f"llama.cpp {precision}", llama_round))
         gguf = locate_registered(MODEL)
         for torch_threads in (1, 0):
@@ -250,8 +290,17 @@ def run(args) -> int:
         for peer in transformers_peers:
             peer.close()
 
-    medians = {c: {k: {"median": statistics.median(v for v, _ in vals), "load_avg": statistics.median(l for _, l in vals),
-                       "samples": len(vals)} for k, vals in figs.items()} for c, figs in figures.items()}
+    medians = {
+        c: {
+            k: {
+                "median": statistics.median(v for v, _ in vals),
+                "load_avg": statistics.median(load for _, load in vals),
+                "samples": len(vals),
+            }
+            for k, vals in figs.items()
+        }
+        for c, figs in figures.items()
+    }
     bandwidth = medians["limits"]["bandwidth_gbps"]["median"] * 1e9
     fma = medians["limits"]["fma_peak_gflops"]["median"] * 1e9
     ours = medians[f"pagedkv {weight_dtype}"]
@@ -262,8 +311,11 @@ def run(args) -> int:
     limits.update({f"batch_{n}": min(n * bandwidth / decode_bytes, fma / decode_flops) for n in batches})
     for key, figure in ours.items():
         figure["fraction_of_limit"] = figure["median"] / limits[key]
-        figure["ratios"] = {peer: figure["median"] / figs[key]["median"]
-                            for peer, figs in medians.items() if peer not in ("limits", f"pagedkv {weight_dtype}") and key in figs}
+        figure["ratios"] = {
+            peer: figure["median"] / figs[key]["median"]
+            for peer, figs in medians.items()
+            if peer not in ("limits", f"pagedkv {weight_dtype}") and key in figs
+        }
     report = {
         "model": MODEL,
         "weight_dtype": weight_dtype,
@@ -287,9 +339,12 @@ def _print_table(report: dict, file) -> None:
     figures = report["figures"]
     keys = list(figures[f"pagedkv {report['weight_dtype']}"])
     limits = figures["limits"]
-    print(f"SmolLM2-135M, {report['threads']} threads, medians of {report['samples']} round(s); "
-          f"bandwidth {limits['bandwidth_gbps']['median']:.1f} GB/s, FMA peak {limits['fma_peak_gflops']['median']:.0f} GFLOP/s "
-          f"(load {limits['bandwidth_gbps']['load_avg']:.1f})", file=file)
+    print(
+        f"SmolLM2-135M, {report['threads']} threads, medians of {report['samples']} round(s); "
+        f"bandwidth {limits['bandwidth_gbps']['median']:.1f} GB/s, FMA peak {limits['fma_peak_gflops']['median']:.0f} GFLOP/s "
+        f"(load {limits['bandwidth_gbps']['load_avg']:.1f})",
+        file=file,
+    )
     print(f"{'contender':24}" + "".join(f"{k:>18}" for k in keys) + "   tokens/s (load avg)", file=file)
     for contender, figs in figures.items():
         if contender == "limits":
