@@ -1,7 +1,7 @@
 //! Argument conversion shared by the bindings: token lists, sizes, ids, numpy arrays. Every
 //! failure is an `InvalidArgumentError` or `ShapeError` naming the argument.
 
-use numpy::PyReadonlyArray1;
+use numpy::{PyReadonlyArray1, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
 
@@ -84,13 +84,14 @@ pub fn expect_shape(shape: &[usize], expected: &[Option<usize>], name: &str) -> 
     }
 }
 
-/// The elements of a numpy array in C order, borrowed when it is contiguous, copied otherwise.
+/// The elements of a numpy array in C order, borrowed when it is C-contiguous, copied otherwise
+/// (`as_slice` alone also borrows a Fortran-ordered array, in its memory order).
 pub fn c_order<'a, T: numpy::Element + Clone, D: numpy::ndarray::Dimension>(
     array: &'a numpy::PyReadonlyArray<'_, T, D>,
 ) -> std::borrow::Cow<'a, [T]> {
     match array.as_slice() {
-        Ok(slice) => std::borrow::Cow::Borrowed(slice),
-        Err(_) => std::borrow::Cow::Owned(array.as_array().iter().cloned().collect()),
+        Ok(slice) if array.is_c_contiguous() => std::borrow::Cow::Borrowed(slice),
+        _ => std::borrow::Cow::Owned(array.as_array().iter().cloned().collect()),
     }
 }
 

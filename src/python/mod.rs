@@ -7,6 +7,7 @@ mod attention;
 mod block_manager;
 mod errors;
 mod kv_cache;
+mod linear;
 mod scheduler;
 
 use pyo3::prelude::*;
@@ -20,5 +21,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<scheduler::PySchedulerOutput>()?;
     m.add_class::<scheduler::PyUpdateOutput>()?;
     attention::register(m)?;
+    linear::register(m)?;
     Ok(())
 }
