@@ -300,12 +300,12 @@ impl<'a> Problem<'a> {
         out: &[f32],
     ) -> Result<Self> {
         let invalid = |message: String| Err(Error::InvalidArgument(message));
-        if head_dim % 8 != 0 {
+        if !head_dim.is_multiple_of(8) {
             return invalid(format!(
                 "attention needs head_dim a multiple of 8, the cache has {head_dim}"
             ));
         }
-        if num_heads == 0 || num_heads % num_kv_heads != 0 {
+        if num_heads == 0 || !num_heads.is_multiple_of(num_kv_heads) {
             return invalid(format!(
                 "num_heads {num_heads} must be a positive multiple of num_kv_heads {num_kv_heads}"
             ));

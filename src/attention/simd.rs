@@ -80,6 +80,7 @@ pub(crate) trait Kernels {
     /// `scores[i * stride + r] = q[i] · k[r]` for query rows `i < m` and key rows `r < rows`;
     /// `q` is `m × head_dim`, `k` is at least `rows × head_dim`. `prefetch` (possibly empty) is a
     /// later tile to request into L2 a line at a time between the arithmetic.
+    #[allow(clippy::too_many_arguments)]
     unsafe fn scores<T: KvElement>(
         q: &[f32],
         m: usize,
@@ -99,6 +100,7 @@ pub(crate) trait Kernels {
 
     /// `acc[i] += Σ_r p[i * stride + r] · v[r]` for `i < m`, `r < rows`; `acc` is `m × head_dim`.
     /// `prefetch` as in [`Kernels::scores`].
+    #[allow(clippy::too_many_arguments)]
     unsafe fn accumulate<T: KvElement>(
         p: &[f32],
         stride: usize,
@@ -277,7 +279,7 @@ mod avx2 {
         /// 64 bytes of f32, one per other iteration for 16-bit K/V.
         #[inline(always)]
         fn pace(&mut self, bytes: usize, iteration: usize) {
-            if bytes >= 64 || iteration % 2 == 0 {
+            if bytes >= 64 || iteration.is_multiple_of(2) {
                 self.line();
             }
         }

@@ -19,6 +19,51 @@ pub(crate) const PANEL: usize = 16;
 /// Largest `R · P · 16` of any tile: the size of the output buffer a caller provides.
 pub(crate) const MAX_TILE: usize = 16 * PANEL;
 
+/// The panels of the next group, which a tile requests into L2 while it computes: at each `k`
+/// where its own rows of weight cross a 64-byte line, one line at the same offset of each panel
+/// of `ahead`. Without it the first tile of every group waited on memory with the FMAs idle,
+/// and the group's other tiles computed with the memory idle (M = 16 decode is at the balance
+/// of the two for f32 weights).
+#[derive(Clone, Copy)]
+pub(crate) struct Ahead {
+    pub(crate) base: *const u8,
+    pub(crate) panel_bytes: usize,
+    pub(crate) row_bytes: usize,
+    pub(crate) panels: usize,
+}
+
+impl Ahead {
+    /// The next group, `panels` panels of `k · 16` elements of `T` at `next`.
+    pub(crate) fn new<T>(next: &[T], k: usize) -> Self {
+        let row_bytes = PANEL * std::mem::size_of::<T>();
+        Ahead {
+            base: next.as_ptr().cast(),
+            panel_bytes: k * row_bytes,
+            row_bytes,
+            panels: next.len() / (k * PANEL),
+        }
+    }
+
+    /// Requests the lines for step `kk` of the k-loop.
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    fn request(&self, kk: usize) {
+        let offset = kk * self.row_bytes;
+        if offset.is_multiple_of(64) {
+            for p in 0..self.panels {
+                // SAFETY: the address lies inside the next group's panels (offset < panel_bytes);
+                // a prefetch never faults or writes.
+                unsafe {
+                    use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
+                    _mm_prefetch::<_MM_HINT_T1>(
+                        self.base.add(p * self.panel_bytes + offset).cast(),
+                    );
+                }
+            }
+        }
+    }
+}
+
 /// The instruction set a tile runs on (the resolved form of `LinearKernel`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Isa {
@@ -62,12 +107,14 @@ impl Isa {
         }
     }
 
-    /// One tile: `rows` rows of `x`, `panels` panels from `w`, `k` deep, into `out`.
+    /// One tile: `rows` rows of `x`, `panels` panels from `w`, `k` deep, into `out`, requesting
+    /// `ahead` (ignored by the portable path).
     ///
     /// # Safety
     /// The CPU runs this path; `x` holds `rows` rows of `k` at stride `ldx`; `w` holds
     /// `panels · k · 16` elements; `out` holds `rows · panels · 16`; `(rows, panels)` is a
     /// combination this path lists (see [`Isa::panels_for`]; `panels = 1` always is).
+    #[allow(clippy::too_many_arguments)]
     pub(crate) unsafe fn tile<T: KvElement>(
         self,
         rows: usize,
@@ -77,13 +124,14 @@ impl Isa {
         w: *const T,
         k: usize,
         out: *mut f32,
+        ahead: Ahead,
     ) {
         match self {
             Isa::Portable => portable::tile(rows, x, ldx, w, k, out),
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => avx2::tile(rows, panels, x, ldx, w, k, out),
+            Isa::Avx2 => avx2::tile(rows, panels, x, ldx, w, k, out, ahead),
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => avx512::tile(rows, panels, x, ldx, w, k, out),
+            Isa::Avx512 => avx512::tile(rows, panels, x, ldx, w, k, out, ahead),
         }
     }
 
@@ -160,7 +208,7 @@ mod portable {
 mod avx2 {
     use std::arch::x86_64::*;
 
-    use super::PANEL;
+    use super::{Ahead, PANEL};
     use crate::dtype::{KvDtype, KvElement};
 
     /// Loads 8 elements at `p` as f32: f16 through F16C, bf16 by shifting into the high half.
@@ -192,6 +240,7 @@ mod avx2 {
     /// # Safety
     /// As [`super::Isa::tile`] on a CPU with AVX2, FMA and F16C.
     #[target_feature(enable = "avx2,fma,f16c")]
+    #[allow(clippy::too_many_arguments)]
     pub(super) unsafe fn tile<T: KvElement>(
         rows: usize,
         panels: usize,
@@ -200,16 +249,17 @@ mod avx2 {
         w: *const T,
         k: usize,
         out: *mut f32,
+        ahead: Ahead,
     ) {
         match (rows, panels) {
-            (1, 4) => block::<T, 1, 4>(x, ldx, w, k, out),
-            (2, 2) => block::<T, 2, 2>(x, ldx, w, k, out),
-            (1, _) => block::<T, 1, 1>(x, ldx, w, k, out),
-            (2, _) => block::<T, 2, 1>(x, ldx, w, k, out),
-            (3, _) => block::<T, 3, 1>(x, ldx, w, k, out),
-            (4, _) => block::<T, 4, 1>(x, ldx, w, k, out),
-            (5, _) => block::<T, 5, 1>(x, ldx, w, k, out),
-            _ => block::<T, 6, 1>(x, ldx, w, k, out),
+            (1, 4) => block::<T, 1, 4>(x, ldx, w, k, out, ahead),
+            (2, 2) => block::<T, 2, 2>(x, ldx, w, k, out, ahead),
+            (1, _) => block::<T, 1, 1>(x, ldx, w, k, out, ahead),
+            (2, _) => block::<T, 2, 1>(x, ldx, w, k, out, ahead),
+            (3, _) => block::<T, 3, 1>(x, ldx, w, k, out, ahead),
+            (4, _) => block::<T, 4, 1>(x, ldx, w, k, out, ahead),
+            (5, _) => block::<T, 5, 1>(x, ldx, w, k, out, ahead),
+            _ => block::<T, 6, 1>(x, ldx, w, k, out, ahead),
         }
     }
 
@@ -221,9 +271,11 @@ mod avx2 {
         w: *const T,
         k: usize,
         out: *mut f32,
+        ahead: Ahead,
     ) {
         let mut acc = [[[_mm256_setzero_ps(); 2]; P]; R];
         for kk in 0..k {
+            ahead.request(kk);
             let mut wv = [[_mm256_setzero_ps(); 2]; P];
             for (p, v) in wv.iter_mut().enumerate() {
                 let at = w.add(p * k * PANEL + kk * PANEL);
@@ -254,7 +306,7 @@ mod avx2 {
 mod avx512 {
     use std::arch::x86_64::*;
 
-    use super::PANEL;
+    use super::{Ahead, PANEL};
     use crate::dtype::{KvDtype, KvElement};
 
     /// Loads 16 elements at `p` as f32.
@@ -273,6 +325,7 @@ mod avx512 {
     /// # Safety
     /// As [`super::Isa::tile`] on a CPU with AVX-512F.
     #[target_feature(enable = "avx512f")]
+    #[allow(clippy::too_many_arguments)]
     pub(super) unsafe fn tile<T: KvElement>(
         rows: usize,
         panels: usize,
@@ -281,24 +334,25 @@ mod avx512 {
         w: *const T,
         k: usize,
         out: *mut f32,
+        ahead: Ahead,
     ) {
         match (rows, panels) {
-            (1, 8) => block::<T, 1, 8>(x, ldx, w, k, out),
-            (2, 4) => block::<T, 2, 4>(x, ldx, w, k, out),
-            (3, 2) => block::<T, 3, 2>(x, ldx, w, k, out),
-            (4, 2) => block::<T, 4, 2>(x, ldx, w, k, out),
-            (5, 2) => block::<T, 5, 2>(x, ldx, w, k, out),
-            (6, 2) => block::<T, 6, 2>(x, ldx, w, k, out),
-            (7, 2) => block::<T, 7, 2>(x, ldx, w, k, out),
-            (8, 2) => block::<T, 8, 2>(x, ldx, w, k, out),
-            (1, _) => block::<T, 1, 1>(x, ldx, w, k, out),
-            (2, _) => block::<T, 2, 1>(x, ldx, w, k, out),
-            (3, _) => block::<T, 3, 1>(x, ldx, w, k, out),
-            (4, _) => block::<T, 4, 1>(x, ldx, w, k, out),
-            (5, _) => block::<T, 5, 1>(x, ldx, w, k, out),
-            (6, _) => block::<T, 6, 1>(x, ldx, w, k, out),
-            (7, _) => block::<T, 7, 1>(x, ldx, w, k, out),
-            _ => block::<T, 8, 1>(x, ldx, w, k, out),
+            (1, 8) => block::<T, 1, 8>(x, ldx, w, k, out, ahead),
+            (2, 4) => block::<T, 2, 4>(x, ldx, w, k, out, ahead),
+            (3, 2) => block::<T, 3, 2>(x, ldx, w, k, out, ahead),
+            (4, 2) => block::<T, 4, 2>(x, ldx, w, k, out, ahead),
+            (5, 2) => block::<T, 5, 2>(x, ldx, w, k, out, ahead),
+            (6, 2) => block::<T, 6, 2>(x, ldx, w, k, out, ahead),
+            (7, 2) => block::<T, 7, 2>(x, ldx, w, k, out, ahead),
+            (8, 2) => block::<T, 8, 2>(x, ldx, w, k, out, ahead),
+            (1, _) => block::<T, 1, 1>(x, ldx, w, k, out, ahead),
+            (2, _) => block::<T, 2, 1>(x, ldx, w, k, out, ahead),
+            (3, _) => block::<T, 3, 1>(x, ldx, w, k, out, ahead),
+            (4, _) => block::<T, 4, 1>(x, ldx, w, k, out, ahead),
+            (5, _) => block::<T, 5, 1>(x, ldx, w, k, out, ahead),
+            (6, _) => block::<T, 6, 1>(x, ldx, w, k, out, ahead),
+            (7, _) => block::<T, 7, 1>(x, ldx, w, k, out, ahead),
+            _ => block::<T, 8, 1>(x, ldx, w, k, out, ahead),
         }
     }
 
@@ -310,9 +364,11 @@ mod avx512 {
         w: *const T,
         k: usize,
         out: *mut f32,
+        ahead: Ahead,
     ) {
         let mut acc = [[_mm512_setzero_ps(); P]; R];
         for kk in 0..k {
+            ahead.request(kk);
             let mut wv = [_mm512_setzero_ps(); P];
             for (p, v) in wv.iter_mut().enumerate() {
                 *v = load16(w.add(p * k * PANEL + kk * PANEL));

@@ -36,7 +36,7 @@ use rayon::prelude::*;
 use crate::attention::pool;
 use crate::dtype::{KvDtype, KvElement};
 use crate::error::{Error, Result};
-use kernels::{Isa, MAX_TILE, PANEL};
+use kernels::{Ahead, Isa, MAX_TILE, PANEL};
 
 /// Which implementation of the tiles runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -305,21 +305,25 @@ impl Run<'_> {
             } else {
                 1
             };
-            let src = &chunk[done..done + group * panel_len];
+            let end = done + group * panel_len;
+            let (src, rest) = (&chunk[done..end], &chunk[end..]);
+            let ahead = Ahead::new(&rest[..rest.len().min(width * panel_len)], self.k);
+            let panel = first + done / panel_len;
             if convert {
                 let dst = &mut scratch[..group * panel_len];
                 // SAFETY: `isa` runs on this CPU (checked by the caller of `all`).
                 unsafe { self.isa.convert(src, dst) };
-                self.rows(group, dst, first + done / panel_len);
+                self.rows(group, dst, panel, ahead);
             } else {
-                self.rows(group, src, first + done / panel_len);
+                self.rows(group, src, panel, ahead);
             }
             done += group * panel_len;
         }
     }
 
-    /// Every tile of rows of `x` against `group` panels at `w`, the first being panel `panel`.
-    fn rows<T: KvElement>(&self, group: usize, w: &[T], panel: usize) {
+    /// Every tile of rows of `x` against `group` panels at `w`, the first being panel `panel`;
+    /// each tile requests `ahead`, the next group.
+    fn rows<T: KvElement>(&self, group: usize, w: &[T], panel: usize, ahead: Ahead) {
         let mut out = [0.0f32; MAX_TILE];
         let col0 = panel * PANEL;
         let cols = (group * PANEL).min(self.n - col0);
@@ -328,11 +332,11 @@ impl Run<'_> {
             let rows = (self.m - row0).min(self.isa.max_rows());
             // A shorter last tile of rows may want wider tiles than the group: then one panel each.
             let width = match self.isa.panels_for(rows) {
-                wide if wide <= group && group % wide == 0 => wide,
+                wide if wide <= group && group.is_multiple_of(wide) => wide,
                 _ => 1,
             };
             for sub in (0..group).step_by(width) {
-                self.tile(rows, width, w, sub, row0, col0, cols, &mut out);
+                self.tile(rows, width, w, sub, row0, col0, cols, &mut out, ahead);
             }
             row0 += rows;
         }
@@ -350,6 +354,7 @@ impl Run<'_> {
         col0: usize,
         cols: usize,
         out: &mut [f32; MAX_TILE],
+        ahead: Ahead,
     ) {
         let panel_len = self.k * PANEL;
         let w = &w[sub * panel_len..(sub + width) * panel_len];
@@ -366,6 +371,7 @@ impl Run<'_> {
                 w.as_ptr(),
                 self.k,
                 out.as_mut_ptr(),
+                ahead,
             )
         };
         let first = sub * PANEL;
