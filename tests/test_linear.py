@@ -7,6 +7,8 @@ is float32 summation over ``K`` terms, bounded by ``K · 2⁻²⁴ · Σ|xᵢ w�
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -110,3 +112,30 @@ def test_bad_inputs_and_kernels_are_typed() -> None:
         with pytest.raises(InvalidArgumentError, match="does not run on this CPU"):
             linear(x, kernel=kernel)
     np.testing.assert_array_equal(linear(x), np.full((2, 3), 4.0, dtype=np.float32))
+
+
+def test_bench_reports_fractions_of_the_limits_measured_in_the_same_run(capsys: pytest.CaptureFixture[str]) -> None:
+    from pagedkv.__main__ import main
+
+    argv = ["bench", "linear", "--json", "--rows", "1,7", "--dtypes", "bfloat16", "--samples", "1"]
+    assert main([*argv, "--projections", "o,down", "--weight-mib", "1", "--probe-mib", "8", "--no-step"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    cases = report["cases"]
+    assert {(c["projection"], c["m"]) for c in cases} == {(p, m) for p in ("o", "down") for m in (1, 7)}
+    for case in cases:
+        assert case["dtype"] == "bfloat16" and case["fma_peak_gflops"] > 0 and case["bandwidth_gbps"] > 0
+        assert case["fraction_of_fma_peak"] == pytest.approx(case["gflops"] / case["fma_peak_gflops"])
+        assert case["fraction_of_bandwidth"] == pytest.approx(case["weight_gbps"] / case["bandwidth_gbps"])
+        assert case["speedup_vs_numpy"] == pytest.approx(case["numpy_seconds_median"] / case["seconds_median"])
+    assert len(report["load_average_before"]) == 3
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"), [("--rows", "0"), ("--rows", "1,,2"), ("--dtypes", "int8"), ("--samples", "0"), ("--weight-mib", "-1"), ("--projections", "qk")]
+)
+def test_bench_flags_are_usage_errors(flag: str, value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from pagedkv.__main__ import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "linear", flag, value])
+    assert exit_info.value.code == 2 and flag in capsys.readouterr().err

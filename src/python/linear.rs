@@ -27,11 +27,11 @@ impl PyLinear {
         let dtype: KvDtype = dtype.parse().py_err()?;
         let array: PyReadonlyArray<'_, f32, Ix2> = typed_array(weight, "weight", "float32")?;
         let (k, n) = (array.shape()[0], array.shape()[1]);
+        // A Fortran-ordered array's memory is its transpose in C order: read it with swapped strides.
         let fortran = !array.is_c_contiguous() && array.is_fortran_contiguous();
-        let strides = if fortran { (1, k) } else { (n, 1) };
-        let data = match array.as_slice() {
-            Ok(slice) if fortran => std::borrow::Cow::Borrowed(slice),
-            _ => c_order(&array),
+        let (data, strides) = match array.as_slice() {
+            Ok(slice) if fortran => (std::borrow::Cow::Borrowed(slice), (1, k)),
+            _ => (c_order(&array), (n, 1)),
         };
         let inner = py
             .detach(|| Linear::new(&data, k, n, strides, dtype))

@@ -5,9 +5,9 @@ Each case holds enough copies of its weight (``--weight-mib`` in all) that conse
 walking through them like the layers of a model, read the weights from memory rather than from
 the 32 MiB L3. Every sample round times each weight dtype, one read-bandwidth sweep
 (``ReadBandwidthProbe``) and the FMA peak (``measure_fma_peak``) on the same threads, so each
-figure is compared with what the machine gave in the same seconds; numpy (BLAS capped at the
-same thread count) runs after them, on its own, because its BLAS threads spin after each call and
-would slow whatever ran next. Medians of the samples are reported, with the load average, since
+figure is compared with what the machine gave in the same seconds; numpy float32 (BLAS capped at
+``--numpy-threads``, default 1 as ``LlamaModel`` had it) runs after them, on its own, because BLAS
+threads spin after each call and would slow whatever ran next. Medians of the samples are reported, with the load average, since
 the machine may be shared.
 
 The model step compares ``LlamaModel`` with each weight dtype against the same model with its
@@ -63,10 +63,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--samples", type=positive_int, default=None, help="timed rounds per case (default 5, quick 3)")
     parser.add_argument("--threads", type=positive_int, default=None, help="pagedkv threads (default: pagedkv's)")
     parser.add_argument("--weight-mib", type=positive_int, default=96, help="weight copies held per case (MiB of float32)")
+    parser.add_argument(
+        "--projections", type=comma_list(one_of(list(SHAPES))), default=",".join(SHAPES), help="comma-separated shapes"
+    )
     parser.add_argument("--rows", type=comma_list(positive_int), default=(1, 16, 32, 512), help="comma-separated M")
     parser.add_argument(
         "--dtypes", type=comma_list(one_of(list(DTYPES))), default=",".join(DTYPES), help="comma-separated weight dtypes"
     )
+    parser.add_argument("--probe-mib", type=positive_int, default=256, help="read-bandwidth probe buffer (MiB; > L3)")
+    parser.add_argument("--numpy-threads", type=positive_int, default=1, help="BLAS threads of the numpy baseline")
     parser.add_argument("--context", type=positive_int, default=64, help="tokens per sequence in the model step")
     parser.add_argument("--no-step", action="store_true", help="skip the model step")
 
@@ -93,7 +98,8 @@ def _rotating(functions: list[Callable[[], object]]) -> Callable[[], float]:
 def _linear_cases(args, samples: int, probe, numpy_threads: int, table) -> list[dict]:
     rng = np.random.default_rng(0)
     results = []
-    for name, (k, n) in SHAPES.items():
+    for name in args.projections:
+        k, n = SHAPES[name]
         copies = max(1, -(-args.weight_mib * MIB // (4 * k * n)))
         weights = [rng.standard_normal((k, n), dtype=np.float32) * np.float32(k**-0.5) for _ in range(copies)]
         linears = {dtype: [_core.Linear(w, dtype) for w in weights] for dtype in args.dtypes}
@@ -257,16 +263,16 @@ def run(args) -> int:
     samples = args.samples or (3 if args.quick else 5)
     table = sys.stderr if args.json else sys.stdout
     threads = pagedkv.get_num_threads()
-    probe = pagedkv.ReadBandwidthProbe(256 * MIB)
+    probe = pagedkv.ReadBandwidthProbe(args.probe_mib * MIB)
     load_before = os.getloadavg()
     print(f"threads {threads}, kernel {_core.available_linear_kernels()[0]}, load average {load_before[0]:.2f}", file=table)
     report = {
         "threads": threads,
         "kernel": _core.available_linear_kernels()[0],
         "numpy_dtype": "float32",
-        "numpy_blas_threads": threads,
+        "numpy_blas_threads": args.numpy_threads,
         "load_average_before": load_before,
-        "cases": _linear_cases(args, samples, probe, threads, table),
+        "cases": _linear_cases(args, samples, probe, args.numpy_threads, table),
     }
     if not args.no_step:
         report["model_step"] = _model_step(args, samples, table)
