@@ -322,7 +322,7 @@ impl Run<'_> {
     }
 
     /// Every tile of rows of `x` against `group` panels at `w`, the first being panel `panel`;
-    /// each tile requests `ahead`, the next group.
+    /// the first tile requests `ahead`, the next group.
     fn rows<T: KvElement>(&self, group: usize, w: &[T], panel: usize, ahead: Ahead) {
         let mut out = [0.0f32; MAX_TILE];
         let col0 = panel * PANEL;
@@ -336,6 +336,12 @@ impl Run<'_> {
                 _ => 1,
             };
             for sub in (0..group).step_by(width) {
+                // The first tile brings the next group into L2; the others would only repeat it.
+                let ahead = if row0 == 0 && sub == 0 {
+                    ahead
+                } else {
+                    Ahead::NONE
+                };
                 self.tile(rows, width, w, sub, row0, col0, cols, &mut out, ahead);
             }
             row0 += rows;
