@@ -18,7 +18,7 @@ from pagedkv.model.weights import _encode, _widen
 
 DTYPES = ["float32", "float16", "bfloat16"]
 KERNELS = available_linear_kernels()
-SHAPES = [(1, 1, 1), (1, 13, 17), (2, 7, 33), (5, 19, 31), (6, 64, 16), (7, 100, 129), (16, 576, 47), (33, 3, 15)]
+SHAPES = [(1, 1, 1), (1, 13, 17), (2, 7, 33), (5, 19, 31), (6, 64, 16), (7, 100, 129), (16, 576, 47), (33, 3, 15), (1, 37, 200), (2, 50, 100)]
 
 
 def stored(weight: np.ndarray, dtype: str) -> np.ndarray:

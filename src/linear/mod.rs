@@ -273,12 +273,16 @@ struct Run<'a> {
 }
 
 impl Run<'_> {
-    /// Splits the panels over the pool: about 4 tasks per thread, for balance under load.
+    /// Splits the panels over the pool: about 4 tasks per thread, for balance under load, each a
+    /// whole number of the widest tile's panel groups (a task of fewer panels than a group would
+    /// run M = 1 on single-panel tiles, 2 accumulators deep: bound by the FMA latency).
     fn all<T: KvElement>(&self, packed: &[T]) {
         let panel_len = self.k * PANEL;
         let panels = packed.len() / panel_len;
         let pool = pool();
-        let per_task = panels.div_ceil(pool.current_num_threads() * 4).max(1);
+        let width = self.isa.panels_for(self.m.min(self.isa.max_rows()));
+        let share = panels.div_ceil(pool.current_num_threads() * 4);
+        let per_task = (share / width * width).max(width);
         pool.install(|| {
             packed
                 .par_chunks(per_task * panel_len)

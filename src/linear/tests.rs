@@ -46,6 +46,10 @@ fn every_kernel_and_dtype_matches_the_reference_on_odd_shapes() {
         (16, 33, 47),
         (17, 64, 160),
         (33, 3, 15),
+        // Enough panels for whole groups of the widest M = 1 and M = 2 tiles, and a tail.
+        (1, 37, 200),
+        (2, 50, 100),
+        (1, 5, 16 * 21),
     ];
     for kernel in LinearKernel::ALL.into_iter().filter(|k| k.available()) {
         for dtype in DTYPES {
