@@ -1,8 +1,8 @@
 //! The tile kernels of [`super::Linear`], once per instruction set.
 //!
 //! Invariants:
-//! - A tile is `R` rows of `x` (row stride `ldx`) times `P` consecutive panels of the packed
-//!   weight (each `k × 16` elements, see the module doc of `linear`), written to `out` as
+//! - A tile is `R` rows of `x`, interleaved (`x[kk · R + r]`, see `linear`'s module doc), times
+//!   `P` consecutive panels of the packed weight (each `k × 16` elements), written to `out` as
 //!   `R × (16·P)` f32 with row stride `16·P`. `R ≤ isa.max_rows()` and `R·P ≤ 16`.
 //! - Weights are converted to f32 on load; every sum is accumulated in f32, one multiply-add per
 //!   `x[r][k] · w[k][j]` in increasing `k` (fused on the SIMD paths, so paths agree to within
@@ -129,7 +129,7 @@ impl Isa {
     /// `ahead` (ignored by the portable path).
     ///
     /// # Safety
-    /// The CPU runs this path; `x` holds `rows` rows of `k` at stride `ldx`; `w` holds
+    /// The CPU runs this path; `x` holds `rows` rows of `k`, interleaved; `w` holds
     /// `panels · k · 16` elements; `out` holds `rows · panels · 16`; `(rows, panels)` is a
     /// combination this path lists (see [`Isa::panels_for`]; `panels = 1` always is).
     #[allow(clippy::too_many_arguments)]
@@ -138,18 +138,17 @@ impl Isa {
         rows: usize,
         panels: usize,
         x: *const f32,
-        ldx: usize,
         w: *const T,
         k: usize,
         out: *mut f32,
         ahead: Ahead,
     ) {
         match self {
-            Isa::Portable => portable::tile(rows, x, ldx, w, k, out),
+            Isa::Portable => portable::tile(rows, x, w, k, out),
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => avx2::tile(rows, panels, x, ldx, w, k, out, ahead),
+            Isa::Avx2 => avx2::tile(rows, panels, x, w, k, out, ahead),
             #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => avx512::tile(rows, panels, x, ldx, w, k, out, ahead),
+            Isa::Avx512 => avx512::tile(rows, panels, x, w, k, out, ahead),
         }
     }
 
@@ -180,22 +179,20 @@ mod portable {
     pub(super) unsafe fn tile<T: KvElement>(
         rows: usize,
         x: *const f32,
-        ldx: usize,
         w: *const T,
         k: usize,
         out: *mut f32,
     ) {
         match rows {
-            1 => rows_tile::<T, 1>(x, ldx, w, k, out),
-            2 => rows_tile::<T, 2>(x, ldx, w, k, out),
-            3 => rows_tile::<T, 3>(x, ldx, w, k, out),
-            _ => rows_tile::<T, 4>(x, ldx, w, k, out),
+            1 => rows_tile::<T, 1>(x, w, k, out),
+            2 => rows_tile::<T, 2>(x, w, k, out),
+            3 => rows_tile::<T, 3>(x, w, k, out),
+            _ => rows_tile::<T, 4>(x, w, k, out),
         }
     }
 
     unsafe fn rows_tile<T: KvElement, const R: usize>(
         x: *const f32,
-        ldx: usize,
         w: *const T,
         k: usize,
         out: *mut f32,
@@ -209,7 +206,7 @@ mod portable {
                 *f = v.to_f32();
             }
             for (r, row) in acc.iter_mut().enumerate() {
-                let xv = unsafe { *x.add(r * ldx + kk) };
+                let xv = unsafe { *x.add(kk * R + r) };
                 // Not `mul_add`: without FMA in the baseline target it is a libm call per element.
                 for (a, f) in row.iter_mut().zip(&wf) {
                     *a += xv * f;
@@ -264,21 +261,20 @@ mod avx2 {
         rows: usize,
         panels: usize,
         x: *const f32,
-        ldx: usize,
         w: *const T,
         k: usize,
         out: *mut f32,
         ahead: Ahead,
     ) {
         match (rows, panels) {
-            (1, 4) => block::<T, 1, 4>(x, ldx, w, k, out, ahead),
-            (2, 2) => block::<T, 2, 2>(x, ldx, w, k, out, ahead),
-            (1, _) => block::<T, 1, 1>(x, ldx, w, k, out, ahead),
-            (2, _) => block::<T, 2, 1>(x, ldx, w, k, out, ahead),
-            (3, _) => block::<T, 3, 1>(x, ldx, w, k, out, ahead),
-            (4, _) => block::<T, 4, 1>(x, ldx, w, k, out, ahead),
-            (5, _) => block::<T, 5, 1>(x, ldx, w, k, out, ahead),
-            _ => block::<T, 6, 1>(x, ldx, w, k, out, ahead),
+            (1, 4) => block::<T, 1, 4>(x, w, k, out, ahead),
+            (2, 2) => block::<T, 2, 2>(x, w, k, out, ahead),
+            (1, _) => block::<T, 1, 1>(x, w, k, out, ahead),
+            (2, _) => block::<T, 2, 1>(x, w, k, out, ahead),
+            (3, _) => block::<T, 3, 1>(x, w, k, out, ahead),
+            (4, _) => block::<T, 4, 1>(x, w, k, out, ahead),
+            (5, _) => block::<T, 5, 1>(x, w, k, out, ahead),
+            _ => block::<T, 6, 1>(x, w, k, out, ahead),
         }
     }
 
@@ -286,7 +282,6 @@ mod avx2 {
     #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn block<T: KvElement, const R: usize, const P: usize>(
         x: *const f32,
-        ldx: usize,
         w: *const T,
         k: usize,
         out: *mut f32,
@@ -297,12 +292,12 @@ mod avx2 {
         while kk + UNROLL <= k {
             ahead.request(kk);
             for u in 0..UNROLL {
-                step::<T, R, P>(&mut acc, x, ldx, w, k, kk + u);
+                step::<T, R, P>(&mut acc, x, w, k, kk + u);
             }
             kk += UNROLL;
         }
         while kk < k {
-            step::<T, R, P>(&mut acc, x, ldx, w, k, kk);
+            step::<T, R, P>(&mut acc, x, w, k, kk);
             kk += 1;
         }
         for (r, row) in acc.iter().enumerate() {
@@ -320,7 +315,6 @@ mod avx2 {
     unsafe fn step<T: KvElement, const R: usize, const P: usize>(
         acc: &mut [[[__m256; 2]; P]; R],
         x: *const f32,
-        ldx: usize,
         w: *const T,
         k: usize,
         kk: usize,
@@ -331,7 +325,7 @@ mod avx2 {
             *v = [load8(at), load8(at.add(8))];
         }
         for (r, row) in acc.iter_mut().enumerate() {
-            let xv = _mm256_broadcast_ss(&*x.add(r * ldx + kk));
+            let xv = _mm256_broadcast_ss(&*x.add(kk * R + r));
             for (a, v) in row.iter_mut().zip(&wv) {
                 a[0] = _mm256_fmadd_ps(xv, v[0], a[0]);
                 a[1] = _mm256_fmadd_ps(xv, v[1], a[1]);
@@ -371,29 +365,28 @@ mod avx512 {
         rows: usize,
         panels: usize,
         x: *const f32,
-        ldx: usize,
         w: *const T,
         k: usize,
         out: *mut f32,
         ahead: Ahead,
     ) {
         match (rows, panels) {
-            (1, 8) => block::<T, 1, 8>(x, ldx, w, k, out, ahead),
-            (2, 4) => block::<T, 2, 4>(x, ldx, w, k, out, ahead),
-            (3, 2) => block::<T, 3, 2>(x, ldx, w, k, out, ahead),
-            (4, 2) => block::<T, 4, 2>(x, ldx, w, k, out, ahead),
-            (5, 2) => block::<T, 5, 2>(x, ldx, w, k, out, ahead),
-            (6, 2) => block::<T, 6, 2>(x, ldx, w, k, out, ahead),
-            (7, 2) => block::<T, 7, 2>(x, ldx, w, k, out, ahead),
-            (8, 2) => block::<T, 8, 2>(x, ldx, w, k, out, ahead),
-            (1, _) => block::<T, 1, 1>(x, ldx, w, k, out, ahead),
-            (2, _) => block::<T, 2, 1>(x, ldx, w, k, out, ahead),
-            (3, _) => block::<T, 3, 1>(x, ldx, w, k, out, ahead),
-            (4, _) => block::<T, 4, 1>(x, ldx, w, k, out, ahead),
-            (5, _) => block::<T, 5, 1>(x, ldx, w, k, out, ahead),
-            (6, _) => block::<T, 6, 1>(x, ldx, w, k, out, ahead),
-            (7, _) => block::<T, 7, 1>(x, ldx, w, k, out, ahead),
-            _ => block::<T, 8, 1>(x, ldx, w, k, out, ahead),
+            (1, 8) => block::<T, 1, 8>(x, w, k, out, ahead),
+            (2, 4) => block::<T, 2, 4>(x, w, k, out, ahead),
+            (3, 2) => block::<T, 3, 2>(x, w, k, out, ahead),
+            (4, 2) => block::<T, 4, 2>(x, w, k, out, ahead),
+            (5, 2) => block::<T, 5, 2>(x, w, k, out, ahead),
+            (6, 2) => block::<T, 6, 2>(x, w, k, out, ahead),
+            (7, 2) => block::<T, 7, 2>(x, w, k, out, ahead),
+            (8, 2) => block::<T, 8, 2>(x, w, k, out, ahead),
+            (1, _) => block::<T, 1, 1>(x, w, k, out, ahead),
+            (2, _) => block::<T, 2, 1>(x, w, k, out, ahead),
+            (3, _) => block::<T, 3, 1>(x, w, k, out, ahead),
+            (4, _) => block::<T, 4, 1>(x, w, k, out, ahead),
+            (5, _) => block::<T, 5, 1>(x, w, k, out, ahead),
+            (6, _) => block::<T, 6, 1>(x, w, k, out, ahead),
+            (7, _) => block::<T, 7, 1>(x, w, k, out, ahead),
+            _ => block::<T, 8, 1>(x, w, k, out, ahead),
         }
     }
 
@@ -401,7 +394,6 @@ mod avx512 {
     #[target_feature(enable = "avx512f")]
     unsafe fn block<T: KvElement, const R: usize, const P: usize>(
         x: *const f32,
-        ldx: usize,
         w: *const T,
         k: usize,
         out: *mut f32,
@@ -412,12 +404,12 @@ mod avx512 {
         while kk + UNROLL <= k {
             ahead.request(kk);
             for u in 0..UNROLL {
-                step::<T, R, P>(&mut acc, x, ldx, w, k, kk + u);
+                step::<T, R, P>(&mut acc, x, w, k, kk + u);
             }
             kk += UNROLL;
         }
         while kk < k {
-            step::<T, R, P>(&mut acc, x, ldx, w, k, kk);
+            step::<T, R, P>(&mut acc, x, w, k, kk);
             kk += 1;
         }
         for (r, row) in acc.iter().enumerate() {
@@ -433,7 +425,6 @@ mod avx512 {
     unsafe fn step<T: KvElement, const R: usize, const P: usize>(
         acc: &mut [[__m512; P]; R],
         x: *const f32,
-        ldx: usize,
         w: *const T,
         k: usize,
         kk: usize,
@@ -443,7 +434,7 @@ mod avx512 {
             *v = load16(w.add(p * k * PANEL + kk * PANEL));
         }
         for (r, row) in acc.iter_mut().enumerate() {
-            let xv = _mm512_set1_ps(*x.add(r * ldx + kk));
+            let xv = _mm512_set1_ps(*x.add(kk * R + r));
             for (a, v) in row.iter_mut().zip(&wv) {
                 *a = _mm512_fmadd_ps(xv, *v, *a);
             }

@@ -5,6 +5,9 @@
 //! - `W` is packed once, at construction, into panels of 16 columns: panel `p` holds
 //!   `W[k][16p + j]` at `p·K·16 + k·16 + j`, zero past column `N`. A tile reads each weight once
 //!   per `R` rows of `x` from one contiguous stream per panel, and never a padding column into `y`.
+//! - `x` is copied once per call into row tiles of the widest tile's height (the last one
+//!   shorter), each interleaved as `[k][rows]`: a tile's broadcasts then walk one pointer, not one
+//!   per row, which cut the scalar instructions of the k-loop that competed with the FMAs.
 //! - The work is split over panel ranges only: every task owns whole columns of `y`, so tasks
 //!   write disjoint elements and the result does not depend on the thread count. Each `y` element
 //!   is one f32 sum in increasing `k`.
@@ -225,7 +228,7 @@ impl Linear {
         }
         let run = Run {
             isa,
-            x,
+            x: &interleave(x, m, k, isa.max_rows()),
             m,
             k,
             n,
@@ -251,6 +254,21 @@ fn pack<T: KvElement>(weight: &[f32], k: usize, n: usize, strides: (usize, usize
         }
     }
     packed
+}
+
+/// `x` (`[m, k]` row-major) as consecutive tiles of `tile_rows` rows (the last may be shorter),
+/// tile `t` at `t · tile_rows · k` holding its element `(r, kk)` at `kk · rows + r`.
+fn interleave(x: &[f32], m: usize, k: usize, tile_rows: usize) -> Vec<f32> {
+    let mut tiles = vec![0.0f32; m * k];
+    for (tile, rows_x) in tiles.chunks_mut(tile_rows * k).zip(x.chunks(tile_rows * k)) {
+        let rows = rows_x.len() / k;
+        for (r, row) in rows_x.chunks_exact(k).enumerate() {
+            for (kk, &value) in row.iter().enumerate() {
+                tile[kk * rows + r] = value;
+            }
+        }
+    }
+    tiles
 }
 
 /// `y`'s base pointer, shared by the tasks of one call.
@@ -368,8 +386,9 @@ impl Run<'_> {
     ) {
         let panel_len = self.k * PANEL;
         let w = &w[sub * panel_len..(sub + width) * panel_len];
+        // Row tiles are `max_rows` high but the last, so the tile of `row0` starts at `row0 · k`.
         let x = &self.x[row0 * self.k..(row0 + rows) * self.k];
-        // SAFETY: `isa` runs on this CPU; `x` holds `rows` rows of `k`, `w` holds `width` panels,
+        // SAFETY: `isa` runs on this CPU; `x` holds `rows` interleaved rows of `k`, `w` holds `width` panels,
         // `out` holds MAX_TILE ≥ rows · width · 16 floats, and `(rows, width)` is either
         // `(rows, panels_for(rows))` or `(rows, 1)`, the combinations every path lists.
         unsafe {
@@ -377,7 +396,6 @@ impl Run<'_> {
                 rows,
                 width,
                 x.as_ptr(),
-                self.k,
                 w.as_ptr(),
                 self.k,
                 out.as_mut_ptr(),
