@@ -18,16 +18,21 @@
 //! - Shapes are checked before any work ([`crate::Error::Shape`]); an unavailable kernel is
 //!   [`crate::Error::InvalidArgument`]. Nothing here panics on caller input.
 //!
-//! Why own kernels and not the `gemm` crate (0.18), measured on this 2-core Zen AVX2 machine
-//! under load from other builds (load average ≈ 4): `gemm` reached 85–93 GFLOP/s on one
-//! thread for M ≥ 16 at SmolLM2-135M's shapes, but it takes one element type for `x`, `W` and
-//! `y` (f16 means f16 activations; no bf16), so 16-bit weights would need a converted f32 copy
-//! of each panel per call anyway; with `Parallelism::Rayon(2)` it stayed on one thread below
-//! ~50 MFLOP (M = 16, K = 576, N = 960: 86.5 vs 86.9 GFLOP/s), and at M = 1 it streamed f32
-//! weights at 26 GFLOP/s ≈ 52 GB/s only for cached weights, 5.9 GFLOP/s on the 113 MB lm_head.
-//! A 6 × 16 FMA tile over prepacked panels is the same inner loop, converts 16-bit weights in
-//! registers (M = 1) or once per panel (M > 6), and splits every shape over the shared pool; see
-//! `python -m pagedkv bench linear` for its figures against numpy in one run.
+//! Why own kernels and not the `gemm` crate (0.18), measured on this 2-core Zen 2 AVX2 machine
+//! shared with other builds (load average 3–6): `gemm` f32 reached 85–93 GFLOP/s on one thread
+//! for M ≥ 16 at SmolLM2-135M's shapes, a better f32 inner loop than these tiles (below). But it
+//! takes one element type for `x`, `W` and `y` (f16 means f16 activations; no bf16 at all), so
+//! 16-bit weights would need an f32 copy of each panel per call, doubling the bytes M = 1 moves;
+//! with `Parallelism::Rayon(2)` it stayed on one thread below ~50 MFLOP (M = 16, K = 576,
+//! N = 960: 86.5 vs 86.9 GFLOP/s, so half the cores idle in a decode step); and at M = 1 it gave
+//! 5.9 GFLOP/s on the 113 MB lm_head (f32, 12 GB/s). These tiles read 16-bit weights as they
+//! are (converted in registers at M ≤ 6, once per panel above), split every shape over the shared
+//! pool, and at M = 1 stream the weights at 0.7–1.0 of the read bandwidth measured in the same
+//! run (`python -m pagedkv bench linear`, 2 threads, quiet minutes: qkv/o/gate_up/down bf16
+//! 0.60–0.89, f32 0.71–1.04). At M = 16 they reached 0.40–0.51 of the 2-thread FMA peak
+//! (180–195 GFLOP/s) and at M = 512 0.55–0.71, before `x` was interleaved; with it, under load,
+//! 0.53–0.75 and 0.65–0.88 of the peak measured in the same run. Matching `gemm`'s f32 loop
+//! (K-blocking, a 2-deep software pipeline) is the open step for prefill.
 
 mod kernels;
 #[cfg(test)]
