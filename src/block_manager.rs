@@ -3,7 +3,8 @@
 //! Every public method either succeeds or returns an error having changed nothing: capacity is
 //! checked (counting evictable prefix hits as used capacity) before any block moves. After every
 //! call, for each block, its ref count equals the number of tables that hold it, and no table holds
-//! a block twice (`check_invariants` verifies both plus the pool's own invariants).
+//! a block twice (`check_invariants` verifies both plus the pool's own invariants). Construction
+//! bounds the sizes so every block id fits the int32 block tables and every slot an i64.
 
 use rustc_hash::FxHashMap;
 
@@ -71,16 +72,31 @@ pub struct BlockManager {
     cow_copies: u64,
 }
 
+/// Tokens per block when a configuration does not say.
+pub const DEFAULT_BLOCK_SIZE: usize = 16;
+
+/// Most blocks a manager holds: block tables are int32 arrays padded with -1, so every block id
+/// (`0..num_blocks`) must fit in an i32.
+pub const MAX_NUM_BLOCKS: usize = i32::MAX as usize;
+
 impl BlockManager {
-    /// A manager of `num_blocks` blocks of `block_size` tokens each.
+    /// A manager of `num_blocks` blocks of `block_size` tokens each. Fails with
+    /// `InvalidArgument` unless both are positive, `num_blocks <= MAX_NUM_BLOCKS`, and every slot
+    /// (`num_blocks * block_size`) fits an i64; with `OutOfMemory` if the pool cannot be allocated.
     pub fn new(num_blocks: usize, block_size: usize, enable_prefix_caching: bool) -> Result<Self> {
         ensure(num_blocks > 0, || "num_blocks must be positive".into())?;
-        ensure(num_blocks < u32::MAX as usize, || {
-            format!("num_blocks {num_blocks} exceeds u32 ids")
+        ensure(num_blocks <= MAX_NUM_BLOCKS, || {
+            format!("num_blocks {num_blocks} exceeds {MAX_NUM_BLOCKS}: block tables hold int32 ids")
         })?;
         ensure(block_size > 0, || "block_size must be positive".into())?;
+        ensure(
+            num_blocks
+                .checked_mul(block_size)
+                .is_some_and(|slots| slots <= i64::MAX as usize),
+            || format!("{num_blocks} blocks x {block_size} tokens overflow int64 slot numbers"),
+        )?;
         Ok(BlockManager {
-            pool: BlockPool::new(num_blocks),
+            pool: BlockPool::new(num_blocks)?,
             tables: FxHashMap::default(),
             block_size,
             enable_prefix_caching,
@@ -181,6 +197,14 @@ impl BlockManager {
             .div_ceil(self.block_size)
             .saturating_sub(found.blocks.len())
             + revived
+    }
+
+    /// Whether `allocate` of `prompt` would succeed now (counting evictable prefix hits as used
+    /// capacity). Changes nothing.
+    pub fn can_allocate(&self, prompt: &[TokenId], salt: Option<&[u8]>) -> bool {
+        let found = self.match_prefix(prompt, salt);
+        !prompt.is_empty()
+            && self.blocks_to_admit(&found, prompt.len()) <= self.num_available_blocks()
     }
 
     /// Creates sequence `seq` holding `tokens` (the prompt, or its first chunk), reusing the
@@ -316,6 +340,35 @@ impl BlockManager {
             .ok_or_else(|| Error::UnknownSequence(seq.to_string()))
     }
 
+    /// The cache slots of the last `num_new_tokens[i]` tokens of each `seqs[i]`, concatenated:
+    /// the slot mapping of one step. Fails (`Shape` for unequal lengths, `UnknownSequence`,
+    /// `InvalidArgument` for a count above a sequence's tokens) before producing anything.
+    pub fn slot_mapping(&self, seqs: &[SeqId], num_new_tokens: &[usize]) -> Result<Vec<i64>> {
+        if seqs.len() != num_new_tokens.len() {
+            return Err(Error::Shape(format!(
+                "{} seq_ids but {} num_new_tokens",
+                seqs.len(),
+                num_new_tokens.len()
+            )));
+        }
+        let mut ranges = Vec::with_capacity(seqs.len());
+        for (&seq, &count) in seqs.iter().zip(num_new_tokens) {
+            let table = self.table(seq)?;
+            let end = table.num_tokens();
+            let start = end.checked_sub(count).ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "sequence {seq} has {end} tokens, fewer than {count}"
+                ))
+            })?;
+            ranges.push((table, start, end));
+        }
+        let mut out = Vec::with_capacity(num_new_tokens.iter().sum());
+        for (table, start, end) in ranges {
+            table.extend_slots(start, end, self.block_size, &mut out);
+        }
+        Ok(out)
+    }
+
     /// Writes the block tables of `seqs` as rows of a `[seqs.len(), width]` matrix into `out`,
     /// padded with -1; `width` is the longest table (or `min_width` if larger). Returns `width`.
     pub fn batch_block_tables(
@@ -337,8 +390,8 @@ impl BlockManager {
         out.clear();
         out.resize(seqs.len() * width, -1);
         for (row, table) in out.chunks_exact_mut(width.max(1)).zip(&tables) {
-            for (cell, &block) in row.iter_mut().zip(&table.blocks) {
-                *cell = block as i32;
+            for (cell, entry) in row.iter_mut().zip(table.entries()) {
+                *cell = entry;
             }
         }
         Ok(width)
@@ -607,5 +660,60 @@ mod tests {
                 -1
             ]
         );
+    }
+
+    #[test]
+    fn slot_mapping_is_checked_whole_before_any_slot() {
+        let mut m = manager(8);
+        m.allocate(1, &[1, 2, 3, 4, 5, 6], None).unwrap();
+        m.allocate(2, &[9], None).unwrap();
+        let b = m.table(1).unwrap().blocks().to_vec();
+        let s2 = i64::from(m.table(2).unwrap().blocks()[0]) * 4;
+        let last_two = [i64::from(b[1]) * 4, i64::from(b[1]) * 4 + 1];
+        assert_eq!(
+            m.slot_mapping(&[1, 2], &[2, 1]).unwrap(),
+            [last_two[0], last_two[1], s2]
+        );
+        assert!(matches!(
+            m.slot_mapping(&[1], &[1, 1]),
+            Err(Error::Shape(_))
+        ));
+        assert!(matches!(
+            m.slot_mapping(&[1, 2], &[1, 2]),
+            Err(Error::InvalidArgument(_))
+        ));
+        assert!(matches!(
+            m.slot_mapping(&[1, 3], &[1, 0]),
+            Err(Error::UnknownSequence(_))
+        ));
+    }
+
+    #[test]
+    fn can_allocate_counts_evictable_hits_and_refuses_empty_prompts() {
+        let mut m = manager(3);
+        assert!(!m.can_allocate(&[], None));
+        assert!(m.can_allocate(&[1; 12], None) && !m.can_allocate(&[1; 13], None));
+        m.allocate(1, &[1; 5], None).unwrap();
+        // One block left: enough for a prompt sharing the first full block, not for a new one.
+        assert!(m.can_allocate(&[1; 5], None) && !m.can_allocate(&[2; 5], None));
+        assert!(!m.can_allocate(&[1; 9], None));
+    }
+
+    #[test]
+    fn sizes_whose_ids_or_slots_overflow_are_refused_at_construction() {
+        // Slots block * block_size + offset must fit an i64 (they wrapped negative).
+        assert!(matches!(
+            BlockManager::new(4, 1 << 62, true),
+            Err(Error::InvalidArgument(_))
+        ));
+        // Block ids must fit the int32 block tables (ids >= 2^31 turned negative).
+        assert!(matches!(
+            BlockManager::new(MAX_NUM_BLOCKS + 1, 1, true),
+            Err(Error::InvalidArgument(_))
+        ));
+        assert!(matches!(
+            BlockManager::new(0, 4, true),
+            Err(Error::InvalidArgument(_))
+        ));
     }
 }

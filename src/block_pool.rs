@@ -9,6 +9,8 @@
 //! first and evicts the least recently used cached block only when none is clean; a released block
 //! with a hash goes to the back of the LRU, one without goes back to the free list.
 
+use crate::alloc::{try_vec_with, try_zeroed_vec};
+use crate::error::Result as CoreResult;
 use crate::free_list::FreeList;
 use crate::lru::Lru;
 use crate::prefix_cache::{BlockHash, PrefixCache};
@@ -36,18 +38,21 @@ pub struct BlockPool {
 }
 
 impl BlockPool {
-    /// A pool of `num_blocks` clean blocks.
-    pub fn new(num_blocks: usize) -> Self {
-        BlockPool {
-            free: FreeList::full(num_blocks),
-            lru: Lru::new(num_blocks),
-            ref_counts: vec![0; num_blocks],
-            hashes: vec![None; num_blocks],
+    /// A pool of `num_blocks` clean blocks. Fails with `OutOfMemory` if its arrays cannot be
+    /// allocated (the largest first, so a refused size fails before anything is written), or
+    /// `InvalidArgument` if ids would not fit in `u32`.
+    pub fn new(num_blocks: usize) -> CoreResult<Self> {
+        let hashes = try_vec_with(num_blocks, "the block hashes", |_| None)?;
+        Ok(BlockPool {
+            ref_counts: try_zeroed_vec(num_blocks, "the block ref counts")?,
+            lru: Lru::new(num_blocks)?,
+            free: FreeList::full(num_blocks)?,
+            hashes,
             prefix: PrefixCache::default(),
             clean: num_blocks,
             in_use: 0,
             counters: PoolCounters::default(),
-        }
+        })
     }
 
     /// Total number of blocks.
@@ -212,7 +217,7 @@ mod tests {
 
     #[test]
     fn allocation_prefers_clean_blocks_and_evicts_lru_first() {
-        let mut pool = BlockPool::new(3);
+        let mut pool = BlockPool::new(3).unwrap();
         let blocks: Vec<_> = (0..3).map(|_| pool.allocate().unwrap()).collect();
         assert_eq!(pool.allocate(), None);
         pool.register(blocks[0], 100);
@@ -242,7 +247,7 @@ mod tests {
 
     #[test]
     fn retain_revives_a_cached_block() {
-        let mut pool = BlockPool::new(2);
+        let mut pool = BlockPool::new(2).unwrap();
         let block = pool.allocate().unwrap();
         pool.register(block, 5);
         pool.release(block);
@@ -260,7 +265,7 @@ mod tests {
 
     #[test]
     fn a_second_block_with_the_same_hash_stays_unregistered() {
-        let mut pool = BlockPool::new(2);
+        let mut pool = BlockPool::new(2).unwrap();
         let (a, b) = (pool.allocate().unwrap(), pool.allocate().unwrap());
         pool.register(a, 9);
         pool.register(b, 9);

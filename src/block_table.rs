@@ -3,7 +3,8 @@
 //!
 //! Invariants: `blocks.len() == ceil(tokens.len() / block_size)` (no empty trailing block);
 //! `hashes.len() == tokens.len() / block_size` (one hash per full block, chained from `root`);
-//! token `p` lives at slot `blocks[p / block_size] * block_size + p % block_size`.
+//! token `p` lives at slot `blocks[p / block_size] * block_size + p % block_size`, which fits an
+//! i64 because `BlockManager::new` checks `num_blocks * block_size` does.
 
 use crate::prefix_cache::BlockHash;
 use crate::{BlockId, TokenId};
@@ -26,6 +27,15 @@ impl BlockTable {
     /// Token ids whose K/V this table holds (or will hold once the step that wrote them runs).
     pub fn tokens(&self) -> &[TokenId] {
         &self.tokens
+    }
+
+    /// The block ids as entries of an int32 block-table array (where -1 pads). They fit:
+    /// `BlockManager::new` bounds `num_blocks` by `MAX_NUM_BLOCKS`.
+    pub fn entries(&self) -> impl Iterator<Item = i32> + '_ {
+        self.blocks.iter().map(|&b| {
+            debug_assert!(b <= i32::MAX as BlockId);
+            b as i32
+        })
     }
 
     /// Number of tokens with a slot.

@@ -22,6 +22,26 @@ impl KvDtype {
         }
     }
 
+    /// The largest finite magnitude this type stores (65504 for f16).
+    pub fn max_finite(self) -> f32 {
+        match self {
+            KvDtype::F32 => f32::MAX,
+            KvDtype::F16 => f16::MAX.to_f32(),
+            KvDtype::Bf16 => bf16::MAX.to_f32(),
+        }
+    }
+
+    /// The smallest magnitude this type stores as infinity: f32 inputs at or beyond it (and NaN)
+    /// are not stored as finite numbers. f16 and bf16 round to nearest even, and their largest
+    /// finite value has an odd mantissa, so the halfway point above it already rounds to infinity.
+    pub fn overflow_threshold(self) -> f32 {
+        match self {
+            KvDtype::F32 => f32::INFINITY,
+            KvDtype::F16 => 65520.0,
+            KvDtype::Bf16 => f32::from_bits(0x7f7f_8000),
+        }
+    }
+
     /// The conventional lower-case name ("float32", "float16", "bfloat16").
     pub fn name(self) -> &'static str {
         match self {
@@ -81,5 +101,33 @@ impl KvElement for bf16 {
     }
     fn to_f32(self) -> f32 {
         bf16::to_f32(self)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The threshold is where the conversion itself starts giving infinity.
+    #[test]
+    fn overflow_threshold_is_the_first_value_converted_to_infinity() {
+        fn check<T: KvElement>() {
+            let threshold = T::DTYPE.overflow_threshold();
+            let below = f32::from_bits(threshold.to_bits() - 1);
+            assert!(
+                T::from_f32(threshold).to_f32().is_infinite(),
+                "{:?}",
+                T::DTYPE
+            );
+            assert_eq!(
+                T::from_f32(below).to_f32(),
+                T::DTYPE.max_finite(),
+                "{:?}",
+                T::DTYPE
+            );
+        }
+        check::<f16>();
+        check::<bf16>();
+        assert_eq!(KvDtype::F32.overflow_threshold(), f32::INFINITY);
     }
 }

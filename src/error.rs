@@ -22,6 +22,9 @@ pub enum Error {
     /// Any other bad argument: zero sizes, out-of-range ids, NaN, limits that cannot hold.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+    /// The allocator refused a buffer (the process is left as it was; Python's `MemoryError`).
+    #[error("out of memory: cannot allocate {0}")]
+    OutOfMemory(String),
 }
 
 /// Short form used across the core.

@@ -9,6 +9,8 @@
 //!
 //! Pushing an id that is already free is a caller bug; `BlockPool` tracks states so it never does.
 
+use crate::alloc::try_vec_with;
+use crate::error::{ensure, Result};
 use crate::sync::{AtomicU32, AtomicU64, Ordering};
 
 const NIL: u32 = u32::MAX;
@@ -28,30 +30,26 @@ fn unpack(word: u64) -> (u32, u32) {
 }
 
 impl FreeList {
-    /// A free list holding every id in `0..capacity`, with id 0 on top.
-    ///
-    /// # Panics
-    /// If `capacity` does not fit below `u32::MAX` (ids are 32-bit).
-    pub fn full(capacity: usize) -> Self {
-        assert!(
-            capacity < NIL as usize,
-            "free list capacity {capacity} exceeds u32 ids"
-        );
-        let next = (0..capacity)
-            .map(|id| {
-                let successor = if id + 1 < capacity {
-                    id as u32 + 1
-                } else {
-                    NIL
-                };
-                AtomicU32::new(successor)
-            })
-            .collect();
+    /// A free list holding every id in `0..capacity`, with id 0 on top. Fails (allocating
+    /// nothing) with `InvalidArgument` if `capacity` does not fit below `u32::MAX` (ids are
+    /// 32-bit), or `OutOfMemory` if its index array cannot be allocated.
+    pub fn full(capacity: usize) -> Result<Self> {
+        ensure(capacity < NIL as usize, || {
+            format!("free list capacity {capacity} exceeds u32 ids")
+        })?;
+        let next = try_vec_with(capacity, "the free list", |id| {
+            let successor = if id + 1 < capacity {
+                id as u32 + 1
+            } else {
+                NIL
+            };
+            AtomicU32::new(successor)
+        })?;
         let top = if capacity == 0 { NIL } else { 0 };
-        FreeList {
+        Ok(FreeList {
             head: AtomicU64::new(pack(0, top)),
-            next,
-        }
+            next: next.into_boxed_slice(),
+        })
     }
 
     /// How many ids the list can hold.
@@ -119,7 +117,7 @@ mod tests {
 
     #[test]
     fn pops_every_id_once_then_runs_dry() {
-        let list = FreeList::full(5);
+        let list = FreeList::full(5).unwrap();
         let ids: Vec<u32> = std::iter::from_fn(|| list.pop()).collect();
         assert_eq!(ids, vec![0, 1, 2, 3, 4]);
         assert!(list.is_empty());
@@ -128,7 +126,7 @@ mod tests {
 
     #[test]
     fn push_is_last_in_first_out() {
-        let list = FreeList::full(3);
+        let list = FreeList::full(3).unwrap();
         let a = list.pop().unwrap();
         let b = list.pop().unwrap();
         list.push(a);
@@ -139,7 +137,7 @@ mod tests {
 
     #[test]
     fn empty_list_is_empty() {
-        let list = FreeList::full(0);
+        let list = FreeList::full(0).unwrap();
         assert_eq!(list.pop(), None);
         assert_eq!(list.capacity(), 0);
     }
@@ -151,7 +149,7 @@ mod tests {
         const CAPACITY: usize = 64;
         const THREADS: usize = 4;
         const ROUNDS: usize = 150_000; // 4 threads x 150k x (pop + push) = 1.2M operations
-        let list = FreeList::full(CAPACITY);
+        let list = FreeList::full(CAPACITY).unwrap();
         let held: Vec<std::sync::atomic::AtomicBool> = (0..CAPACITY)
             .map(|_| std::sync::atomic::AtomicBool::new(false))
             .collect();

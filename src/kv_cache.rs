@@ -4,14 +4,23 @@
 //! `block_size × head_dim` tile of one (block, KV head) is contiguous and the attention loop reads
 //! it sequentially. Token slot `s` is row `s % block_size` of block `s / block_size`.
 //!
-//! Invariant: each buffer holds exactly `num_blocks * block_elems()` elements of the cache's dtype.
+//! Invariants:
+//! - Each buffer holds exactly `num_blocks * block_elems()` elements of the cache's dtype.
+//! - A cache exists only for a shape whose total K and V bytes fit `isize::MAX` and whose blocks
+//!   are numbered by int32 ids (checked at construction, [`KvShape::validate`]): every size and
+//!   offset derived from it, being a factor of that total, is then computed without overflow.
+//! - Every stored element is finite: `write` refuses NaN, infinity, and finite values the dtype
+//!   would round to infinity (beyond ±65504 in f16), so what is read back is what was written,
+//!   rounded.
+//! - A block table is read only in its first `ceil(num_tokens / block_size)` entries
+//!   ([`KvShape::used_blocks`]); the rest is padding (-1 in the scheduler's tables), never read.
 
 use half::{bf16, f16};
 
-use crate::block_manager::CopyOp;
+use crate::block_manager::{CopyOp, MAX_NUM_BLOCKS};
 use crate::dtype::{KvDtype, KvElement};
 use crate::error::{ensure, Error, Result};
-use crate::memory::zeroed_vec;
+use crate::{alloc, memory};
 
 /// Dimensions of a KV cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -40,7 +49,10 @@ impl KvShape {
         ((block * self.num_kv_heads + head) * self.block_size + row) * self.head_dim
     }
 
-    fn validate(&self) -> Result<()> {
+    /// Checks that every dimension is positive and that the K and V bytes of all layers in
+    /// `dtype`, the largest product the cache forms, fit `isize::MAX` (the most one allocation
+    /// can hold).
+    fn validate(&self, dtype: KvDtype) -> Result<()> {
         let dims = [
             self.num_layers,
             self.num_blocks,
@@ -50,7 +62,55 @@ impl KvShape {
         ];
         ensure(dims.iter().all(|&d| d > 0), || {
             format!("every KV cache dimension must be positive: {self:?}")
+        })?;
+        ensure(self.num_blocks <= MAX_NUM_BLOCKS, || {
+            format!(
+                "num_blocks {} exceeds {MAX_NUM_BLOCKS}: block tables hold int32 block ids",
+                self.num_blocks
+            )
+        })?;
+        let bytes = dims
+            .iter()
+            .try_fold(2 * dtype.size_of(), |total, &d| total.checked_mul(d))
+            .filter(|&total| total <= isize::MAX as usize);
+        ensure(bytes.is_some(), || {
+            format!(
+                "a {} KV cache of {self:?} needs more than isize::MAX bytes",
+                dtype.name()
+            )
         })
+    }
+
+    /// The entries of `table` that hold the first `num_tokens` tokens of a sequence, each checked
+    /// to be a block of this cache; entries past them are padding and never read. `owner` names
+    /// the table in errors (e.g. "sequence 3").
+    pub fn used_blocks<'t>(
+        &self,
+        table: &'t [i32],
+        num_tokens: usize,
+        owner: impl Fn() -> String,
+    ) -> Result<&'t [i32]> {
+        let bs = self.block_size;
+        let used = num_tokens.div_ceil(bs);
+        ensure(used <= table.len(), || {
+            format!(
+                "{}: {num_tokens} tokens do not fit {} blocks of {bs}",
+                owner(),
+                table.len()
+            )
+        })?;
+        let used = &table[..used];
+        match used
+            .iter()
+            .find(|&&b| usize::try_from(b).map_or(true, |b| b >= self.num_blocks))
+        {
+            Some(bad) => Err(Error::InvalidArgument(format!(
+                "{} uses block {bad}, outside 0..{}",
+                owner(),
+                self.num_blocks
+            ))),
+            None => Ok(used),
+        }
     }
 }
 
@@ -75,12 +135,21 @@ macro_rules! with_kv_buffer {
 }
 
 impl KvBuffer {
-    fn zeroed(dtype: KvDtype, len: usize) -> Self {
-        match dtype {
-            KvDtype::F32 => KvBuffer::F32(zeroed_vec(len)),
-            KvDtype::F16 => KvBuffer::F16(zeroed_vec(len)),
-            KvDtype::Bf16 => KvBuffer::Bf16(zeroed_vec(len)),
-        }
+    fn zeroed(dtype: KvDtype, len: usize) -> Result<Self> {
+        Ok(match dtype {
+            KvDtype::F32 => KvBuffer::F32(memory::zeroed_vec(len, "a KV cache layer")?),
+            KvDtype::F16 => KvBuffer::F16(memory::zeroed_vec(len, "a KV cache layer")?),
+            KvDtype::Bf16 => KvBuffer::Bf16(memory::zeroed_vec(len, "a KV cache layer")?),
+        })
+    }
+
+    /// `len` pseudo-random elements in [-1, 1) from `seed`, every page touched.
+    pub(crate) fn random(dtype: KvDtype, len: usize, seed: u64, what: &str) -> Result<Self> {
+        Ok(match dtype {
+            KvDtype::F32 => KvBuffer::F32(memory::random_vec(len, seed, what)?),
+            KvDtype::F16 => KvBuffer::F16(memory::random_vec(len, seed, what)?),
+            KvDtype::Bf16 => KvBuffer::Bf16(memory::random_vec(len, seed, what)?),
+        })
     }
 
     /// Storage type.
@@ -102,23 +171,27 @@ pub struct KvCache {
 }
 
 impl KvCache {
-    /// A zero-filled cache.
+    /// A zero-filled cache. Refuses a shape whose sizes overflow, and returns the allocation
+    /// failure (never aborts) when memory cannot be had.
     pub fn new(shape: KvShape, dtype: KvDtype) -> Result<Self> {
-        shape.validate()?;
-        let len = shape
-            .num_blocks
-            .checked_mul(shape.block_elems())
-            .ok_or_else(|| Error::InvalidArgument(format!("KV cache of {shape:?} overflows")))?;
-        let make = || {
-            (0..shape.num_layers)
-                .map(|_| KvBuffer::zeroed(dtype, len))
-                .collect()
+        shape.validate(dtype)?;
+        let len = shape.num_blocks * shape.block_elems();
+        let make = || -> Result<Vec<KvBuffer>> {
+            // Reserved fallibly too: many layers of tiny blocks pass the byte bound above.
+            let mut layers = Vec::new();
+            layers
+                .try_reserve_exact(shape.num_layers)
+                .map_err(|_| Error::OutOfMemory(format!("{} KV cache layers", shape.num_layers)))?;
+            for _ in 0..shape.num_layers {
+                layers.push(KvBuffer::zeroed(dtype, len)?);
+            }
+            Ok(layers)
         };
         Ok(KvCache {
             shape,
             dtype,
-            keys: make(),
-            values: make(),
+            keys: make()?,
+            values: make()?,
         })
     }
 
@@ -146,8 +219,9 @@ impl KvCache {
         Ok((&self.keys[layer], &self.values[layer]))
     }
 
-    /// Stores rows `keys[i]`, `values[i]` (each `[num_kv_heads, head_dim]`, f32, finite) at
-    /// `slots[i]` of `layer`. Nothing is written unless every argument is valid.
+    /// Stores rows `keys[i]`, `values[i]` (each `[num_kv_heads, head_dim]`, f32) at `slots[i]` of
+    /// `layer`. Every value must stay finite in the cache's dtype (see the module invariants).
+    /// Nothing is written unless every argument is valid.
     pub fn write(
         &mut self,
         layer: usize,
@@ -172,9 +246,9 @@ impl KvCache {
                 "slot {bad} outside 0..{num_slots}"
             )));
         }
-        ensure(keys.iter().chain(values).all(|x| x.is_finite()), || {
-            "keys or values contain NaN or infinity".into()
-        })?;
+        for (name, data) in [("keys", keys), ("values", values)] {
+            self.check_storable(name, data)?;
+        }
         let shape = self.shape;
         for (buffer, source) in [
             (&mut self.keys[layer], keys),
@@ -204,34 +278,30 @@ impl KvCache {
         Ok(())
     }
 
-    /// Reads back the first `num_tokens` K and V rows of a sequence through its block table, as
-    /// f32 `[num_tokens, num_kv_heads, head_dim]` each.
+    /// Reads back the first `num_tokens` K and V rows of a sequence through its block table
+    /// (padding past the used entries is never read), as f32 `[num_tokens, num_kv_heads,
+    /// head_dim]` each.
     pub fn gather(
         &self,
         layer: usize,
-        block_table: &[u32],
+        block_table: &[i32],
         num_tokens: usize,
     ) -> Result<(Vec<f32>, Vec<f32>)> {
         self.check_layer(layer)?;
-        let bs = self.shape.block_size;
-        ensure(num_tokens <= block_table.len() * bs, || {
-            format!(
-                "{num_tokens} tokens do not fit {} blocks of {bs}",
-                block_table.len()
-            )
-        })?;
-        let used = &block_table[..num_tokens.div_ceil(bs)];
-        if let Some(bad) = used.iter().find(|&&b| b as usize >= self.shape.num_blocks) {
-            return Err(Error::InvalidArgument(format!(
-                "block {bad} outside 0..{}",
-                self.shape.num_blocks
-            )));
-        }
-        let slots: Vec<usize> = (0..num_tokens)
-            .map(|p| used[p / bs] as usize * bs + p % bs)
-            .collect();
-        let read = |buffer: &KvBuffer| with_kv_buffer!(buffer, buf => gather_rows(buf, &slots, &self.shape));
-        Ok((read(&self.keys[layer]), read(&self.values[layer])))
+        let used = self
+            .shape
+            .used_blocks(block_table, num_tokens, || "the block table".into())?;
+        let len = num_tokens
+            .checked_mul(self.shape.row_elems())
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!("{num_tokens} tokens overflow the output size"))
+            })?;
+        let read = |buffer: &KvBuffer| -> Result<Vec<f32>> {
+            let mut out = alloc::try_zeroed_vec(len, "gathered K/V rows")?;
+            with_kv_buffer!(buffer, buf => gather_rows(buf, used, &self.shape, &mut out));
+            Ok(out)
+        };
+        Ok((read(&self.keys[layer])?, read(&self.values[layer])?))
     }
 
     /// Overwrites every K and V element with pseudo-random values in [-1, 1) from `seed`: gives
@@ -244,7 +314,30 @@ impl KvCache {
             .enumerate()
         {
             let seed = seed.wrapping_add(i as u64);
-            with_kv_buffer!(buffer, buf => crate::attention::fill_random_values(buf, seed));
+            with_kv_buffer!(buffer, buf => memory::fill_random(buf, seed));
+        }
+    }
+
+    /// Refuses `data` unless the cache's dtype stores each of its values as a finite number.
+    fn check_storable(&self, name: &str, data: &[f32]) -> Result<()> {
+        let (dtype, limit) = (self.dtype, self.dtype.overflow_threshold());
+        // `abs() < limit` is false for NaN too. Whole chunks without an early exit vectorise (a
+        // per-element `find` made the check cost twice the write); the culprit is looked up only
+        // on failure.
+        let storable = |chunk: &[f32]| chunk.iter().fold(true, |ok, &x| ok & (x.abs() < limit));
+        if data.chunks(256).all(storable) {
+            return Ok(());
+        }
+        match data.iter().find(|&&x| x.is_nan() || x.abs() >= limit) {
+            None => Ok(()),
+            Some(x) if x.is_finite() => Err(Error::InvalidArgument(format!(
+                "{name} hold {x}, beyond the {} range ±{}: the cache would store infinity",
+                dtype.name(),
+                dtype.max_finite()
+            ))),
+            Some(x) => Err(Error::InvalidArgument(format!(
+                "{name} contain {x}: the cache stores finite values only"
+            ))),
         }
     }
 
@@ -267,14 +360,81 @@ fn scatter_rows<T: KvElement>(buf: &mut [T], rows: &[f32], slots: &[i64], shape:
     }
 }
 
-fn gather_rows<T: KvElement>(buf: &[T], slots: &[usize], shape: &KvShape) -> Vec<f32> {
-    let d = shape.head_dim;
-    let mut out = Vec::with_capacity(slots.len() * shape.row_elems());
-    for &slot in slots {
-        for head in 0..shape.num_kv_heads {
+/// Writes the rows of `used` blocks' tokens, in order, into `out` (`out.len()` / `row_elems`
+/// tokens).
+fn gather_rows<T: KvElement>(buf: &[T], used: &[i32], shape: &KvShape, out: &mut [f32]) {
+    let (bs, d) = (shape.block_size, shape.head_dim);
+    for (position, row) in out.chunks_exact_mut(shape.row_elems()).enumerate() {
+        let slot = used[position / bs] as usize * bs + position % bs;
+        for (head, dst) in row.chunks_exact_mut(d).enumerate() {
             let at = shape.offset(slot, head);
-            out.extend(buf[at..at + d].iter().map(|x| x.to_f32()));
+            for (o, x) in dst.iter_mut().zip(&buf[at..at + d]) {
+                *o = x.to_f32();
+            }
         }
     }
-    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn shape(num_layers: usize, num_blocks: usize, block_size: usize, heads: usize) -> KvShape {
+        KvShape {
+            num_layers,
+            num_blocks,
+            block_size,
+            num_kv_heads: heads,
+            head_dim: 8,
+        }
+    }
+
+    #[test]
+    fn sizes_that_overflow_or_exceed_int32_block_ids_are_refused() {
+        for bad in [
+            shape(1, 1, 4, 1 << 62),
+            shape(1 << 40, 1 << 30, 1, 1),
+            shape(1, MAX_NUM_BLOCKS + 1, 1, 1),
+        ] {
+            assert!(matches!(
+                KvCache::new(bad, KvDtype::F16),
+                Err(Error::InvalidArgument(_))
+            ));
+        }
+    }
+
+    #[test]
+    fn gather_reads_only_the_used_entries_of_a_padded_table() {
+        let mut cache = KvCache::new(shape(1, 4, 2, 1), KvDtype::F32).unwrap();
+        let rows: Vec<f32> = (0..8 * 8).map(|x| x as f32).collect();
+        cache
+            .write(0, &rows, &rows, &(0..8).collect::<Vec<_>>())
+            .unwrap();
+        let (k, v) = cache.gather(0, &[3, 1, -1, i32::MIN], 3).unwrap();
+        let expected: Vec<f32> = [6, 7, 2]
+            .iter()
+            .flat_map(|&s| s * 8..s * 8 + 8)
+            .map(|x| x as f32)
+            .collect();
+        assert_eq!((k, v), (expected.clone(), expected));
+        for bad in [&[3, -1][..], &[4, 0], &[3]] {
+            assert!(matches!(
+                cache.gather(0, bad, 3),
+                Err(Error::InvalidArgument(_))
+            ));
+        }
+    }
+
+    #[test]
+    fn values_the_dtype_stores_as_infinity_are_refused_like_infinity() {
+        let mut cache = KvCache::new(shape(1, 1, 1, 1), KvDtype::F16).unwrap();
+        let ok = [65504.0f32; 8];
+        cache.write(0, &ok, &ok, &[0]).unwrap();
+        for bad in [65520.0, -1e6, f32::INFINITY, f32::NAN] {
+            let mut row = ok;
+            row[5] = bad;
+            assert!(cache.write(0, &ok, &row, &[0]).is_err());
+            assert_eq!(cache.gather(0, &[0], 1).unwrap().1, ok.to_vec());
+        }
+    }
 }

@@ -4,6 +4,7 @@
 //! cached-block LRU, prefix map) → [`BlockManager`] (block tables, prefix sharing, copy-on-write).
 //! Storage: [`KvCache`]. Compute: [`attention::paged_attention`]. The Python binding lives in `python/` behind the `python` feature.
 
+mod alloc;
 pub mod attention;
 pub mod block_manager;
 pub mod block_pool;
@@ -30,7 +31,7 @@ pub type TokenId = u32;
 pub type SeqId = u64;
 
 pub use attention::{paged_attention, AttentionBatch};
-pub use block_manager::{BlockManager, BlockStats, CopyOp, PrefixMatch};
+pub use block_manager::{BlockManager, BlockStats, CopyOp, PrefixMatch, MAX_NUM_BLOCKS};
 pub use block_pool::BlockPool;
 pub use block_table::BlockTable;
 pub use dtype::{KvDtype, KvElement};

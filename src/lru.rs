@@ -4,6 +4,9 @@
 //! it is in the list; the front is the least recently used id. Push, removal of any id, and pop of
 //! the front are O(1) with no allocation after construction.
 
+use crate::alloc::{try_vec_with, try_zeroed_vec};
+use crate::error::Result;
+
 const NIL: u32 = u32::MAX;
 
 /// Doubly linked list of block ids stored in two index arrays.
@@ -18,16 +21,17 @@ pub struct Lru {
 }
 
 impl Lru {
-    /// An empty list able to hold ids `0..capacity`.
-    pub fn new(capacity: usize) -> Self {
-        Lru {
-            prev: vec![NIL; capacity],
-            next: vec![NIL; capacity],
-            linked: vec![false; capacity],
+    /// An empty list able to hold ids `0..capacity` (`OutOfMemory` if its arrays cannot be
+    /// allocated).
+    pub fn new(capacity: usize) -> Result<Self> {
+        Ok(Lru {
+            prev: try_vec_with(capacity, "the LRU links", |_| NIL)?,
+            next: try_vec_with(capacity, "the LRU links", |_| NIL)?,
+            linked: try_zeroed_vec(capacity, "the LRU flags")?,
             front: NIL,
             back: NIL,
             len: 0,
-        }
+        })
     }
 
     /// Number of ids in the list.
@@ -107,7 +111,7 @@ mod tests {
 
     #[test]
     fn evicts_in_insertion_order_and_removes_from_the_middle() {
-        let mut lru = Lru::new(5);
+        let mut lru = Lru::new(5).unwrap();
         for id in [3, 1, 4, 0] {
             lru.push_back(id);
         }

@@ -290,6 +290,9 @@ fn outcome_of_error(error: Error) -> Outcome {
         Error::UnknownSequence(_) => Outcome::Unknown,
         Error::DuplicateSequence(_) => Outcome::Duplicate,
         Error::Shape(_) | Error::InvalidArgument(_) => Outcome::Invalid,
+        Error::OutOfMemory(what) => {
+            panic!("a model-sized manager cannot run out of memory: {what}")
+        }
     }
 }
 

@@ -15,7 +15,7 @@ fn drain(list: &FreeList) -> Vec<u32> {
 #[test]
 fn two_threads_pop_distinct_ids() {
     loom::model(|| {
-        let list = Arc::new(FreeList::full(2));
+        let list = Arc::new(FreeList::full(2).unwrap());
         let handles: Vec<_> = (0..2)
             .map(|_| {
                 let list = list.clone();
@@ -35,7 +35,7 @@ fn two_threads_pop_distinct_ids() {
 #[test]
 fn pop_push_races_keep_every_id_once() {
     loom::model(|| {
-        let list = Arc::new(FreeList::full(2));
+        let list = Arc::new(FreeList::full(2).unwrap());
         let handles: Vec<_> = (0..2)
             .map(|_| {
                 let list = list.clone();
@@ -58,7 +58,7 @@ fn pop_push_races_keep_every_id_once() {
 #[test]
 fn aba_is_prevented_by_the_tag() {
     loom::model(|| {
-        let list = Arc::new(FreeList::full(3));
+        let list = Arc::new(FreeList::full(3).unwrap());
         let t1 = {
             let list = list.clone();
             loom::thread::spawn(move || list.pop())
@@ -90,7 +90,7 @@ fn three_threads_pop_and_push() {
     let mut builder = loom::model::Builder::new();
     builder.preemption_bound = Some(2);
     builder.check(|| {
-        let list = Arc::new(FreeList::full(2));
+        let list = Arc::new(FreeList::full(2).unwrap());
         let handles: Vec<_> = (0..3)
             .map(|_| {
                 let list = list.clone();

@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import numpy as np
 import pytest
+from array_layouts import layouts
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pagedkv
+from pagedkv import _core
 
 TOLERANCE = {"float32": 1e-5, "float16": 1e-2, "bfloat16": 1e-2}
 DTYPES = list(TOLERANCE)
@@ -253,3 +257,95 @@ def test_bad_inputs_raise_typed_errors():
     odd = pagedkv.KVCache(1, 1, 4, 1, 12)
     with pytest.raises(pagedkv.InvalidArgumentError):
         odd.attention(0, np.zeros((1, 1, 12), np.float32), np.zeros((1, 1), np.int32), np.array([1], np.int32), np.array([0, 1], np.int32))
+
+
+# --- layouts, bounds and sizes (issue 10: items 3, 4, 5) ---------------------------------------
+
+
+def layout_case():
+    rng = np.random.default_rng(13)
+    batch = Batch(rng, "float32", [40, 7, 300], 8, 2, 16)
+    counts = [3, 1, 2]
+    args = {
+        "query": rng.standard_normal((sum(counts), 4, 16)).astype(np.float32),
+        "block_tables": batch.tables,
+        "context_lens": np.array(batch.contexts, np.int32),
+        "query_start_loc": np.concatenate([[0], np.cumsum(counts)]).astype(np.int32),
+    }
+    return batch, args
+
+
+@pytest.mark.parametrize("argument", ["query", "block_tables", "context_lens", "query_start_loc"])
+def test_attention_reads_every_array_layout_in_index_order(argument):
+    batch, args = layout_case()
+    expected = batch.cache.attention(LAYER, **args)
+    assert relative_error(expected, batch.reference(args["query"], [3, 1, 2], 1 / 4)) <= 1e-5
+    for name, variant in layouts(args[argument]).items():
+        got = batch.cache.attention(LAYER, **(args | {argument: variant}))
+        assert np.array_equal(got, expected), name
+        assert _core.attention_kernel_seconds(batch.cache, LAYER, **(args | {argument: variant}), iterations=1) > 0
+
+
+@pytest.mark.parametrize("argument", ["query", "context_lens", "query_start_loc"])
+def test_contiguous_attention_reads_every_array_layout_in_index_order(argument):
+    kv = pagedkv.ContiguousKV(2, 2, 64, 16, seed=3)
+    args = {
+        "query": np.random.default_rng(14).standard_normal((3, 4, 16)).astype(np.float32),
+        "context_lens": np.array([64, 9], np.int32),
+        "query_start_loc": np.array([0, 2, 3], np.int32),
+    }
+    expected = kv.attention(**args)
+    for name, variant in layouts(args[argument]).items():
+        assert np.array_equal(kv.attention(**(args | {argument: variant})), expected), name
+
+
+def test_contiguous_attention_with_a_block_size_past_every_sequence():
+    kv = pagedkv.ContiguousKV(1, 1, 40, 8, seed=4)
+    args = (np.ones((1, 2, 8), np.float32), np.array([40], np.int32), np.array([0, 1], np.int32))
+    whole = kv.attention(*args, block_size=40)
+    for block_size in [41, 2**40, 2**62]:  # one tile of 40 rows all the same
+        np.testing.assert_allclose(kv.attention(*args, block_size=block_size), whole, rtol=0, atol=1e-6)
+
+
+def test_block_tables_whose_entry_count_overflows_are_a_shape_error():
+    cache = pagedkv.KVCache(1, 4, 4, 1, 8)
+    # 16 rows × 2**60 columns wraps to 0 entries, which an empty array holds.
+    tables = np.zeros((0, 2**60), np.int32)
+    with pytest.raises(pagedkv.ShapeError):
+        cache.attention(0, np.zeros((1, 1, 8), np.float32), tables, np.ones(16, np.int32), np.array([0] + [1] * 16, np.int32))
+
+
+def test_thread_counts_outside_the_documented_bound_are_refused_and_change_nothing():
+    rng = np.random.default_rng(15)
+    batch = Batch(rng, "float32", [3000], 16, 1, 64)
+    query = rng.standard_normal((1, 4, 64)).astype(np.float32)
+    expected = batch.reference(query, [1], 1 / 8)
+    before = pagedkv.get_num_threads()
+    try:
+        for bad in [0, -1, 1025, 100000, 2**62]:
+            with pytest.raises(pagedkv.InvalidArgumentError):
+                pagedkv.set_num_threads(bad)
+            assert pagedkv.get_num_threads() == before
+            assert relative_error(batch.attention(query, [1]), expected) <= 1e-5
+        pagedkv.set_num_threads(1024)  # the bound itself runs
+        assert pagedkv.get_num_threads() == 1024
+        assert relative_error(batch.attention(query, [1]), expected) <= 1e-5
+    finally:
+        pagedkv.set_num_threads(before)
+
+
+THREADS_FROM_ENV = """
+import numpy as np, pagedkv
+threads = pagedkv.get_num_threads()
+assert 1 <= threads <= 1024, threads
+kv = pagedkv.ContiguousKV(1, 1, 4096, 64, seed=1)
+out = kv.attention(np.ones((1, 2, 64), np.float32), np.array([4096], np.int32), np.array([0, 1], np.int32))
+assert np.isfinite(out).all()
+"""
+
+
+@pytest.mark.parametrize("value", ["100000", "0", "many"])
+def test_an_out_of_range_thread_count_in_the_environment_is_ignored(value):
+    env = os.environ | {"PAGEDKV_NUM_THREADS": value}
+    result = subprocess.run([sys.executable, "-c", THREADS_FROM_ENV], env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]

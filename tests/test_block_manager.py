@@ -4,6 +4,9 @@ refusal without side effects, bad input on every public method, and the seed's o
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -158,6 +161,29 @@ def test_admission_counts_evictable_hits_against_free_capacity():
         lambda m: m.slot_mapping([0], [99]),
         lambda m: m.slot_mapping([0], [1, 2]),
         lambda m: m.block_tables([0, -1]),
+        # Ints beyond int64 are refused like -1, never OverflowError (item 18).
+        lambda m: m.free(2**63),
+        lambda m: m.allocate(2**70, [1]),
+        lambda m: m.slot_mapping([0], [2**64]),
+        lambda m: m.block_tables([0, 2**63]),
+        # Wrong types are InvalidArgumentError, never TypeError (item 2).
+        lambda m: m.free("0"),
+        lambda m: m.free(0.0),
+        lambda m: m.free(True),
+        lambda m: m.block_tables("01"),
+        lambda m: m.slot_mapping(0, [1]),
+        lambda m: m.allocate(1, [1], cache_salt=123),
+        lambda m: m.allocate(1, [1], cache_salt=b"x"),
+        lambda m: m.allocate(1, [1], cache_salt="\udc80"),
+        lambda m: m.can_allocate([1], cache_salt=7),
+        lambda m: m.cached_prefix_len([1], cache_salt=b"x"),
+        # Bools and bytes are not token ids (item 19).
+        lambda m: m.allocate(1, [True, 2]),
+        lambda m: m.allocate(1, b"hi"),
+        lambda m: m.allocate(1, bytearray(b"hi")),
+        lambda m: m.allocate(1, np.array([True, False])),
+        lambda m: m.append(0, [False]),
+        lambda m: m.can_allocate(b"hi"),
     ],
 )
 def test_bad_input_raises_invalid_argument_and_changes_nothing(call):
@@ -169,10 +195,79 @@ def test_bad_input_raises_invalid_argument_and_changes_nothing(call):
     assert snapshot(m) == before
 
 
-@pytest.mark.parametrize("kwargs", [dict(num_blocks=0), dict(num_blocks=-4), dict(num_blocks=8, block_size=0)])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(num_blocks=0),
+        dict(num_blocks=-4),
+        dict(num_blocks=8, block_size=0),
+        dict(num_blocks=2**63),
+        dict(num_blocks="8"),
+        dict(num_blocks=8, block_size=None),
+        dict(num_blocks=8, block_size=4.0),
+        dict(num_blocks=8, enable_prefix_caching=1),
+        # Slots block * block_size + offset would overflow int64 (item 5).
+        dict(num_blocks=4, block_size=2**62),
+    ],
+)
 def test_bad_sizes_are_rejected(kwargs):
     with pytest.raises(InvalidArgumentError):
         BlockManager(**kwargs)
+
+
+def test_sizes_beyond_memory_raise_memory_error_and_the_process_lives_on():
+    """Item 4 (and 16): under a 4 GiB address-space cap, sizes the allocator refuses are a
+    MemoryError (they aborted the process), and block ids past int32 are refused before any
+    allocation. Run in a child process so the cap does not bind the test run."""
+    cap = 4 << 30
+    code = textwrap.dedent(
+        f"""
+        import resource
+        resource.setrlimit(resource.RLIMIT_AS, ({cap}, {cap}))
+        import pagedkv
+        for make in (lambda: pagedkv.BlockManager(2**27), lambda: pagedkv.Scheduler(num_blocks=2**28)):
+            try:
+                make()
+            except MemoryError as error:
+                print("MemoryError", "out of memory" in str(error))
+        try:
+            pagedkv.BlockManager(2**31)
+        except pagedkv.InvalidArgumentError:
+            print("InvalidArgumentError")
+        m = pagedkv.BlockManager(64, 4)
+        print("alive", m.allocate(0, [1, 2, 3]))
+        """
+    )
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert child.returncode == 0, child.stderr
+    assert child.stdout.split("\n") == [
+        "MemoryError True",
+        "MemoryError True",
+        "InvalidArgumentError",
+        "alive 0",
+        "",
+    ], child.stderr
+
+
+def test_membership_of_a_value_that_cannot_be_an_id_is_false_whatever_it_is():
+    """Item 18: -1, 2**63, 2**70 and non-ints are all simply absent, and the same values are all
+    InvalidArgumentError when passed to a method (tested above)."""
+    m = BlockManager(num_blocks=8, block_size=BS)
+    m.allocate(1, [1])
+    assert 1 in m and np.int64(1) in m
+    for key in (-1, 2**63, 2**70, "1", 1.0, None):
+        assert key not in m
+
+
+def test_numpy_token_arrays_of_every_integer_width_and_any_layout_are_read_by_value():
+    m = BlockManager(num_blocks=8, block_size=BS)
+    for seq, dtype in enumerate([np.int64, np.int32, np.uint8, np.uint64, np.int16]):
+        m.allocate(seq, np.array([1, 2, 3, 4, 5], dtype=dtype)[::-2])
+        assert m.token_ids(seq) == [5, 3, 1]
+    with pytest.raises(InvalidArgumentError):
+        m.allocate(9, np.array([2**63], dtype=np.uint64))
+    with pytest.raises(InvalidArgumentError):
+        m.allocate(9, np.array([-1], dtype=np.int8))
 
 
 def test_errors_are_also_standard_exceptions():

@@ -105,7 +105,7 @@ def test_demo_with_a_cache_too_small_for_any_request_ends_with_that_error() -> N
     # One block of 16 tokens: the first prompt cannot fit. The feeder's refusal reaches the main
     # thread and ends the demo, rather than a dead thread and a KeyError in the summary.
     result = run_cli("demo", "--num-blocks", "1", "--requests", "3", "--arrival-span", "0")
-    assert_usage_error(result, "request 0", "refused", "max_model_len 16")
+    assert_usage_error(result, "request 0", "refused", "max_model_len", "16")
 
 
 def test_demo_exits_nonzero_when_its_feeder_thread_fails(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:

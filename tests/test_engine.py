@@ -5,24 +5,19 @@ concurrency, abort, shutdown, back-pressure and bad input."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 import threading
 
 import numpy as np
 import pytest
-from threadpoolctl import threadpool_limits
-
 from pagedkv import DuplicateSequenceError, InvalidArgumentError, SamplingParams
 from pagedkv.engine import Engine, EngineClosedError, EngineOverloadedError
-from pagedkv.engine_core import EngineCore, PagedModelRunner, EngineConfig
-from pagedkv.model import DenseReference, LlamaConfig, LlamaModel, LlamaWeights, load_tokenizer
+from pagedkv.engine_core import EngineConfig, EngineCore, PagedModelRunner
+from pagedkv.model import DenseReference, LlamaModel, LlamaWeights, load_tokenizer
+from threadpoolctl import threadpool_limits
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def weights() -> LlamaWeights:
-    return LlamaWeights.random(LlamaConfig.tiny(), seed=0)
 
 
 @pytest.fixture(scope="module")
@@ -30,9 +25,30 @@ def reference(weights: LlamaWeights) -> DenseReference:
     return DenseReference(weights)
 
 
-def make_engine(weights: LlamaWeights, **config) -> Engine:
+def make_engine(weights: LlamaWeights, max_waiting: int = 1024, **config) -> Engine:
     model = LlamaModel(weights)
-    return Engine(model, load_tokenizer(None, model.config.vocab_size), EngineConfig(**config))
+    return Engine(model, load_tokenizer(None, model.config.vocab_size), EngineConfig(**config), max_waiting=max_waiting)
+
+
+def tokens_of(handle, timeout: float = 30, limit: int | None = None) -> list[int]:
+    """The token ids a blocking iteration of ``handle`` yields (the first ``limit`` of them, if
+    given), or the error it raises; iterated in a thread, so that a handle that never ends fails
+    the test instead of hanging it."""
+    out: list = []
+
+    def iterate() -> None:
+        try:
+            out.append([event.token_id for event in itertools.islice(handle, limit)])
+        except BaseException as error:  # noqa: BLE001 - re-raised in the test's thread
+            out.append(error)
+
+    thread = threading.Thread(target=iterate, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    assert out, f"iterating {handle.request_id!r} did not end within {timeout} s"
+    if isinstance(out[0], BaseException):
+        raise out[0]
+    return out[0]
 
 
 def prompts(seed: int, count: int, shared_prefix: int = 0) -> list[list[int]]:
@@ -153,8 +169,7 @@ def test_drain_finishes_everything_submitted(weights):
 
 
 def test_back_pressure_bounds_the_waiting_queue(weights):
-    engine = make_engine(weights, num_blocks=64, max_num_seqs=1)
-    engine.max_waiting = 1
+    engine = make_engine(weights, num_blocks=64, max_num_seqs=1, max_waiting=1)
     slow = SamplingParams(max_tokens=50, **GREEDY)
     engine.submit([5, 6, 7], slow)
     engine.submit([8, 9], slow)

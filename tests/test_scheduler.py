@@ -229,7 +229,7 @@ def test_abort_in_every_state_returns_every_block():
 
 
 def test_stop_tokens_eos_and_length_limits():
-    s = Scheduler(num_blocks=16, block_size=4, max_model_len=6, eos_token_id=2)
+    s = Scheduler(num_blocks=16, block_size=4, max_model_len=6, eos_token_ids=[2])
     s.add_request("eos", [9, 9, 9], max_tokens=100)
     s.add_request("ignore", [9, 9, 9], max_tokens=100, ignore_eos=True)
     s.add_request("stop", [9, 9, 9], max_tokens=100, stop_token_ids=[5], ignore_eos=True)
@@ -240,6 +240,16 @@ def test_stop_tokens_eos_and_length_limits():
     assert s.update(s.schedule(), [2]).finish_reasons == [None]
     assert list(s.update(s.schedule(), [2])) == [("ignore", 0, 2, "max_model_len")]  # 6 tokens
     assert s.num_free_blocks == 16
+
+
+def test_any_of_several_eos_ids_finishes_a_sequence():
+    s = Scheduler(num_blocks=16, block_size=4, eos_token_ids=[2, 465])
+    for request_id in ("a", "b"):
+        s.add_request(request_id, [9, 9, 9], max_tokens=4)
+    s.add_request("c", [9, 9, 9], max_tokens=4, ignore_eos=True)
+    produced = s.update(s.schedule(), [465, 2, 465])
+    assert produced.finish_reasons == ["stop", "stop", None]
+    assert produced.finished_request_ids == ["a", "b"]
 
 
 def test_requests_sharing_a_system_prompt_hit_its_full_blocks():
@@ -334,6 +344,111 @@ def test_bad_input_raises_typed_errors_and_changes_nothing():
         s.update(out, [7])  # already updated
     assert s.sequence_tokens("a") == [1, 2, 3, 7]
     s.check_invariants()
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        # Item 2: each of these killed the engine's worker with TypeError / OverflowError.
+        dict(priority="high"),
+        dict(priority=1.5),
+        dict(priority=2**63),
+        dict(cache_salt=123),
+        dict(cache_salt=b"x"),
+        dict(cache_salt="\udc80"),
+        dict(request_id=5),
+        dict(request_id=("a",)),
+        dict(request_id="\udc80"),
+        dict(max_tokens=2**63),
+        dict(max_tokens=-1),
+        dict(max_tokens=1.0),
+        dict(n=2**63),
+        dict(n=True),
+        dict(arrival_time=float("nan")),
+        dict(arrival_time="now"),
+        dict(arrival_time=True),
+        dict(ignore_eos=1),
+        dict(ignore_eos=None),
+        dict(stop_token_ids=5),
+        # Item 19: bools and bytes are not token ids.
+        dict(prompt_token_ids=[True, 2]),
+        dict(prompt_token_ids=b"hi"),
+        dict(prompt_token_ids=np.array([True])),
+        dict(stop_token_ids=[False]),
+        dict(stop_token_ids=b"\x02"),
+    ],
+)
+def test_every_bad_add_request_argument_is_invalid_argument_and_changes_nothing(kwargs):
+    s = Scheduler(num_blocks=8, block_size=4)
+    s.add_request("a", [1, 2, 3])
+    before = (s.stats(), len(s), s.num_waiting)
+    call = dict(request_id="b", prompt_token_ids=[1, 2]) | kwargs
+    with pytest.raises(InvalidArgumentError):
+        s.add_request(**call)
+    assert (s.stats(), len(s), s.num_waiting) == before
+    s.add_request("b", [1, 2])  # nothing of the refused call remains
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(num_blocks=2**63),
+        dict(num_blocks=8.0),
+        dict(block_size="16"),
+        dict(max_num_seqs=-1),
+        dict(max_num_batched_tokens=2**31),  # query_start_loc is int32
+        dict(max_model_len=2**31),  # context_lens is int32
+        dict(enable_prefix_caching="yes"),
+        dict(policy=1),
+        dict(policy="priority", aging_steps=0),
+        dict(aging_steps=1.5),
+        dict(long_prefill_token_threshold=2**64),
+        dict(eos_token_ids=2),
+        dict(eos_token_ids=[True]),
+        dict(eos_token_ids=[-1]),
+        dict(admission_lookahead_tokens="32"),
+    ],
+)
+def test_every_bad_constructor_argument_is_invalid_argument(kwargs):
+    with pytest.raises(InvalidArgumentError):
+        Scheduler(**(dict(num_blocks=8) | kwargs))
+
+
+def test_bad_arguments_of_the_other_methods_are_invalid_argument():
+    s = Scheduler(num_blocks=8, block_size=4)
+    s.add_request("a", [1, 2, 3])
+    out = s.schedule()
+    for call in (
+        lambda: s.update(out, [True]),
+        lambda: s.update(out, b"\x07"),
+        lambda: s.update(out, [2**32]),
+        lambda: s.update({"step": out.step}, [7]),
+        lambda: s.abort(5),
+        lambda: s.sequence_tokens("a", -1),
+        lambda: s.sequence_tokens("a", 2**32),
+        lambda: s.sequence_tokens(b"a"),
+    ):
+        with pytest.raises(InvalidArgumentError):
+            call()
+    assert s.update(out, [7]).token_ids.tolist() == [7]
+    # Membership answers False for anything that cannot be a request id (item 18).
+    assert "a" in s
+    for key in (5, b"a", "\udc80", None):
+        assert key not in s
+
+
+def test_update_refuses_another_schedulers_output_of_the_same_step_number():
+    """Item 20: step numbers matched, so the other scheduler's output was accepted."""
+    mine, other = (Scheduler(num_blocks=8, block_size=4) for _ in range(2))
+    mine.add_request("a", [1, 2, 3])
+    other.add_request("a", [1, 2, 3])
+    out, foreign = mine.schedule(), other.schedule()
+    assert out.step == foreign.step == 0
+    with pytest.raises(InvalidArgumentError, match="another scheduler"):
+        mine.update(foreign, [7])
+    assert mine.sequence_tokens("a") == [1, 2, 3]
+    assert mine.update(out, [7]).token_ids.tolist() == [7]
+    mine.check_invariants()
 
 
 def test_stats_track_steps_tokens_and_occupancy():

@@ -5,12 +5,13 @@
 //! the contract): it binds every block the manager takes to its real id, and asserts the id was
 //! takeable — clean while any block is clean, else the least recently released cached block. All
 //! else it predicts: ref counts, the prefix cache as a map from (salt, whole token prefix) to
-//! block, hit lengths, which operations are refused and with which error, every `stats` counter.
+//! block, hit lengths, which operations are refused and with which error (`can_allocate` included),
+//! every `stats` counter.
 //!
 //! Checked after every operation: `check_invariants`; free + cached + used == num_blocks, each as
 //! the model says; every table (blocks and tokens) equals the model's, so a refused operation
-//! changed nothing; the prefix cache answers every registered prefix as the model does. Slots and
-//! batched block tables are checked against the tables. At the end every sequence is freed and no
+//! changed nothing; the prefix cache answers every registered prefix as the model does. Slot
+//! mappings and batched block tables are checked against the model's tables. At the end every sequence is freed and no
 //! block may stay in use.
 #![no_main]
 
@@ -75,10 +76,11 @@ enum Op {
     Lookup {
         prompt: Prompt,
     },
-    Slots {
-        seq: u8,
-        start: u8,
-        len: u8,
+    /// `slot_mapping(seqs, counts)`: lengths may differ, a sequence be missing, a count exceed
+    /// its sequence's tokens by one.
+    SlotMapping {
+        seqs: Vec<u8>,
+        counts: Vec<u8>,
     },
     Tables {
         seqs: Vec<u8>,
@@ -139,10 +141,12 @@ enum Outcome {
     Done,
     Cached(usize),
     Copy(Option<CopyOp>),
+    Slots(Vec<i64>),
     OutOfBlocks { needed: usize, available: usize },
     Unknown,
     Duplicate,
     Invalid,
+    Shape,
 }
 
 fn outcome<T>(result: Result<T, Error>, ok: impl FnOnce(T) -> Outcome) -> Outcome {
@@ -152,6 +156,7 @@ fn outcome<T>(result: Result<T, Error>, ok: impl FnOnce(T) -> Outcome) -> Outcom
         Err(Error::UnknownSequence(_)) => Outcome::Unknown,
         Err(Error::DuplicateSequence(_)) => Outcome::Duplicate,
         Err(Error::InvalidArgument(_)) => Outcome::Invalid,
+        Err(Error::Shape(_)) => Outcome::Shape,
         Err(other) => panic!("unexpected error class: {other:?}"),
     }
 }
@@ -303,6 +308,38 @@ impl Model {
         }
     }
 
+    /// Available blocks admitting `num_tokens` tokens over the (current) cached `found` uses up:
+    /// the new blocks and the unreferenced hits it revives.
+    fn blocks_to_admit(&self, found: &[BlockId], num_tokens: usize) -> usize {
+        let revived = found
+            .iter()
+            .filter(|&&b| self.blocks[b as usize].refs == 0)
+            .count();
+        num_tokens.div_ceil(self.block_size) - found.len() + revived
+    }
+
+    /// Predicts `slot_mapping(seqs, counts)`: the slots of each sequence's last `count` tokens.
+    fn slot_mapping(&self, seqs: &[SeqId], counts: &[usize]) -> Outcome {
+        if seqs.len() != counts.len() {
+            return Outcome::Shape;
+        }
+        let bs = self.block_size;
+        let mut slots = Vec::new();
+        for (seq, &count) in seqs.iter().zip(counts) {
+            let Some(state) = self.seqs.get(seq) else {
+                return Outcome::Unknown;
+            };
+            let end = state.tokens.len();
+            let Some(start) = end.checked_sub(count) else {
+                return Outcome::Invalid;
+            };
+            slots.extend(
+                (start..end).map(|p| i64::from(state.blocks[p / bs]) * bs as i64 + (p % bs) as i64),
+            );
+        }
+        Outcome::Slots(slots)
+    }
+
     /// Predicts `admit(seq, tokens, found)`; on success applies it, binding new blocks to `real`.
     fn admit(
         &mut self,
@@ -328,12 +365,7 @@ impl Model {
         if stale {
             return Outcome::Invalid;
         }
-        let revived = found
-            .0
-            .iter()
-            .filter(|&&b| self.blocks[b as usize].refs == 0)
-            .count();
-        let needed = tokens_in.len().div_ceil(self.block_size) - found.0.len() + revived;
+        let needed = self.blocks_to_admit(found.0, tokens_in.len());
         let available = self.available();
         if needed > available {
             return Outcome::OutOfBlocks { needed, available };
@@ -417,7 +449,7 @@ impl Model {
 fn is_success(outcome: &Outcome) -> bool {
     matches!(
         outcome,
-        Outcome::Done | Outcome::Cached(_) | Outcome::Copy(_)
+        Outcome::Done | Outcome::Cached(_) | Outcome::Copy(_) | Outcome::Slots(_)
     )
 }
 
@@ -440,6 +472,14 @@ impl Harness {
             Op::Allocate { seq, prompt } => {
                 let seq = seq_id(*seq);
                 let (prompt, salt) = self.model.build_prompt(prompt);
+                let (blocks, keys) = self.model.hits(salt, &prompt);
+                let fits = !prompt.is_empty()
+                    && self.model.blocks_to_admit(&blocks, prompt.len()) <= self.model.available();
+                assert_eq!(
+                    self.manager.can_allocate(&prompt, SALTS[salt]),
+                    fits,
+                    "can_allocate({prompt:?}, salt {salt})"
+                );
                 let got = outcome(
                     self.manager.allocate(seq, &prompt, SALTS[salt]),
                     Outcome::Cached,
@@ -447,7 +487,6 @@ impl Harness {
                 let want = if prompt.is_empty() {
                     Outcome::Invalid
                 } else {
-                    let (blocks, keys) = self.model.hits(salt, &prompt);
                     let real = is_success(&got).then(|| self.real_blocks(seq));
                     self.model.admit(
                         seq,
@@ -515,7 +554,25 @@ impl Harness {
                 let lookup = self.lookup(prompt);
                 self.model.saved = Some(lookup);
             }
-            Op::Slots { seq, start, len } => self.check_slots(seq_id(*seq), *start, *len),
+            Op::SlotMapping { seqs, counts } => {
+                let seqs: Vec<SeqId> = seqs.iter().take(8).map(|&s| seq_id(s)).collect();
+                // Each count at most one past its live sequence's tokens.
+                let counts: Vec<usize> = counts
+                    .iter()
+                    .take(8)
+                    .enumerate()
+                    .map(|(i, &c)| {
+                        let live = seqs.get(i).and_then(|s| self.model.seqs.get(s));
+                        usize::from(c) % (live.map_or(254, |s| s.tokens.len()) + 2)
+                    })
+                    .collect();
+                let got = outcome(self.manager.slot_mapping(&seqs, &counts), Outcome::Slots);
+                assert_eq!(
+                    got,
+                    self.model.slot_mapping(&seqs, &counts),
+                    "slot_mapping({seqs:?}, {counts:?})"
+                );
+            }
             Op::Tables { seqs, min_width } => {
                 let seqs: Vec<SeqId> = seqs.iter().take(12).map(|&s| seq_id(s)).collect();
                 self.check_tables(&seqs, usize::from(*min_width % 8));
@@ -539,31 +596,6 @@ impl Harness {
             salt,
             found,
             keys,
-        }
-    }
-
-    fn check_slots(&self, seq: SeqId, start: u8, len: u8) {
-        let Some(state) = self.model.seqs.get(&seq) else {
-            assert!(matches!(
-                self.manager.table(seq),
-                Err(Error::UnknownSequence(_))
-            ));
-            return;
-        };
-        let table = self.manager.table(seq).expect("live sequence");
-        let bs = self.model.block_size;
-        let start = start as usize % (state.tokens.len() + 1);
-        let end = (start + len as usize).min(state.tokens.len());
-        let mut slots = vec![-7];
-        table.extend_slots(start, end, bs, &mut slots);
-        assert_eq!(slots.len(), 1 + end - start);
-        assert_eq!(slots[0], -7, "extend_slots overwrote what was there");
-        let capacity = (self.model.blocks.len() * bs) as i64;
-        for (position, &slot) in (start..end).zip(&slots[1..]) {
-            let want = i64::from(state.blocks[position / bs]) * bs as i64 + (position % bs) as i64;
-            assert_eq!(slot, want, "slot of position {position}");
-            assert_eq!(table.slot(position, bs), want);
-            assert!((0..capacity).contains(&slot));
         }
     }
 

@@ -6,12 +6,15 @@
 //! whose K/V was last written there. Checked:
 //! - every call either succeeds or returns the error class the model predicts, and a refused call
 //!   changes nothing observable; `check_invariants` holds after every call;
+//! - `update` accepts only the id of the step awaiting it: the previous step's id, another
+//!   scheduler's (with the same step number), or any id while no step is pending, is refused;
 //! - each step has the model-runner layout, schedules only live samples' next tokens at their
 //!   positions, writes no slot twice, and every position a row attends to (after applying the
 //!   copy-on-write ops, then the step's writes) holds that row's own prefix: no sequence ever
 //!   reads another's K/V or a stale block;
 //! - `update` yields one token per live sample in sample order, with the finish reason the
-//!   request's limits imply, and finishes a request when its last sample ends;
+//!   request's limits and the configuration's end-of-sequence tokens imply, and finishes a request
+//!   when its last sample ends;
 //! - every added request ends exactly once (finished or aborted), a step with unfinished work
 //!   schedules a token or preempts, a drain finishes everything, and with nothing unfinished every
 //!   block is back in the pool. No call panics.
@@ -23,7 +26,7 @@ use std::sync::Arc;
 use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
 use pagedkv::scheduler::{
-    FinishReason, Policy, RequestOptions, SamplingParams, SchedulerStats, StepOutput,
+    FinishReason, Policy, RequestOptions, SamplingParams, SchedulerStats, StepId, StepOutput,
 };
 use pagedkv::{Error, Scheduler, SchedulerConfig};
 
@@ -49,7 +52,8 @@ struct Config {
     prefix_caching: bool,
     aging_steps: Option<u8>,
     long_prefill_token_threshold: u8,
-    eos: Option<u8>,
+    /// End-of-sequence tokens: none, one or several (maybe repeated).
+    eos: [Option<u8>; 3],
     lookahead: Option<u8>,
 }
 
@@ -101,9 +105,11 @@ impl Add {
 enum Op {
     Add(Add),
     Abort(u8),
+    /// `update` while no step is pending: refused.
+    WrongStep(WrongStep),
     /// One schedule/update round; `between` runs after `schedule`, before `update`. `misuse`
-    /// bits: 1 = `update` before `schedule`, 2 = `schedule` twice, 4 = `update` with the wrong
-    /// number of tokens first. The samples get `tokens` in turn.
+    /// bits: 1 = `schedule` twice, 2 = `update` with the wrong number of tokens first. The
+    /// samples get `tokens` in turn.
     Step {
         between: Vec<Between>,
         misuse: u8,
@@ -115,6 +121,17 @@ enum Op {
 enum Between {
     Add(Add),
     Abort(u8),
+    /// `update` of the pending step under another step's id: refused.
+    WrongStep(WrongStep),
+}
+
+/// A step id that is not the one awaiting `update`.
+#[derive(Debug, Arbitrary)]
+enum WrongStep {
+    /// The id of the last step this scheduler updated (another scheduler's if there is none).
+    Stale,
+    /// The id of another scheduler's step with the number the pending (or next) step has.
+    Foreign,
 }
 
 /// One sample of a live request, as the model sees it.
@@ -188,13 +205,20 @@ fn outcome<T>(result: Result<T, Error>) -> Outcome {
 struct Snapshot {
     stats: SchedulerStats,
     blocks: pagedkv::BlockStats,
-    pending: Option<u64>,
+    pending: Option<StepId>,
     live: Vec<bool>,
 }
 
 struct Harness {
     scheduler: Scheduler,
+    /// An idle scheduler of the same configuration, whose step ids are foreign to `scheduler`.
+    other: Scheduler,
     config: SchedulerConfig,
+    /// Steps `scheduler` has built, and the id of the last one it updated.
+    steps: u64,
+    last_step: Option<StepId>,
+    /// Samples of the pending step (0 when none is).
+    pending_samples: usize,
     live: BTreeMap<String, ModelRequest>,
     next_serial: u64,
     finished: u64,
@@ -322,7 +346,36 @@ impl Harness {
         match op {
             Between::Add(add) => self.add(add),
             Between::Abort(id) => self.abort(*id),
+            Between::WrongStep(wrong) => self.wrong_step(wrong),
         }
+    }
+
+    /// An id of another scheduler's step numbered `number`, or later if it is past that.
+    fn foreign_step(&mut self, number: u64) -> StepId {
+        loop {
+            let id = self.other.schedule().expect("idle scheduler").id;
+            self.other.update(id, &[]).expect("its own step");
+            if id.number() >= number {
+                return id;
+            }
+        }
+    }
+
+    /// `update` under a step id other than the pending one (with the right token count) is
+    /// refused with `InvalidArgument` and changes nothing.
+    fn wrong_step(&mut self, wrong: &WrongStep) {
+        let pending = self.scheduler.pending_step();
+        let id = match (wrong, self.last_step) {
+            (WrongStep::Stale, Some(last)) => last,
+            _ => self.foreign_step(pending.map_or(self.steps, StepId::number)),
+        };
+        assert_ne!(Some(id), pending, "the harness built the pending id");
+        let tokens = vec![0; self.pending_samples];
+        assert_eq!(
+            self.refusable(|s| s.update(id, &tokens).map(|_| ())),
+            Outcome::Invalid,
+            "update({id:?}) with {pending:?} pending"
+        );
     }
 
     /// Checks a step's layout and simulates its K/V writes and reads.
@@ -469,15 +522,12 @@ impl Harness {
     }
 
     fn step(&mut self, between: &[Between], misuse: u8, tokens: Option<&[u8; 4]>) {
-        if misuse & 1 != 0 {
-            assert_eq!(
-                self.refusable(|s| s.update(&[]).map(|_| ())),
-                Outcome::Invalid
-            );
-        }
         let unfinished = self.scheduler.has_unfinished();
         let out = self.scheduler.schedule().expect("no step pending").clone();
-        assert_eq!(self.scheduler.pending_step(), Some(out.step));
+        assert_eq!(self.scheduler.pending_step(), Some(out.id));
+        assert_eq!(out.id.number(), self.steps, "step numbers count from 0");
+        self.steps += 1;
+        self.pending_samples = out.num_samples();
         if unfinished {
             assert!(
                 out.stats.num_scheduled_tokens > 0 || out.stats.num_preempted > 0,
@@ -485,7 +535,7 @@ impl Harness {
             );
         }
         self.check_step(&out);
-        if misuse & 2 != 0 {
+        if misuse & 1 != 0 {
             assert_eq!(
                 self.refusable(|s| s.schedule().map(|_| ())),
                 Outcome::Invalid
@@ -509,19 +559,22 @@ impl Harness {
                 }
             })
             .collect();
-        if misuse & 4 != 0 {
+        if misuse & 2 != 0 {
             let mut wrong = sampled.clone();
             wrong.push(0);
             assert_eq!(
-                self.refusable(|s| s.update(&wrong).map(|_| ())),
+                self.refusable(|s| s.update(out.id, &wrong).map(|_| ())),
                 Outcome::Shape
             );
         }
         let update = self
             .scheduler
-            .update(&sampled)
+            .update(out.id, &sampled)
             .expect("one token per sample")
             .clone();
+        assert_eq!(self.scheduler.pending_step(), None);
+        self.last_step = Some(out.id);
+        self.pending_samples = 0;
         self.scheduler
             .check_invariants()
             .expect("invariants after update");
@@ -543,7 +596,7 @@ impl Harness {
             let params = &request.params;
             let length = request.prompt.len() + sample.outputs.len();
             let want = if params.stop_token_ids.contains(&p.token)
-                || (!params.ignore_eos && self.config.eos_token_id == Some(p.token))
+                || (!params.ignore_eos && self.config.eos_token_ids.contains(&p.token))
             {
                 Some(FinishReason::Stop)
             } else if sample.outputs.len() >= params.max_tokens {
@@ -631,7 +684,12 @@ fn config(c: &Config) -> SchedulerConfig {
         };
     }
     config.long_prefill_token_threshold = usize::from(c.long_prefill_token_threshold % 17);
-    config.eos_token_id = c.eos.map(|t| u32::from(t % TOKEN_ALPHABET));
+    config.eos_token_ids = c
+        .eos
+        .iter()
+        .flatten()
+        .map(|&t| u32::from(t % TOKEN_ALPHABET))
+        .collect();
     config.admission_lookahead_tokens = c.lookahead.map(|l| usize::from(l % 48));
     config
 }
@@ -640,6 +698,10 @@ fuzz_target!(|input: Input| {
     let config = config(&input.config);
     let mut h = Harness {
         scheduler: Scheduler::new(config.clone()).expect("a valid configuration"),
+        other: Scheduler::new(config.clone()).expect("a valid configuration"),
+        steps: 0,
+        last_step: None,
+        pending_samples: 0,
         kv: vec![None; config.num_blocks * config.block_size],
         config,
         live: BTreeMap::new(),
@@ -653,6 +715,7 @@ fuzz_target!(|input: Input| {
         match op {
             Op::Add(add) => h.add(add),
             Op::Abort(id) => h.abort(*id),
+            Op::WrongStep(wrong) => h.wrong_step(wrong),
             Op::Step {
                 between,
                 misuse,

@@ -23,7 +23,9 @@ from pagedkv._core import (
 from pagedkv.errors import (
     CheckpointError,
     DuplicateSequenceError,
+    InternalError,
     InvalidArgumentError,
+    ModelError,
     OutOfBlocksError,
     PagedKVError,
     ShapeError,
@@ -52,6 +54,8 @@ __all__ = [
     "InvalidArgumentError",
     "ShapeError",
     "CheckpointError",
+    "ModelError",
+    "InternalError",
     "LlamaConfig",
     "LlamaModel",
     "SamplingParams",

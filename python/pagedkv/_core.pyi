@@ -1,4 +1,13 @@
-"""Type stubs for the Rust extension ``pagedkv._core``."""
+"""Type stubs for the Rust extension ``pagedkv._core``.
+
+Arguments of BlockManager and Scheduler: a wrong type or an out-of-range value raises
+``InvalidArgumentError`` naming the argument (never ``TypeError`` / ``OverflowError``) and changes
+nothing. An ``int`` is a Python or numpy int, never a bool or a float, within int64: sizes and ids
+take ``0..2**63`` (so -1 and 2**63 are refused alike), token ids ``0..2**32``. A ``str`` must be
+valid Unicode. ``TokenIds`` are a sequence of such ints or a 1-D integer array, never ``str``,
+``bytes`` or a bool array. A size the allocator refuses raises ``MemoryError``. A panic in the core
+raises ``pagedkv.errors.InternalError``, and the object it hit refuses every later call with it.
+"""
 
 from typing import Iterator, Optional, Sequence
 
@@ -12,7 +21,9 @@ TokenIds = Sequence[int] | npt.NDArray[np.integer]
 class BlockManager:
     """Paged KV block manager: fixed-size blocks, prefix sharing, copy-on-write. Thread-safe."""
 
-    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True) -> None: ...
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True) -> None:
+        """``num_blocks`` at most ``2**31 - 1`` (block tables are int32) and ``num_blocks *
+        block_size`` within int64 (slot numbers), else InvalidArgumentError."""
     def allocate(self, seq_id: int, token_ids: TokenIds, cache_salt: str | None = None) -> int:
         """Create ``seq_id`` holding ``token_ids``; return the number of tokens served from the cache."""
     def can_allocate(self, token_ids: TokenIds, cache_salt: str | None = None) -> bool:
@@ -48,10 +59,14 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         """Clean plus evictable cached blocks."""
     def __len__(self) -> int: ...
-    def __contains__(self, seq_id: int) -> bool: ...
+    def __contains__(self, seq_id: object) -> bool:
+        """Never raises: anything that is not a valid id (-1, 2**63, a str) is not in it."""
 
 class KVCache:
-    """Paged K/V storage of every layer: ``[num_blocks, num_kv_heads, block_size, head_dim]`` tiles."""
+    """Paged K/V storage of every layer: ``[num_blocks, num_kv_heads, block_size, head_dim]`` tiles.
+
+    Array arguments are read in index order whatever their memory layout (Fortran order, strided,
+    reversed or unaligned views are copied to C order first)."""
 
     def __init__(
         self,
@@ -61,7 +76,10 @@ class KVCache:
         num_kv_heads: int,
         head_dim: int,
         dtype: str = "float32",
-    ) -> None: ...
+    ) -> None:
+        """Zeroed storage. ``InvalidArgumentError`` for a dimension below 1, ``num_blocks`` above
+        2**31 (block tables hold int32 ids) or a total size past ``isize::MAX`` bytes;
+        ``MemoryError`` when the memory cannot be allocated."""
     def write(
         self,
         layer: int,
@@ -69,13 +87,22 @@ class KVCache:
         values: npt.NDArray[np.float32],
         slot_mapping: npt.NDArray[np.int64],
     ) -> None:
-        """Store K/V rows ``[n, num_kv_heads, head_dim]`` at ``slot_mapping`` of ``layer``."""
-    def copy_blocks(self, ops: Sequence[tuple[int, int]]) -> None:
-        """Copy whole blocks ``src -> dst`` in every layer (copy-on-write ops)."""
+        """Store K/V rows ``[n, num_kv_heads, head_dim]`` at ``slot_mapping`` of ``layer``.
+
+        The cache stores finite values only: ``InvalidArgumentError`` for NaN, infinity, or a finite
+        value the cache's dtype would round to infinity (beyond ±65504 in float16, about ±3.39e38
+        in bfloat16). Nothing is written then."""
+    def copy_blocks(self, ops: npt.NDArray[np.integer] | Sequence[Sequence[int]]) -> None:
+        """Copy whole blocks ``src -> dst`` in every layer, in order (copy-on-write ops): a step's
+        int64 ``[C, 2]`` ``copy_ops`` or any sequence of ``(src, dst)`` pairs. ``ShapeError`` for a
+        row that is not a pair, ``InvalidArgumentError`` for anything else malformed or a block out
+        of range; nothing is copied then."""
     def gather(
-        self, layer: int, block_table: Sequence[int], num_tokens: int
+        self, layer: int, block_table: npt.NDArray[np.integer] | Sequence[int], num_tokens: int
     ) -> tuple[npt.NDArray[np.float32], npt.NDArray[np.float32]]:
-        """Read back a sequence's first ``num_tokens`` K and V rows through its block table."""
+        """Read back a sequence's first ``num_tokens`` K and V rows through its block table (e.g. a
+        row of a step's ``block_tables``: entries past the used blocks, such as its -1 padding,
+        are never read)."""
     def attention(
         self,
         layer: int,
@@ -134,11 +161,13 @@ class Scheduler:
         policy: str = "fcfs",
         aging_steps: int = 100,
         long_prefill_token_threshold: int = 0,
-        eos_token_id: int | None = None,
+        eos_token_ids: TokenIds | None = None,
         admission_lookahead_tokens: int | None = 32,
     ) -> None:
         """``max_model_len`` defaults to the whole cache and may not exceed it;
         ``long_prefill_token_threshold`` caps one sequence's prompt tokens per step (0: no cap).
+        ``max_model_len`` and ``max_num_batched_tokens`` at most ``2**31 - 1`` (int32 step arrays).
+        Sampling any of ``eos_token_ids`` finishes a sequence unless its request sets ``ignore_eos``.
         ``admission_lookahead_tokens`` is the admission headroom: a waiting request is admitted only
         if, with its first chunk allocated, the free blocks still let every running sequence (it
         included) compute the rest of its prompt and then grow that many tokens (capped by its
@@ -166,7 +195,8 @@ class Scheduler:
         """Build the next step. InvalidArgumentError if the previous step was not updated."""
     def update(self, output: SchedulerOutput, sampled_token_ids: TokenIds) -> UpdateOutput:
         """Append one token per sample (``len == output.num_samples``, else ShapeError), finish
-        sequences (stop token, eos unless ignore_eos, max_tokens, max_model_len), free blocks."""
+        sequences (stop token, eos unless ignore_eos, max_tokens, max_model_len), free blocks.
+        InvalidArgumentError unless ``output`` is the step awaiting update of this scheduler."""
     def has_unfinished(self) -> bool: ...
     def sequence_tokens(self, request_id: str, seq_index: int = 0) -> list[int]:
         """Prompt plus output so far of one sample of a live request."""
@@ -190,13 +220,16 @@ class Scheduler:
     @property
     def max_model_len(self) -> int: ...
     def __len__(self) -> int: ...
-    def __contains__(self, request_id: str) -> bool: ...
+    def __contains__(self, request_id: object) -> bool:
+        """Never raises: anything that is not a valid request id is not in it."""
 
 class SchedulerOutput:
     """One step (S rows, T tokens, K samples). Arrays are made on first access, without copying.
     Query j of row i sits at position ``context_lens[i] - nq_i + j`` (causal)."""
 
-    step: int
+    @property
+    def step(self) -> int:
+        """Step number (from 0) within the scheduler that built it."""
     @property
     def input_ids(self) -> npt.NDArray[np.int64]:
         """[T] token ids to run."""
@@ -273,7 +306,8 @@ class ContiguousKV:
 
     def __init__(
         self, num_seqs: int, num_kv_heads: int, max_context: int, head_dim: int, dtype: str = "float32", seed: int = 0
-    ) -> None: ...
+    ) -> None:
+        """``MemoryError`` when the K/V cannot be allocated."""
     def attention(
         self,
         query: npt.NDArray[np.float32],
@@ -287,7 +321,9 @@ class ContiguousKV:
         ``block_size`` rows; same semantics and errors as ``KVCache.attention``."""
 
 def set_num_threads(threads: int) -> None:
-    """Sets the attention thread count (default: ``PAGEDKV_NUM_THREADS``, else every CPU)."""
+    """Sets the attention thread count, 1 to 1024 (default: ``PAGEDKV_NUM_THREADS`` when within
+    that range, else every CPU). ``InvalidArgumentError`` for a count outside it, ``MemoryError``
+    for one the system cannot start; the previous count stays then."""
 
 def get_num_threads() -> int:
     """The attention thread count."""
@@ -296,7 +332,8 @@ def available_kernels() -> list[str]:
     """Kernel paths this CPU runs, fastest first, e.g. ``["avx2", "portable"]``."""
 
 def measure_read_bandwidth(nbytes: int, sweeps: int = 5) -> list[float]:
-    """GB/s of each read-only sweep over a freshly written ``nbytes`` buffer, on the attention threads."""
+    """GB/s of each read-only sweep over a freshly written ``nbytes`` buffer, on the attention
+    threads (``MemoryError`` when it cannot be allocated)."""
 
 def measure_fma_peak() -> float:
     """f32 GFLOP/s (an FMA counts 2) of all attention threads running a register-only FMA loop."""
@@ -307,7 +344,8 @@ class ReadBandwidthProbe:
 
     nbytes: int
 
-    def __init__(self, nbytes: int) -> None: ...
+    def __init__(self, nbytes: int) -> None:
+        """``MemoryError`` when ``nbytes`` cannot be allocated."""
     def sweep(self) -> float:
         """Reads the whole buffer once; returns GB/s (10^9 bytes per second)."""
 

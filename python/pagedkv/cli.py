@@ -16,6 +16,8 @@ import threading
 from pathlib import Path
 from typing import Callable, Sequence, TypeVar
 
+from pagedkv.model.pretrained import REGISTRY
+
 __all__ = [
     "positive_int",
     "non_negative_int",
@@ -68,12 +70,17 @@ def existing_file(text: str) -> Path:
 
 
 def model_source(text: str) -> str:
-    """``tiny`` (the built-in model) or an existing checkpoint directory."""
-    if text != "tiny":
-        path = Path(text)
-        if not path.is_dir():
-            reason = "is not a directory" if path.exists() else "does not exist"
-            raise argparse.ArgumentTypeError(f"{text!r} {reason} (expected 'tiny' or a checkpoint directory)")
+    """``tiny`` (the built-in model), a registered model name, a ``.gguf`` file or an existing
+    checkpoint directory (what :func:`pagedkv.model.load_pretrained` takes)."""
+    if text == "tiny" or text in REGISTRY:
+        return text
+    path = Path(text)
+    if path.suffix == ".gguf" and path.is_file():
+        return text
+    if not path.is_dir():
+        reason = "is not a directory or .gguf file" if path.exists() else "does not exist"
+        names = ", ".join(map(repr, ["tiny", *REGISTRY]))
+        raise argparse.ArgumentTypeError(f"{text!r} {reason} (expected {names}, a .gguf file or a checkpoint directory)")
     return text
 
 

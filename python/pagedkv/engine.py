@@ -1,126 +1,200 @@
 """The threaded engine: submit requests from any thread, stream their tokens, or generate a batch.
 
-A background worker owns an :class:`~pagedkv.engine_core.EngineCore` and runs its step loop,
-sleeping on a condition variable while there is nothing to do and waking on submission. Requests
-reach it through an inbox guarded by that condition; results flow back through per-request
-handles. Every submission ends in exactly one of: its finished output, an abort, or an error
-raised from the handle, so no request is ever silently lost.
+A background worker steps an :class:`~pagedkv.engine_core.EngineCore`, sleeping on a condition
+variable while there is nothing to do; results flow back through per-request handles.
 
-Back-pressure: at most ``max_waiting`` requests may be queued (inbox plus the scheduler's waiting
-queue); ``submit`` blocks until there is room, or raises :class:`EngineOverloadedError` after
-``timeout``.
+Invariants:
+
+- ``submit`` adds the request to the core itself, in the caller's thread, under the engine lock:
+  the scheduler validates every argument there (Python checks only the text and the vocabulary),
+  so a bad argument raises in the caller, changes nothing and never reaches the worker.
+- Every submission that returned a handle ends exactly once: with its finished output, an abort
+  (``finish_reason == "abort"``), or an error raised from the handle. ``_handles`` holds exactly
+  the submissions not yet ended; a request id is in use from ``submit`` until its handle ends.
+- Aborts name a submission (its handle), not an id, and are applied by the worker between steps:
+  an abort never reaches a later submission that reuses the id.
+- The worker never dies from one request's fault. A request the model gives NaN logits, or whose
+  tokens cannot be decoded, fails alone with :class:`~pagedkv.errors.ModelError`.
+- A failure of the model itself (the runner raises) leaves the engine **closed**: every request in
+  flight fails with :class:`EngineClosedError` (``__cause__``: the model's exception) and its blocks
+  are freed; ``submit`` raises :class:`EngineClosedError`; ``stats()`` and ``shutdown()`` still
+  work. (The failed step may have written part of the KV cache, so no further step is trusted.)
+  A bug in the core (:class:`~pagedkv.errors.InternalError`) closes it the same way; the
+  scheduler then refuses every call, ``stats()`` included.
+- The worker holds the engine's inner state, never the :class:`Engine`: an engine no longer
+  referenced (by the caller or by a handle) is collected, and its finalizer stops the worker.
+
+Back-pressure: while ``max_waiting`` sequences wait in the scheduler, ``submit`` blocks until
+there is room, or raises :class:`EngineOverloadedError` after ``timeout``.
 
 Shutdown (:meth:`Engine.shutdown`): ``drain=True`` (the default, and what ``with Engine(...)``
 does) stops accepting submissions and finishes every request already submitted; ``drain=False``
-aborts them (their handles end with ``finish_reason == "abort"``).
+aborts them.
+
+Handles replay: each iteration of a handle (blocking, or ``async for``) yields every token from
+the first, so two consumers each see the whole stream. asyncio consumers are woken through
+``loop.call_soon_threadsafe``; no thread waits on their behalf, so cancelling one leaks nothing.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
-import operator
-import queue
 import threading
 import time
-from dataclasses import dataclass
+import weakref
+from collections.abc import AsyncIterator, Callable, Generator, Iterator, Sequence
+from functools import partial
 from pathlib import Path
-from typing import AsyncIterator, Iterator, Sequence
 
 from pagedkv.engine_core import (
+    EngineConfig,
     EngineCore,
     PagedModelRunner,
     RequestOutput,
-    EngineConfig,
     TokenEvent,
 )
-from pagedkv.errors import DuplicateSequenceError, InvalidArgumentError, PagedKVError
+from pagedkv.errors import (
+    DuplicateSequenceError,
+    InvalidArgumentError,
+    ModelError,
+    PagedKVError,
+)
 from pagedkv.metrics import EngineMetrics
-from pagedkv.model import LlamaConfig, LlamaModel, SamplingParams
-from pagedkv.model.tokenizer import Tokenizer, load_tokenizer
-from pagedkv.model.weights import LlamaWeights, load_checkpoint
+from pagedkv.model import LlamaModel, SamplingParams, load_pretrained
+from pagedkv.model.tokenizer import Tokenizer
 
 __all__ = ["Engine", "EngineClosedError", "EngineOverloadedError", "RequestHandle"]
 
 
 class EngineClosedError(PagedKVError, RuntimeError):
-    """The engine is shut down (or its worker died) and takes no more requests."""
+    """The engine is shut down (or its model failed) and takes no more requests."""
 
 
 class EngineOverloadedError(PagedKVError, RuntimeError):
     """The waiting queue stayed full for the whole submission timeout."""
 
 
-_DONE = object()  # end-of-stream marker in a handle's queue
-
-
 class RequestHandle:
     """A submitted request: iterate it for tokens as they are produced (blocking), ``async for``
-    it in asyncio, or wait for the whole :class:`RequestOutput` with :meth:`result` / ``await``."""
+    it in asyncio, or wait for the whole :class:`RequestOutput` with :meth:`result` / ``await``.
+    Every iteration replays the stream from its first token; any number may run at once."""
 
-    def __init__(self, engine: "Engine", request_id: str, prompt: str | None, prompt_token_ids: list[int]) -> None:
+    def __init__(self, engine: Engine, request_id: str, prompt: str | None, prompt_token_ids: list[int]) -> None:
         self.request_id = request_id
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
-        self._engine = engine
-        self._events: queue.SimpleQueue[object] = queue.SimpleQueue()
-        self._finished = threading.Event()
+        self._engine = engine  # a handle keeps its engine alive
+        self._cond = threading.Condition()
+        self._events: list[TokenEvent] = []
+        self._ended = False
         self._output: RequestOutput | None = None
         self._error: BaseException | None = None
+        self._waiters: list[asyncio.Future[None]] = []  # asyncio consumers to wake
 
     # Called by the worker.
     def _push(self, event: TokenEvent) -> None:
-        self._events.put(event)
+        with self._cond:
+            self._events.append(event)
+            self._wake()
 
-    def _complete(self, output: RequestOutput | None, error: BaseException | None = None) -> None:
-        self._output, self._error = output, error
-        self._finished.set()
-        self._events.put(_DONE)
+    def _complete(self, output: RequestOutput | None, error: BaseException | None) -> None:
+        with self._cond:
+            self._output, self._error, self._ended = output, error, True
+            self._wake()
+
+    def _wake(self) -> None:
+        self._cond.notify_all()
+        for future in self._waiters:
+            try:
+                future.get_loop().call_soon_threadsafe(_resolve, future)
+            except RuntimeError:
+                pass  # its loop is closed: nobody awaits the future any more
+        self._waiters.clear()
 
     # Consumer side.
     def __iter__(self) -> Iterator[TokenEvent]:
         """Tokens as they are produced; raises the request's error, if it failed, at the end."""
-        while (event := self._events.get()) is not _DONE:
-            yield event  # type: ignore[misc]
+        seen = 0
+        while True:
+            with self._cond:
+                self._cond.wait_for(partial(self._has_news, seen))
+                events, ended = self._events[seen:], self._ended
+            seen += len(events)
+            yield from events
+            if ended:  # no event follows the end
+                break
         self._raise_if_failed()
 
     async def __aiter__(self) -> AsyncIterator[TokenEvent]:
-        loop = asyncio.get_running_loop()
-        while (event := await loop.run_in_executor(None, self._events.get)) is not _DONE:
-            yield event  # type: ignore[misc]
+        seen = 0
+        while True:
+            await self._until(partial(self._has_news, seen))
+            with self._cond:
+                events, ended = self._events[seen:], self._ended
+            seen += len(events)
+            for event in events:
+                yield event
+            if ended:
+                break
         self._raise_if_failed()
+
+    def _has_news(self, seen: int) -> bool:
+        """Whether a consumer that has seen ``seen`` events has more to read (or the end)."""
+        return seen < len(self._events) or self._ended
 
     def result(self, timeout: float | None = None) -> RequestOutput:
         """Blocks until the request ends; returns its output or raises its error."""
-        if not self._finished.wait(timeout):
-            raise TimeoutError(f"request {self.request_id!r} still running after {timeout} s")
-        self._raise_if_failed()
-        assert self._output is not None
-        return self._output
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._ended, timeout):
+                raise TimeoutError(f"request {self.request_id!r} still running after {timeout} s")
+        return self._final()
 
-    def __await__(self):
-        return asyncio.get_running_loop().run_in_executor(None, self.result).__await__()
+    def __await__(self) -> Generator[object, None, RequestOutput]:
+        return self._result_async().__await__()
+
+    async def _result_async(self) -> RequestOutput:
+        await self._until(lambda: self._ended)
+        return self._final()
+
+    async def _until(self, ready: Callable[[], bool]) -> None:
+        """Waits in the running event loop, holding no thread, until ``ready()`` (read under the
+        handle's lock) holds; a cancelled wait leaves nothing behind."""
+        while True:
+            with self._cond:
+                if ready():
+                    return
+                future = asyncio.get_running_loop().create_future()
+                self._waiters.append(future)
+            try:
+                await future
+            finally:
+                with self._cond:
+                    if future in self._waiters:
+                        self._waiters.remove(future)
 
     def done(self) -> bool:
         """Whether the request has ended."""
-        return self._finished.is_set()
+        return self._ended
 
     def abort(self) -> None:
-        """Asks the engine to stop this request; it ends with ``finish_reason == "abort"``."""
-        self._engine.abort(self.request_id)
+        """Asks the engine to stop this submission (a no-op once it has ended); it then ends with
+        ``finish_reason == "abort"``."""
+        self._engine._state.abort(self)
+
+    def _final(self) -> RequestOutput:
+        self._raise_if_failed()
+        assert self._output is not None
+        return self._output
 
     def _raise_if_failed(self) -> None:
         if self._error is not None:
             raise self._error
 
 
-@dataclass
-class _Submission:
-    handle: RequestHandle
-    params: SamplingParams
-    priority: int
-    cache_salt: str | None
-    arrival_time: float
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():  # it may have been cancelled meanwhile
+        future.set_result(None)
 
 
 class Engine:
@@ -135,45 +209,33 @@ class Engine:
         max_waiting: int = 1024,
         metrics: EngineMetrics | None = None,
     ) -> None:
+        """Raises :class:`InvalidArgumentError` (or ``MemoryError``) for a configuration the
+        model, the KV cache or the scheduler refuses."""
         if max_waiting < 1:
             raise InvalidArgumentError(f"max_waiting must be ≥ 1, got {max_waiting}")
-        eos = model.config.eos_token_ids[0] if model.config.eos_token_ids else None
         runner = PagedModelRunner(model, config.num_blocks, config.block_size, config.kv_dtype)
-        self.core = EngineCore(runner, config, eos_token_id=eos)
+        core = EngineCore(runner, config, eos_token_ids=model.config.eos_token_ids)
         self.tokenizer = tokenizer
         self.model = model
         self.metrics = metrics or EngineMetrics()
-        self.max_waiting = max_waiting
-        self._cond = threading.Condition()
-        self._inbox: list[_Submission] = []
-        self._aborts: list[str] = []
-        self._handles: dict[str, RequestHandle] = {}  # admitted to the core, owned by the worker
-        self._in_flight: set[str] = set()  # submitted and not yet ended, guarded by _cond
-        self._num_waiting = 0  # the scheduler's waiting queue, as of the last step
-        self._last_stats: dict[str, float] = {}
-        self._closing = False
-        self._drain = True
-        self._dead: BaseException | None = None
-        self._ids = itertools.count()
-        self._worker = threading.Thread(target=self._run, name="pagedkv-engine", daemon=True)
-        self._worker.start()
+        self._state = _EngineState(core, tokenizer, self.metrics, max_waiting)
+        weakref.finalize(self, self._state.close, False)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path = "tiny", *, seed: int = 0, **kwargs) -> "Engine":
-        """An engine over a Hugging Face Llama checkpoint directory (``config.json`` +
-        ``*.safetensors`` [+ ``tokenizer.json``]), or over the built-in ``"tiny"`` model with
-        seeded random weights. Keyword arguments go to :class:`EngineConfig` or the engine."""
+    def from_pretrained(cls, path: str | Path = "tiny", *, seed: int = 0, **kwargs) -> Engine:
+        """An engine over a model named as :func:`pagedkv.model.load_pretrained` takes it: the
+        built-in ``"tiny"`` (seeded random weights), a registry name such as ``"smollm2-135m"``, a
+        ``.gguf`` file, or a Hugging Face Llama checkpoint directory. Keyword arguments go to
+        :class:`EngineConfig` or the engine."""
         engine_keys = {"max_waiting", "metrics"}
         engine_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in engine_keys}
-        if str(path) == "tiny":
-            weights = LlamaWeights.random(LlamaConfig.tiny(), seed=seed)
-            tokenizer = load_tokenizer(None, weights.config.vocab_size)
-        else:
-            weights = load_checkpoint(path)
-            tokenizer = load_tokenizer(path, weights.config.vocab_size)
+        weights, tokenizer = load_pretrained(path, seed=seed)
         return cls(LlamaModel(weights), tokenizer, EngineConfig(**kwargs), **engine_kwargs)
 
-    # ---- submission -------------------------------------------------------------------------
+    @property
+    def core(self) -> EngineCore:
+        """The core the worker steps (read its scheduler's figures; do not step it)."""
+        return self._state.core
 
     def submit(
         self,
@@ -186,162 +248,196 @@ class Engine:
         timeout: float | None = None,
     ) -> RequestHandle:
         """Queues a request from any thread (a text prompt or token ids); returns its handle.
-        Blocks while the waiting queue is full (up to ``timeout`` seconds)."""
-        params = params or SamplingParams()
-        text = prompt if isinstance(prompt, str) else None
-        token_ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else self._check_tokens(prompt)
-        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
-        handle = RequestHandle(self, request_id, text, token_ids)
-        deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cond:
-            if request_id in self._in_flight:
-                raise DuplicateSequenceError(f"request id {request_id!r} is in flight")
-            while self._accepting() and len(self._inbox) + self._num_waiting >= self.max_waiting:
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    raise EngineOverloadedError(f"{self.max_waiting} requests already waiting")
-                self._cond.wait(remaining)
-            if not self._accepting():
-                raise EngineClosedError("the engine is shut down") from self._dead
-            self._inbox.append(_Submission(handle, params, priority, cache_salt, time.perf_counter()))
-            self._in_flight.add(request_id)
-            self._cond.notify_all()
-        return handle
-
-    def _check_tokens(self, prompt: Sequence[int]) -> list[int]:
-        """Validates a token-id prompt here, in the caller's thread, so bad input raises at once."""
-        try:
-            token_ids = [operator.index(t) for t in prompt]
-        except TypeError as error:
-            raise InvalidArgumentError(f"a prompt is a str or a sequence of int token ids: {error}") from None
-        vocab = self.model.config.vocab_size
-        if not token_ids:
-            raise InvalidArgumentError("empty prompt")
-        if not all(0 <= t < vocab for t in token_ids):
-            raise InvalidArgumentError(f"prompt token ids must lie in [0, {vocab})")
-        if len(token_ids) >= self.core.max_model_len:
-            raise InvalidArgumentError(
-                f"prompt of {len(token_ids)} tokens leaves no room to generate within max_model_len {self.core.max_model_len}"
-            )
-        return token_ids
+        Blocks while the waiting queue is full (up to ``timeout`` seconds). Raises, changing
+        nothing: :class:`InvalidArgumentError` for a bad argument (of any type or value),
+        :class:`DuplicateSequenceError` for a ``request_id`` in use, :class:`EngineOverloadedError`,
+        :class:`EngineClosedError`. Without ``request_id``, a fresh one is made."""
+        token_ids: Sequence[int]
+        if isinstance(prompt, str):
+            try:
+                text, token_ids = prompt, self.tokenizer.encode(prompt)
+            except UnicodeError as error:
+                raise InvalidArgumentError(f"the prompt cannot be tokenized: {error}") from None
+        else:
+            text, token_ids = None, prompt
+        params = SamplingParams() if params is None else params
+        return self._state.submit(self, text, token_ids, params, request_id, priority, cache_salt, timeout)
 
     def generate(self, prompts: str | Sequence[str] | Sequence[Sequence[int]], params: SamplingParams | None = None) -> list[RequestOutput]:
         """Runs a batch to completion; outputs in prompt order."""
-        batch = [prompts] if isinstance(prompts, str) else list(prompts)
+        batch: list[str | Sequence[int]] = [prompts] if isinstance(prompts, str) else list(prompts)
         handles = [self.submit(p, params) for p in batch]
         return [h.result() for h in handles]
 
     def abort(self, request_id: str) -> None:
-        """Stops a request in any state (a no-op once it has ended)."""
-        with self._cond:
-            self._aborts.append(request_id)
-            self._cond.notify_all()
+        """Stops the submission now using ``request_id`` (a no-op if none does)."""
+        self._state.abort_id(request_id)
 
     def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
         """Stops the worker: ``drain`` finishes submitted requests first, else aborts them."""
-        with self._cond:
-            self._closing = True
-            self._drain = self._drain and drain
-            self._cond.notify_all()
-        self._worker.join(timeout)
+        self._state.close(drain)
+        self._state.thread.join(timeout)
 
-    def __enter__(self) -> "Engine":
+    def __enter__(self) -> Engine:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown(drain=exc[0] is None)
 
     def stats(self) -> dict[str, float]:
-        """The scheduler's cumulative figures (as of the last step)."""
-        with self._cond:
-            return dict(self._last_stats)
+        """The scheduler's cumulative figures, current: once a handle has ended, they include
+        the step that ended it."""
+        return self.core.stats()
 
-    def _accepting(self) -> bool:
-        return not self._closing and self._dead is None
+
+def _closed_error(cause: BaseException) -> EngineClosedError:
+    error = EngineClosedError(f"the engine's model failed: {cause!r}")
+    error.__cause__ = cause
+    return error
+
+
+class _EngineState:
+    """An engine's requests, core and worker thread: everything the worker touches. ``cond``
+    guards every field below it; lock order: ``cond``, then the core's lock, then a handle's."""
+
+    def __init__(self, core: EngineCore, tokenizer: Tokenizer, metrics: EngineMetrics, max_waiting: int) -> None:
+        self.core = core
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.max_waiting = max_waiting
+        self.cond = threading.Condition()
+        self.handles: dict[str, RequestHandle] = {}  # submitted, not yet ended
+        self.aborts: list[RequestHandle] = []
+        self.closing = False
+        self.drain = True
+        self.dead: BaseException | None = None  # the model's failure
+        self.ids = itertools.count()
+        self.thread = threading.Thread(target=self.run, name="pagedkv-engine", daemon=True)
+        self.thread.start()
+
+    # ---- callers' side ----------------------------------------------------------------------
+
+    def submit(
+        self,
+        engine: Engine,
+        text: str | None,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        request_id: str | None,
+        priority: int,
+        cache_salt: str | None,
+        timeout: float | None,
+    ) -> RequestHandle:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self.cond:
+            while self.accepting() and self.core.scheduler.num_waiting >= self.max_waiting:
+                remaining = None if deadline is None else deadline - time.monotonic()
+                if remaining is not None and remaining <= 0:
+                    raise EngineOverloadedError(f"{self.max_waiting} requests already waiting")
+                self.cond.wait(remaining)
+            if not self.accepting():
+                raise EngineClosedError("the engine is shut down") from self.dead
+            if request_id is None:
+                request_id = self.fresh_id()
+            elif isinstance(request_id, str) and request_id in self.handles:  # other types: refused below
+                raise DuplicateSequenceError(f"request id {request_id!r} is in flight")
+            output = self.core.add_request(request_id, prompt, params, prompt=text, priority=priority, cache_salt=cache_salt)
+            handle = RequestHandle(engine, request_id, text, output.prompt_token_ids)
+            self.handles[request_id] = handle
+            self.cond.notify_all()
+        return handle
+
+    def fresh_id(self) -> str:
+        """An id no submission in flight uses (a caller may have chosen ``req-<n>`` itself)."""
+        while (request_id := f"req-{next(self.ids)}") in self.handles:
+            pass
+        return request_id
+
+    def abort(self, handle: RequestHandle) -> None:
+        with self.cond:
+            if self.handles.get(handle.request_id) is handle:
+                self.aborts.append(handle)
+                self.cond.notify_all()
+
+    def abort_id(self, request_id: str) -> None:
+        with self.cond:
+            handle = self.handles.get(request_id)
+        if handle is not None:
+            self.abort(handle)
+
+    def close(self, drain: bool) -> None:
+        with self.cond:
+            self.closing = True
+            self.drain = self.drain and drain
+            self.cond.notify_all()
+
+    def accepting(self) -> bool:
+        return not self.closing and self.dead is None
 
     # ---- worker -----------------------------------------------------------------------------
 
-    def _run(self) -> None:
+    def run(self) -> None:
         try:
-            while self._take_work():
-                events, finished = self.core.step()
-                self._deliver(events, finished)
-        except BaseException as error:  # the model or scheduler failed: fail every request loudly
-            self._die(error)
+            while self.take_work():
+                events, ended = self.core.step()
+                self.deliver(events, ended)
+        except BaseException as error:  # noqa: BLE001 - the model failed (a request's fault never reaches here)
+            self.fail_all(error)
 
-    def _take_work(self) -> bool:
-        """Waits for work, then moves submissions and aborts into the core. False: stop."""
-        with self._cond:
-            while not (self._inbox or self._aborts or self.core.has_unfinished() or self._closing):
-                self._cond.wait()
-            if self._closing and not self._drain:
-                self._aborts.extend(self._handles)
-                self._aborts.extend(s.handle.request_id for s in self._inbox)
-            inbox, self._inbox = self._inbox, []
-            aborts, self._aborts = self._aborts, []
-        for submission in inbox:
-            self._admit(submission)
-        for request_id in aborts:
-            self._abort(request_id)
-        with self._cond:
-            self._num_waiting = self.core.scheduler.num_waiting
-            self._cond.notify_all()
-            return self.core.has_unfinished() or not self._closing or bool(self._inbox)
+    def take_work(self) -> bool:
+        """Applies pending aborts; waits until there is a step to run (True) or the engine stops."""
+        with self.cond:
+            while True:
+                if self.closing and not self.drain:
+                    self.aborts.extend(self.handles.values())
+                aborts, self.aborts = self.aborts, []
+                for handle in aborts:
+                    if self.handles.get(handle.request_id) is handle:  # not ended meanwhile
+                        self.end(handle, self.core.abort(handle.request_id))
+                self.cond.notify_all()  # aborts made room in the waiting queue
+                if self.core.has_unfinished():
+                    return True
+                if self.closing:
+                    return False
+                self.cond.wait()
 
-    def _admit(self, submission: _Submission) -> None:
-        handle = submission.handle
+    def deliver(self, events: list[TokenEvent], ended: list[RequestOutput]) -> None:
+        self.metrics.record_scheduler(self.core.stats())
+        with self.cond:
+            for event in events:
+                self.handles[event.request_id]._push(event)
+            for output in ended:
+                if output.error is None:
+                    m = output.metrics
+                    self.metrics.record_finished(m.ttft, m.tpot, m.e2e_latency or 0.0)
+                self.end(self.handles[output.request_id], output)
+            self.cond.notify_all()  # room in the waiting queue
+
+    def end(self, handle: RequestHandle, output: RequestOutput) -> None:
+        """Ends a submission with its output, or with the error that failed its request alone."""
+        error: BaseException | None = None
+        if output.error is not None:
+            error = ModelError(f"request {output.request_id!r} failed: {output.error}")
         try:
-            self.core.add_request(
-                handle.request_id,
-                handle.prompt_token_ids,
-                submission.params,
-                prompt=handle.prompt,
-                arrival_time=submission.arrival_time,
-                priority=submission.priority,
-                cache_salt=submission.cache_salt,
-            )
-        except PagedKVError as error:
-            self._end(handle, None, error)
-            return
-        self._handles[handle.request_id] = handle
-
-    def _abort(self, request_id: str) -> None:
-        handle = self._handles.pop(request_id, None)
-        if handle is None:
-            return  # already finished, or never admitted
-        output = self.core.abort(request_id)
-        self._decode_text(output)
-        self._end(handle, output)
-
-    def _deliver(self, events: list[TokenEvent], finished: list[RequestOutput]) -> None:
-        for event in events:
-            self._handles[event.request_id]._push(event)
-        for output in finished:
-            self._decode_text(output)
-            m = output.metrics
-            self.metrics.record_finished(m.ttft, m.tpot, m.e2e_latency or 0.0)
-            self._end(self._handles.pop(output.request_id), output)
-        stats = self.core.stats()
-        self.metrics.record_scheduler(stats)
-        with self._cond:
-            self._last_stats = stats
-
-    def _end(self, handle: RequestHandle, output: RequestOutput | None, error: BaseException | None = None) -> None:
-        with self._cond:
-            self._in_flight.discard(handle.request_id)
+            for completion in output.outputs:
+                completion.text = self.tokenizer.decode(completion.token_ids)
+        except Exception as decode_error:  # noqa: BLE001 - whatever the tokenizer raises fails this request only
+            error = ModelError(f"request {output.request_id!r}: its tokens cannot be decoded: {decode_error!r}")
+            error.__cause__ = decode_error
+        del self.handles[handle.request_id]
         handle._complete(output, error)
 
-    def _decode_text(self, output: RequestOutput) -> None:
-        for completion in output.outputs:
-            completion.text = self.tokenizer.decode(completion.token_ids)
-
-    def _die(self, error: BaseException) -> None:
-        with self._cond:
-            self._dead = error
-            inbox, self._inbox = self._inbox, []
-            self._cond.notify_all()
-        failure = EngineClosedError(f"the engine worker failed: {error!r}")
-        failure.__cause__ = error
-        for handle in [*self._handles.values(), *(s.handle for s in inbox)]:
-            self._end(handle, None, failure)
-        self._handles.clear()
+    def fail_all(self, cause: BaseException) -> None:
+        """The model failed: the engine closes, the requests in flight free their blocks and fail
+        with the cause (they end even if the core is too broken to free anything)."""
+        with self.cond:
+            self.dead = cause
+            handles, self.handles = self.handles, {}
+            try:
+                for request_id in handles:
+                    if request_id in self.core.scheduler:  # the failed step's requests are already out
+                        self.core.abort(request_id)
+            finally:
+                for handle in handles.values():
+                    handle._complete(None, _closed_error(cause))
+                self.cond.notify_all()

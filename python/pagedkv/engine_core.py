@@ -1,22 +1,41 @@
 """The synchronous heart of an engine: one call of :meth:`EngineCore.step` runs one iteration of
 continuous batching (schedule → model → sample → update) and reports what each request produced.
 
-It owns the :class:`pagedkv.Scheduler`, a model runner and each request's sampling state; it is not
-thread-safe (the threaded :class:`pagedkv.Engine` calls it from its worker only). Time comes from
-an injectable clock, so a simulated model can run on virtual time with the same bookkeeping.
+It owns the :class:`pagedkv.Scheduler`, a model runner and each request's sampling state. Time comes
+from an injectable clock, so a simulated model can run on virtual time with the same bookkeeping.
+
+Invariants:
+
+- ``step`` owns the scheduler's schedule/update protocol: every ``schedule()`` it makes is followed
+  by ``update()`` before it returns or raises, whether the step ran nothing, the model failed, or a
+  request was aborted meanwhile. Nothing else calls either.
+- A request is in the scheduler exactly when it is in ``_requests``: a lock guards the two, so
+  ``add_request`` and ``abort`` may come from any thread while another runs ``step`` (the model
+  runs outside the lock).
+- Arguments are checked once: the scheduler checks everything it receives; this module adds only
+  what the scheduler cannot know (the vocabulary, the type of the sampling parameters, the model's
+  longest position).
+- A sample row the model left nothing to draw from (:data:`~pagedkv.model.sampling.NO_TOKEN`: NaN
+  logits) fails its request alone: it ends with ``finish_reason == "error"`` and ``error`` set.
+  A runner that raises aborts the requests of its step (their blocks freed, the protocol completed)
+  and the exception propagates; what the step wrote to the KV cache is then undefined, so the
+  caller should stop using this core (the threaded engine does).
 """
 
 from __future__ import annotations
 
+import operator
+import threading
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import Protocol
 
 import numpy as np
 
-from pagedkv._core import KVCache, Scheduler
+from pagedkv._core import KVCache, Scheduler, SchedulerOutput
 from pagedkv.errors import InvalidArgumentError
-from pagedkv.model.sampling import SamplingParams, sample
+from pagedkv.model.sampling import NO_TOKEN, SamplingParams, sample
 from pagedkv.model.simulated import SimulatedModel
 from pagedkv.model.step import ModelStep
 
@@ -42,7 +61,8 @@ class EngineConfig:
     block_size: int = 16
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None  # None: the model's maximum position, capped by the cache
+    # None: the model's longest position, capped by the cache; more than the model's is refused.
+    max_model_len: int | None = None
     enable_prefix_caching: bool = True
     policy: str = "fcfs"
     long_prefill_token_threshold: int = 0
@@ -82,7 +102,8 @@ class RequestMetrics:
 
 @dataclass
 class CompletionOutput:
-    """One sample of a request."""
+    """One sample of a request. ``finish_reason``: None while it runs, else "stop", "length",
+    "max_model_len", "abort", or "error" (its request failed: see :attr:`RequestOutput.error`)."""
 
     index: int
     token_ids: list[int] = field(default_factory=list)
@@ -92,7 +113,8 @@ class CompletionOutput:
 
 @dataclass
 class RequestOutput:
-    """A request's prompt and samples so far (all of them once ``finished``)."""
+    """A request's prompt and samples so far (all of them once ``finished``). ``error`` says why
+    a request failed (its samples then end with ``finish_reason == "error"``), None otherwise."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -100,6 +122,7 @@ class RequestOutput:
     metrics: RequestMetrics
     prompt: str | None = None
     finished: bool = False
+    error: str | None = None
 
     @property
     def text(self) -> str:
@@ -129,7 +152,8 @@ class ModelRunner(Protocol):
     max_model_len: int
 
     def run(self, step: ModelStep, params: Sequence[SamplingParams], generators: Sequence[np.random.Generator]) -> np.ndarray:
-        """Tokens (int64) for ``step.logits_indices``, row r drawn under ``params[r]``."""
+        """Tokens (int64) for ``step.logits_indices``, row r drawn under ``params[r]``;
+        :data:`~pagedkv.model.sampling.NO_TOKEN` for a row with nothing to draw from."""
         ...
 
 
@@ -182,35 +206,46 @@ class _Request:
 
 
 class EngineCore:
-    """Scheduler + model runner + per-request state, stepped by the caller."""
+    """Scheduler + model runner + per-request state, stepped by one thread; requests may be added
+    and aborted from any thread."""
 
     def __init__(
         self,
         runner: ModelRunner,
         config: EngineConfig = EngineConfig(),
-        eos_token_id: int | None = None,
+        eos_token_ids: Sequence[int] = (),
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
+        """Raises :class:`InvalidArgumentError` for a ``max_model_len`` past the model's longest
+        position (``runner.max_model_len``), and whatever the scheduler refuses in ``config``."""
         self.runner = runner
         self.config = config
         self.clock = clock
-        self.max_model_len = config.max_model_len or min(runner.max_model_len, config.num_blocks * config.block_size)
+        max_model_len = config.max_model_len
+        if max_model_len is None:
+            max_model_len = min(runner.max_model_len, config.num_blocks * config.block_size)
         self.scheduler = Scheduler(
             num_blocks=config.num_blocks,
             block_size=config.block_size,
             max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=self.max_model_len,
+            max_model_len=max_model_len,
             enable_prefix_caching=config.enable_prefix_caching,
             policy=config.policy,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
-            eos_token_id=eos_token_id,
+            eos_token_ids=list(eos_token_ids),
             admission_lookahead_tokens=config.admission_lookahead_tokens,
         )
+        self.max_model_len: int = self.scheduler.max_model_len  # as the scheduler validated it
+        if self.max_model_len > runner.max_model_len:
+            raise InvalidArgumentError(
+                f"max_model_len {self.max_model_len} exceeds the model's {runner.max_model_len} positions"
+            )
+        self._lock = threading.Lock()  # guards _requests with the scheduler's request set
         self._requests: dict[str, _Request] = {}
         # The scheduler's output of the latest step (its arrays and per-step ``stats``), None
         # before the first: what benchmarks and tracing read about a step.
-        self.last_step: ModelStep | None = None
+        self.last_step: SchedulerOutput | None = None
 
     def add_request(
         self,
@@ -223,38 +258,44 @@ class EngineCore:
         priority: int = 0,
         cache_salt: str | None = None,
     ) -> RequestOutput:
-        """Queues a request; raises a :class:`pagedkv.PagedKVError` (changing nothing) if the
-        scheduler refuses it. Returns its (empty) output record."""
+        """Queues a request; returns its (empty) output record. Raises, changing nothing:
+        :class:`InvalidArgumentError` for a prompt that is not token ids of the model's vocabulary
+        or ``params`` that are not :class:`SamplingParams`, and whatever the scheduler refuses
+        (a duplicate id, an empty or too long prompt, out-of-range limits, arguments of the
+        wrong type)."""
+        token_ids = _vocabulary_tokens(prompt_token_ids, self.runner.vocab_size)
+        if not isinstance(params, SamplingParams):
+            raise InvalidArgumentError(f"params must be SamplingParams, got {type(params).__name__}")
         arrival = self.clock() if arrival_time is None else arrival_time
-        out_of_vocab = [t for t in prompt_token_ids if not 0 <= int(t) < self.runner.vocab_size]
-        if out_of_vocab:
-            raise InvalidArgumentError(f"prompt token ids {out_of_vocab[:5]} outside the vocabulary of {self.runner.vocab_size}")
-        self.scheduler.add_request(
-            request_id,
-            list(prompt_token_ids),
-            max_tokens=params.max_tokens,
-            stop_token_ids=list(params.stop_token_ids),
-            ignore_eos=params.ignore_eos,
-            n=params.n,
-            priority=priority,
-            arrival_time=arrival,
-            cache_salt=cache_salt,
-        )
-        output = RequestOutput(
-            request_id=request_id,
-            prompt_token_ids=list(prompt_token_ids),
-            outputs=[CompletionOutput(index=i) for i in range(params.n)],
-            metrics=RequestMetrics(arrival_time=arrival),
-            prompt=prompt,
-        )
-        generators = [params.make_generator(i) for i in range(params.n)]
-        self._requests[request_id] = _Request(params, generators, output)
+        with self._lock:
+            self.scheduler.add_request(
+                request_id,
+                token_ids,
+                max_tokens=params.max_tokens,
+                stop_token_ids=list(params.stop_token_ids),
+                ignore_eos=params.ignore_eos,
+                n=params.n,
+                priority=priority,
+                arrival_time=arrival,
+                cache_salt=cache_salt,
+            )
+            output = RequestOutput(
+                request_id=request_id,
+                prompt_token_ids=token_ids,
+                outputs=[CompletionOutput(index=i) for i in range(params.n)],
+                metrics=RequestMetrics(arrival_time=arrival),
+                prompt=prompt,
+            )
+            generators = [params.make_generator(i) for i in range(params.n)]
+            self._requests[request_id] = _Request(params, generators, output)
         return output
 
     def abort(self, request_id: str) -> RequestOutput:
-        """Stops a request in any state, freeing its blocks; returns its final output."""
-        self.scheduler.abort(request_id)
-        request = self._requests.pop(request_id)
+        """Stops a request in any state, freeing its blocks; returns its final output. Raises
+        :class:`pagedkv.UnknownSequenceError` for a request that is not waiting or running."""
+        with self._lock:
+            self.scheduler.abort(request_id)
+            request = self._requests.pop(request_id)
         for completion in request.output.outputs:
             completion.finish_reason = completion.finish_reason or "abort"
         self._finish(request.output)
@@ -265,17 +306,54 @@ class EngineCore:
         return self.scheduler.has_unfinished()
 
     def step(self) -> tuple[list[TokenEvent], list[RequestOutput]]:
-        """Runs one iteration; returns the tokens produced and the requests that finished."""
-        step = self.scheduler.schedule()
-        self.last_step = step
-        if step.num_scheduled_tokens == 0:
-            return [], []
-        requests = [self._requests[rid] for rid in step.sample_request_ids]
-        params = [r.params for r in requests]
-        generators = [r.generators[i] for r, i in zip(requests, step.sample_seq_indices.tolist())]
-        tokens = self.runner.run(step, params, generators)
-        now = self.clock()
-        update = self.scheduler.update(step, tokens)
+        """Runs one iteration; returns the tokens produced and the requests that ended (finished,
+        or failed: see the module doc). A step with nothing to run still completes the protocol."""
+        with self._lock:
+            step = self.scheduler.schedule()
+            self.last_step = step
+            requests = [self._requests[rid] for rid in step.sample_request_ids]
+        updated = False
+        try:
+            if step.num_scheduled_tokens == 0:
+                tokens = np.empty(0, dtype=np.int64)
+            else:
+                params = [r.params for r in requests]
+                generators = [r.generators[i] for r, i in zip(requests, step.sample_seq_indices.tolist())]
+                tokens = np.asarray(self.runner.run(step, params, generators), dtype=np.int64)
+            now = self.clock()
+            with self._lock:
+                failed = self._fail_unsampled(step, tokens)
+                # The failed requests' rows are skipped: any valid id stands in for their tokens.
+                update = self.scheduler.update(step, np.where(tokens == NO_TOKEN, 0, tokens))
+                updated = True
+                events, finished = self._record(update, now)
+        finally:
+            if not updated:
+                self._abandon(step)
+        for output in failed:
+            self._finish(output, now)
+        return events, failed + finished
+
+    def _fail_unsampled(self, step: SchedulerOutput, tokens: np.ndarray) -> list[RequestOutput]:
+        """Aborts (in the scheduler) the requests with a sample row the model left no token for,
+        so the coming update skips their rows; returns their outputs, marked failed."""
+        failed: list[RequestOutput] = []
+        if not (tokens == NO_TOKEN).any():
+            return failed
+        unsampled = [rid for rid, token in zip(step.sample_request_ids, tokens.tolist(), strict=True) if token == NO_TOKEN]
+        for request_id in dict.fromkeys(unsampled):
+            request = self._requests.pop(request_id, None)
+            if request is None:
+                continue  # aborted by another thread since the step was scheduled
+            self.scheduler.abort(request_id)
+            request.output.error = "the model gave NaN logits, or no token a finite logit"
+            for completion in request.output.outputs:
+                completion.finish_reason = "error"
+            failed.append(request.output)
+        return failed
+
+    def _record(self, update, now: float) -> tuple[list[TokenEvent], list[RequestOutput]]:
+        """Appends an update's tokens to their requests' outputs; pops the finished requests."""
         events = []
         for request_id, index, token, reason in zip(
             update.request_ids, update.seq_indices.tolist(), update.token_ids.tolist(), update.finish_reasons
@@ -295,10 +373,41 @@ class EngineCore:
             finished.append(output)
         return events, finished
 
+    def _abandon(self, step: SchedulerOutput) -> None:
+        """Completes the protocol of a step that could not run: aborts its requests, so that the
+        update of placeholder tokens changes nothing else."""
+        with self._lock:
+            for request_id in dict.fromkeys(step.request_ids):
+                if self._requests.pop(request_id, None) is not None:
+                    self.scheduler.abort(request_id)
+            self.scheduler.update(step, np.zeros(step.num_samples, dtype=np.int64))
+
     def _finish(self, output: RequestOutput, now: float | None = None) -> None:
         output.finished = True
         output.metrics.finished_time = self.clock() if now is None else now
 
     def stats(self) -> dict[str, float]:
-        """The scheduler's cumulative stats."""
+        """The scheduler's cumulative stats, current (they include every completed step)."""
         return self.scheduler.stats()
+
+
+def _vocabulary_tokens(prompt: Sequence[int], vocab_size: int) -> list[int]:
+    """``prompt`` as a list of token ids of a ``vocab_size`` vocabulary (a sequence or 1-D array of
+    integers; not a string, bytes or bools), or :class:`InvalidArgumentError`. The scheduler checks
+    the rest (emptiness, length)."""
+    if isinstance(prompt, (str, bytes, bytearray, memoryview)):
+        raise InvalidArgumentError(f"prompt token ids must be a sequence of ints, not {type(prompt).__name__}")
+    try:
+        token_ids = [_token_id(t) for t in prompt]
+    except TypeError as error:
+        raise InvalidArgumentError(f"prompt token ids must be a sequence of ints: {error}") from None
+    out_of_vocab = [t for t in token_ids if not 0 <= t < vocab_size]
+    if out_of_vocab:
+        raise InvalidArgumentError(f"prompt token ids {out_of_vocab[:5]} outside the vocabulary of {vocab_size}")
+    return token_ids
+
+
+def _token_id(value: object) -> int:
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{value!r} is a bool, not a token id")
+    return operator.index(value)  # type: ignore[arg-type]

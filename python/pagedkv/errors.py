@@ -15,6 +15,8 @@ __all__ = [
     "InvalidArgumentError",
     "ShapeError",
     "CheckpointError",
+    "ModelError",
+    "InternalError",
 ]
 
 
@@ -45,6 +47,11 @@ class ShapeError(InvalidArgumentError):
     """An array has the wrong shape or dtype."""
 
 
+class ModelError(PagedKVError, RuntimeError):
+    """The model gave a request nothing to sample from (NaN logits, or no token with a finite
+    logit): that request fails alone, the others go on."""
+
+
 class CheckpointError(PagedKVError, OSError):
     """A model checkpoint cannot be loaded: a file is missing, unreadable or malformed, or its
     tensors do not match its ``config.json``. The message names the offending file; ``path`` holds it.
@@ -56,3 +63,8 @@ class CheckpointError(PagedKVError, OSError):
 
     def __str__(self) -> str:  # OSError would format (errno, strerror) pairs
         return str(self.args[0])
+
+
+class InternalError(PagedKVError, RuntimeError):
+    """A bug in pagedkv: a call panicked inside the Rust core. The object it ran on refuses every
+    later call with this error (its state may be half-changed); other objects are unaffected."""

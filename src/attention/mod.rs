@@ -24,14 +24,14 @@ use std::sync::OnceLock;
 
 use rayon::prelude::*;
 
-pub use probes::{measure_fma_peak, measure_read_bandwidth, ReadProbe};
+pub use probes::{measure_fma_peak, measure_read_bandwidth, ReadProbe, MIN_PROBE_BYTES};
 pub use simd::KernelPath;
 pub(crate) use threads::pool;
-pub use threads::{num_threads, set_num_threads, NUM_THREADS_ENV};
+pub use threads::{num_threads, set_num_threads, MAX_THREADS, NUM_THREADS_ENV};
 
 use crate::dtype::{KvDtype, KvElement};
 use crate::error::{Error, Result};
-use crate::kv_cache::{KvBuffer, KvCache};
+use crate::kv_cache::{KvBuffer, KvCache, KvShape};
 use compute::{merge_group, partial_slot_len, run_item, SharedOut};
 use layout::{Contiguous, KvLayout, Paged};
 use plan::Plan;
@@ -111,7 +111,7 @@ pub fn paged_attention_with(
         scale,
         out,
     )?;
-    validate_tables(&problem, batch, shape.block_size, shape.num_blocks)?;
+    validate_tables(&problem, batch, &shape)?;
     check_path(path)?;
     macro_rules! run_on {
         ($keys:expr, $values:expr) => {{
@@ -133,7 +133,6 @@ pub fn paged_attention_with(
         (KvBuffer::Bf16(k), KvBuffer::Bf16(v)) => run_on!(k, v),
         _ => unreachable!("a KvCache stores K and V in one dtype"),
     }
-    Ok(())
 }
 
 /// K/V of a batch laid out contiguously, `[num_seqs, num_kv_heads, max_context, head_dim]` each:
@@ -169,14 +168,9 @@ impl ContiguousKv {
         let len = len.ok_or_else(|| {
             Error::InvalidArgument(format!("contiguous K/V of {dims:?} overflows"))
         })?;
-        let make = |seed: u64| match dtype {
-            KvDtype::F32 => KvBuffer::F32(random_values(len, seed)),
-            KvDtype::F16 => KvBuffer::F16(random_values(len, seed)),
-            KvDtype::Bf16 => KvBuffer::Bf16(random_values(len, seed)),
-        };
         Ok(ContiguousKv {
-            keys: make(seed),
-            values: make(seed ^ 0x9e37_79b9_7f4a_7c15),
+            keys: KvBuffer::random(dtype, len, seed, "contiguous K")?,
+            values: KvBuffer::random(dtype, len, seed ^ 0x9e37_79b9_7f4a_7c15, "contiguous V")?,
             num_seqs,
             num_kv_heads,
             max_context,
@@ -223,6 +217,9 @@ impl ContiguousKv {
         if block_size == 0 {
             return Err(Error::InvalidArgument("block_size must be positive".into()));
         }
+        // No tile is longer than a sequence, and the loop sizes its buffers by the block size: a
+        // larger one would only ask for scratch memory no tile uses.
+        let block_size = block_size.min(self.max_context);
         if let Some(seq) =
             (0..problem.num_seqs()).find(|&s| problem.context_len(s) > self.max_context)
         {
@@ -252,27 +249,6 @@ impl ContiguousKv {
             (KvBuffer::Bf16(k), KvBuffer::Bf16(v)) => run_on!(k, v),
             _ => unreachable!("K and V share one dtype"),
         }
-        Ok(())
-    }
-}
-
-/// `len` pseudo-random values in [-1, 1), on huge pages where the system allows.
-pub(crate) fn random_values<T: KvElement>(len: usize, seed: u64) -> Vec<T> {
-    let mut values = crate::memory::zeroed_vec(len);
-    fill_random_values(&mut values, seed);
-    values
-}
-
-/// Overwrites `values` with pseudo-random values in [-1, 1) from `seed` (splitmix64).
-pub(crate) fn fill_random_values<T: KvElement>(values: &mut [T], seed: u64) {
-    let mut state = seed;
-    for value in values {
-        state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^= z >> 31;
-        *value = T::from_f32((z >> 40) as f32 / (1u64 << 23) as f32 - 1.0);
     }
 }
 
@@ -342,10 +318,12 @@ impl<'a> Problem<'a> {
             }
         }
         let num_tokens = query_start_loc[num_seqs] as usize;
-        let expected = num_tokens * num_heads * head_dim;
-        if q.len() != expected || out.len() != expected {
+        let expected = num_tokens
+            .checked_mul(num_heads)
+            .and_then(|n| n.checked_mul(head_dim));
+        if expected.is_none_or(|e| q.len() != e || out.len() != e) {
             return Err(Error::Shape(format!(
-                "q and out must hold num_tokens × num_heads × head_dim = {num_tokens} × {num_heads} × {head_dim} = {expected} floats, got {} and {}",
+                "q and out must hold num_tokens × num_heads × head_dim = {num_tokens} × {num_heads} × {head_dim} floats, got {} and {}",
                 q.len(),
                 out.len()
             )));
@@ -383,34 +361,24 @@ impl<'a> Problem<'a> {
     }
 }
 
-/// Checks that every sequence's context fits its table and that the used entries are block ids.
+/// Checks that the tables hold a row per sequence and that every sequence's used entries are
+/// block ids ([`KvShape::used_blocks`]).
 fn validate_tables(
     problem: &Problem<'_>,
     batch: &AttentionBatch<'_>,
-    block_size: usize,
-    num_blocks: usize,
+    shape: &KvShape,
 ) -> Result<()> {
     let num_seqs = problem.num_seqs();
     let width = batch.max_blocks_per_seq;
-    if batch.block_tables.len() != num_seqs * width {
+    if num_seqs.checked_mul(width) != Some(batch.block_tables.len()) {
         return Err(Error::Shape(format!(
             "block_tables has {} entries, expected num_seqs × max_blocks_per_seq = {num_seqs} × {width}",
             batch.block_tables.len()
         )));
     }
     for seq in 0..num_seqs {
-        let context = problem.context_len(seq);
-        if context > width * block_size {
-            return Err(Error::InvalidArgument(format!(
-                "context length {context} of sequence {seq} does not fit {width} blocks of {block_size}"
-            )));
-        }
-        let used = &batch.block_tables[seq * width..seq * width + context.div_ceil(block_size)];
-        if let Some(bad) = used.iter().find(|&&b| b < 0 || b as usize >= num_blocks) {
-            return Err(Error::InvalidArgument(format!(
-                "sequence {seq} uses block {bad}, outside 0..{num_blocks}"
-            )));
-        }
+        let row = &batch.block_tables[seq * width..(seq + 1) * width];
+        shape.used_blocks(row, problem.context_len(seq), || format!("sequence {seq}"))?;
     }
     Ok(())
 }
@@ -426,13 +394,14 @@ fn check_path(path: KernelPath) -> Result<()> {
     }
 }
 
-/// Runs a validated call on `path`.
+/// Runs a validated call on `path`. Fails only when the thread pool cannot be had, before
+/// anything is written.
 fn execute<T: KvElement, L: KvLayout<T>>(
     path: KernelPath,
     problem: &Problem<'_>,
     layout: &L,
     out: &mut [f32],
-) {
+) -> Result<()> {
     match path {
         KernelPath::Portable => execute_on::<Portable, T, L>(problem, layout, out),
         #[cfg(target_arch = "x86_64")]
@@ -446,7 +415,7 @@ fn execute_on<K: Kernels, T: KvElement, L: KvLayout<T>>(
     problem: &Problem<'_>,
     layout: &L,
     out: &mut [f32],
-) {
+) -> Result<()> {
     let threads = num_threads();
     let plan = Plan::new(
         problem,
@@ -454,6 +423,11 @@ fn execute_on<K: Kernels, T: KvElement, L: KvLayout<T>>(
         std::mem::size_of::<T>(),
         threads,
     );
+    let pool = if plan.inline {
+        None
+    } else {
+        Some(threads::pool()?)
+    };
     let max_rows = plan.max_rows;
     let mut partials =
         vec![0.0f32; plan.partial_slots() * partial_slot_len(max_rows, problem.head_dim)];
@@ -462,15 +436,17 @@ fn execute_on<K: Kernels, T: KvElement, L: KvLayout<T>>(
     // disjoint output rows and slots, and the merge runs after every item.
     let run = |item| unsafe { run_item::<K, T, L>(problem, layout, item, max_rows, out, partials) };
     let merge = |group| unsafe { merge_group(problem, group, max_rows, out, partials) };
-    if plan.inline {
-        plan.items.iter().for_each(run);
-        plan.groups.iter().for_each(merge);
-    } else {
-        threads::pool().install(|| {
+    match pool {
+        None => {
+            plan.items.iter().for_each(run);
+            plan.groups.iter().for_each(merge);
+        }
+        Some(pool) => pool.install(|| {
             plan.items.par_iter().with_max_len(1).for_each(run);
             plan.groups.par_iter().for_each(merge);
-        });
+        }),
     }
+    Ok(())
 }
 
 #[cfg(test)]

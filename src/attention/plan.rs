@@ -93,8 +93,10 @@ impl Plan {
                 let queries = tile_tokens.min(nq - first_query);
                 let keys = context - nq + first_query + queries;
                 tiles.push((seq, first_query, queries, keys.div_ceil(block_size)));
-                fmas += (2 * queries * group * keys * d) as f64;
-                bytes += (2 * keys * d * elem_bytes) as f64;
+                // In f64: an absurd call (huge group × context) must not overflow usize here.
+                let (queries_f, keys_f, d_f) = (queries as f64, keys as f64, d as f64);
+                fmas += 2.0 * queries_f * group as f64 * keys_f * d_f;
+                bytes += 2.0 * keys_f * d_f * elem_bytes as f64;
             }
         }
         let kv_heads = problem.num_kv_heads;

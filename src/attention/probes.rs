@@ -11,9 +11,14 @@ use rayon::prelude::*;
 
 use super::simd::{Kernels, Portable};
 use super::{default_kernel_path, threads, KernelPath};
+use crate::error::{ensure, Result};
+use crate::memory;
 
 /// Bytes each task sweeps: large enough to amortise scheduling, small enough to balance.
 const CHUNK_BYTES: usize = 1 << 20;
+
+/// The smallest probe: one page; below, a sweep times the call, not memory.
+pub const MIN_PROBE_BYTES: usize = 4096;
 
 /// A buffer of real memory to sweep: build once, then time sweeps between other measurements.
 pub struct ReadProbe {
@@ -21,11 +26,15 @@ pub struct ReadProbe {
 }
 
 impl ReadProbe {
-    /// Allocates and writes `nbytes` (rounded down to whole f32).
-    pub fn new(nbytes: usize) -> Self {
-        ReadProbe {
-            data: super::random_values(nbytes / 4, 1),
-        }
+    /// Allocates and writes `nbytes` (at least [`MIN_PROBE_BYTES`], rounded down to whole f32);
+    /// fails when the memory cannot be had.
+    pub fn new(nbytes: usize) -> Result<Self> {
+        ensure(nbytes >= MIN_PROBE_BYTES, || {
+            format!("nbytes must be at least {MIN_PROBE_BYTES}, got {nbytes}")
+        })?;
+        Ok(ReadProbe {
+            data: memory::random_vec(nbytes / 4, 1, "the read bandwidth probe")?,
+        })
     }
 
     /// Bytes one sweep reads.
@@ -34,7 +43,7 @@ impl ReadProbe {
     }
 
     /// Reads the whole buffer once on the attention pool; returns GB/s (10^9 bytes per second).
-    pub fn sweep(&self) -> f64 {
+    pub fn sweep(&self) -> Result<f64> {
         let path = default_kernel_path();
         let sum = |chunk: &[f32]| -> f32 {
             match path {
@@ -44,27 +53,28 @@ impl ReadProbe {
                 _ => unsafe { Portable::sum(chunk) },
             }
         };
-        let pool = threads::pool();
+        let pool = threads::pool()?;
         let start = Instant::now();
         let total: f32 = pool.install(|| self.data.par_chunks(CHUNK_BYTES / 4).map(sum).sum());
         let seconds = start.elapsed().as_secs_f64();
         std::hint::black_box(total);
-        self.nbytes() as f64 / seconds / 1e9
+        Ok(self.nbytes() as f64 / seconds / 1e9)
     }
 }
 
 /// Read bandwidth in GB/s of each of `sweeps` sweeps over a fresh buffer of `nbytes`.
-pub fn measure_read_bandwidth(nbytes: usize, sweeps: usize) -> Vec<f64> {
-    let probe = ReadProbe::new(nbytes);
+pub fn measure_read_bandwidth(nbytes: usize, sweeps: usize) -> Result<Vec<f64>> {
+    ensure(sweeps > 0, || "sweeps must be positive".into())?;
+    let probe = ReadProbe::new(nbytes)?;
     (0..sweeps).map(|_| probe.sweep()).collect()
 }
 
 /// f32 FLOP/s (an FMA counts 2) of every attention thread running a register-only FMA loop with
 /// enough independent accumulators to hide the FMA latency, in GFLOP/s.
-pub fn measure_fma_peak() -> f64 {
+pub fn measure_fma_peak() -> Result<f64> {
     const ITERATIONS: usize = 2_000_000;
     let path = default_kernel_path();
-    let pool = threads::pool();
+    let pool = threads::pool()?;
     let threads = pool.current_num_threads();
     let start = Instant::now();
     let flops: f64 = pool.install(|| {
@@ -79,5 +89,5 @@ pub fn measure_fma_peak() -> f64 {
             })
             .sum()
     });
-    flops / start.elapsed().as_secs_f64() / 1e9
+    Ok(flops / start.elapsed().as_secs_f64() / 1e9)
 }

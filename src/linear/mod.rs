@@ -244,7 +244,6 @@ impl Linear {
             Panels::F16(w) => run.all(w),
             Panels::Bf16(w) => run.all(w),
         }
-        Ok(())
     }
 }
 
@@ -299,10 +298,10 @@ impl Run<'_> {
     /// Splits the panels over the pool: about 4 tasks per thread, for balance under load, each a
     /// whole number of the widest tile's panel groups (a task of fewer panels than a group would
     /// run M = 1 on single-panel tiles, 2 accumulators deep: bound by the FMA latency).
-    fn all<T: KvElement>(&self, packed: &[T]) {
+    fn all<T: KvElement>(&self, packed: &[T]) -> Result<()> {
         let panel_len = self.k * PANEL;
         let panels = packed.len() / panel_len;
-        let pool = pool();
+        let pool = pool()?;
         let width = self.isa.panels_for(self.m.min(self.isa.max_rows()));
         let share = panels.div_ceil(pool.current_num_threads() * 4);
         let per_task = (share / width * width).max(width);
@@ -312,6 +311,7 @@ impl Run<'_> {
                 .enumerate()
                 .for_each(|(task, chunk)| self.task(chunk, task * per_task));
         });
+        Ok(())
     }
 
     /// Panels `first..` held in `chunk`, for every row of `x`.

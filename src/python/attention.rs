@@ -1,186 +1,64 @@
-//! Attention from Python: the body of `KVCache.attention`, the thread-count setting, and the
-//! helpers the benchmark needs (read bandwidth, contiguous K/V, kernel time without Python).
-//! Arrays are borrowed without copies when C-contiguous; the GIL is released while computing.
+//! Attention from Python besides `KVCache.attention`: the thread-count setting, and the helpers
+//! the benchmark needs (read bandwidth, contiguous K/V, kernel time without Python). Arguments are
+//! converted by `attention_call` (arrays borrowed without copies when C-contiguous); the GIL is
+//! released while computing.
 
-use std::borrow::Cow;
 use std::time::Instant;
 
-use numpy::ndarray::{Ix1, Ix2, Ix3};
-use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
-use super::args::{c_order, expect_shape, invalid, non_negative, positive, typed_array};
-use super::errors::IntoPyResult;
+use super::args::{arg, invalid, Param};
+use super::attention_call::{Arrays, Tables};
 use super::kv_cache::PyKVCache;
-use crate::attention::{self, AttentionBatch, ContiguousKv, KernelPath};
-use crate::{KvCache, KvDtype};
-
-/// The converted arguments of one attention call.
-struct Call<'a> {
-    query: Cow<'a, [f32]>,
-    num_tokens: usize,
-    num_heads: usize,
-    head_dim: usize,
-    context_lens: Cow<'a, [i32]>,
-    query_start_loc: Cow<'a, [i32]>,
-    scale: f32,
-    path: KernelPath,
-}
-
-impl Call<'_> {
-    /// Runs the kernel over `layer` of `cache` through `block_tables` (`[_, width]`) into `out`.
-    fn run_paged(
-        &self,
-        cache: &KvCache,
-        layer: usize,
-        block_tables: &[i32],
-        width: usize,
-        out: &mut [f32],
-    ) -> crate::Result<()> {
-        let batch = AttentionBatch {
-            block_tables,
-            max_blocks_per_seq: width,
-            context_lens: &self.context_lens,
-            query_start_loc: &self.query_start_loc,
-        };
-        attention::paged_attention_with(
-            self.path,
-            cache,
-            layer,
-            &self.query,
-            self.num_heads,
-            &batch,
-            self.scale,
-            out,
-        )
-    }
-}
-
-/// The numpy arrays of a call, kept alive while their data is borrowed.
-struct Arrays<'py> {
-    query: PyReadonlyArray<'py, f32, Ix3>,
-    context_lens: PyReadonlyArray<'py, i32, Ix1>,
-    query_start_loc: PyReadonlyArray<'py, i32, Ix1>,
-}
-
-impl<'py> Arrays<'py> {
-    fn extract(
-        query: &Bound<'py, PyAny>,
-        context_lens: &Bound<'py, PyAny>,
-        query_start_loc: &Bound<'py, PyAny>,
-    ) -> PyResult<Self> {
-        Ok(Arrays {
-            query: typed_array(query, "query", "float32")?,
-            context_lens: typed_array(context_lens, "context_lens", "int32")?,
-            query_start_loc: typed_array(query_start_loc, "query_start_loc", "int32")?,
-        })
-    }
-
-    fn call(
-        &self,
-        head_dim: usize,
-        scale: Option<f64>,
-        kernel: Option<&str>,
-    ) -> PyResult<Call<'_>> {
-        let shape = self.query.shape();
-        expect_shape(shape, &[None, None, Some(head_dim)], "query")?;
-        let scale = scale.unwrap_or(1.0 / (head_dim as f64).sqrt()) as f32;
-        let path = match kernel {
-            None => attention::default_kernel_path(),
-            Some(name) => name.parse().py_err()?,
-        };
-        Ok(Call {
-            query: c_order(&self.query),
-            num_tokens: shape[0],
-            num_heads: shape[1],
-            head_dim,
-            context_lens: c_order(&self.context_lens),
-            query_start_loc: c_order(&self.query_start_loc),
-            scale,
-            path,
-        })
-    }
-}
-
-impl Call<'_> {
-    fn output<'py>(&self, py: Python<'py>, data: Vec<f32>) -> PyResult<Bound<'py, PyAny>> {
-        Ok(PyArray1::from_vec(py, data)
-            .reshape([self.num_tokens, self.num_heads, self.head_dim])?
-            .into_any())
-    }
-}
-
-/// The block tables as a C-ordered int32 slice and their width.
-fn table_slice<'a>(array: &'a PyReadonlyArray<'_, i32, Ix2>) -> (Cow<'a, [i32]>, usize) {
-    (c_order(array), array.shape()[1])
-}
-
-/// `KVCache.attention`: see the method's docstring in `kv_cache.rs`.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn cache_attention<'py>(
-    cache: &PyKVCache,
-    py: Python<'py>,
-    layer: i64,
-    query: &Bound<'py, PyAny>,
-    block_tables: &Bound<'py, PyAny>,
-    context_lens: &Bound<'py, PyAny>,
-    query_start_loc: &Bound<'py, PyAny>,
-    scale: Option<f64>,
-    kernel: Option<&str>,
-) -> PyResult<Bound<'py, PyAny>> {
-    let layer = non_negative(layer, "layer")? as usize;
-    let arrays = Arrays::extract(query, context_lens, query_start_loc)?;
-    let tables: PyReadonlyArray<'_, i32, Ix2> = typed_array(block_tables, "block_tables", "int32")?;
-    let call = arrays.call(cache.shape().head_dim, scale, kernel)?;
-    let (tables, width) = table_slice(&tables);
-    let mut out = vec![0.0f32; call.query.len()];
-    cache
-        .read(py, |c| call.run_paged(c, layer, &tables, width, &mut out))
-        .py_err()?;
-    call.output(py, out)
-}
+use super::sync::detached;
+use crate::attention::{self, ContiguousKv, KernelPath};
 
 /// Seconds per call of the kernel alone (no argument conversion, no Python), averaged over
 /// `iterations` calls made from Rust with the GIL released: `KVCache.attention` from Python
 /// costs this plus the call overhead.
 #[pyfunction]
-#[pyo3(signature = (cache, layer, query, block_tables, context_lens, query_start_loc, iterations=100, scale=None))]
+#[pyo3(
+    signature = (cache, layer, query, block_tables, context_lens, query_start_loc, iterations=Param::Absent, scale=None),
+    text_signature = "(cache, layer, query, block_tables, context_lens, query_start_loc, iterations=100, scale=None)"
+)]
 #[allow(clippy::too_many_arguments)]
 fn attention_kernel_seconds(
     py: Python<'_>,
     cache: &PyKVCache,
-    layer: i64,
+    layer: &Bound<'_, PyAny>,
     query: &Bound<'_, PyAny>,
     block_tables: &Bound<'_, PyAny>,
     context_lens: &Bound<'_, PyAny>,
     query_start_loc: &Bound<'_, PyAny>,
-    iterations: i64,
-    scale: Option<f64>,
+    iterations: Param<'_>,
+    scale: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<f64> {
-    let (layer, iterations) = (
-        non_negative(layer, "layer")? as usize,
-        positive(iterations, "iterations")?,
-    );
+    let layer: usize = arg(layer, "layer")?;
+    let iterations: usize = iterations.or("iterations", 100)?;
+    if iterations == 0 {
+        return Err(invalid("iterations must be positive".into()));
+    }
     let arrays = Arrays::extract(query, context_lens, query_start_loc)?;
-    let tables: PyReadonlyArray<'_, i32, Ix2> = typed_array(block_tables, "block_tables", "int32")?;
+    let tables = Tables::extract(block_tables)?;
     let call = arrays.call(cache.shape().head_dim, scale, None)?;
-    let (tables, width) = table_slice(&tables);
-    let mut out = vec![0.0f32; call.query.len()];
-    cache
-        .read(py, |c| {
-            let start = Instant::now();
-            for _ in 0..iterations {
-                call.run_paged(c, layer, &tables, width, &mut out)?;
-            }
-            Ok(start.elapsed().as_secs_f64() / iterations as f64)
-        })
-        .py_err()
+    let (tables, width) = tables.rows()?;
+    let mut out = call.out()?;
+    cache.with(py, |c| {
+        let start = Instant::now();
+        for _ in 0..iterations {
+            call.run_paged(c, layer, &tables, width, &mut out)?;
+        }
+        Ok(start.elapsed().as_secs_f64() / iterations as f64)
+    })
 }
 
-/// Sets the number of threads attention uses (default: `PAGEDKV_NUM_THREADS`, else every CPU).
+/// Sets the number of threads attention uses, 1 to 1024 (default: `PAGEDKV_NUM_THREADS`, else
+/// every CPU). Raises InvalidArgumentError for a count outside that range, MemoryError for one
+/// the system cannot start; the previous count stays then.
 #[pyfunction]
-fn set_num_threads(threads: i64) -> PyResult<()> {
-    attention::set_num_threads(positive(threads, "threads")?).py_err()
+fn set_num_threads(py: Python<'_>, threads: &Bound<'_, PyAny>) -> PyResult<()> {
+    let threads: usize = arg(threads, "threads")?;
+    detached(py, || attention::set_num_threads(threads))
 }
 
 /// The number of threads attention uses.
@@ -202,21 +80,21 @@ fn available_kernels() -> Vec<&'static str> {
 /// Read-only memory bandwidth in GB/s of each of `sweeps` sweeps over a fresh `nbytes` buffer, on
 /// the attention threads.
 #[pyfunction]
-#[pyo3(signature = (nbytes, sweeps=5))]
-fn measure_read_bandwidth(py: Python<'_>, nbytes: i64, sweeps: i64) -> PyResult<Vec<f64>> {
-    let (nbytes, sweeps) = (positive(nbytes, "nbytes")?, positive(sweeps, "sweeps")?);
-    if nbytes < 4096 {
-        return Err(invalid(format!(
-            "nbytes must be at least 4096, got {nbytes}"
-        )));
-    }
-    Ok(py.detach(|| attention::measure_read_bandwidth(nbytes, sweeps)))
+#[pyo3(signature = (nbytes, sweeps=Param::Absent), text_signature = "(nbytes, sweeps=5)")]
+fn measure_read_bandwidth(
+    py: Python<'_>,
+    nbytes: &Bound<'_, PyAny>,
+    sweeps: Param<'_>,
+) -> PyResult<Vec<f64>> {
+    let nbytes: usize = arg(nbytes, "nbytes")?;
+    let sweeps: usize = sweeps.or("sweeps", 5)?;
+    detached(py, || attention::measure_read_bandwidth(nbytes, sweeps))
 }
 
 /// f32 GFLOP/s (an FMA counts 2) of all attention threads running a register-only FMA loop.
 #[pyfunction]
-fn measure_fma_peak(py: Python<'_>) -> f64 {
-    py.detach(attention::measure_fma_peak)
+fn measure_fma_peak(py: Python<'_>) -> PyResult<f64> {
+    detached(py, attention::measure_fma_peak)
 }
 
 /// A freshly written buffer of `nbytes` of memory whose read-only sweeps measure bandwidth on
@@ -229,21 +107,16 @@ pub struct PyReadBandwidthProbe {
 #[pymethods]
 impl PyReadBandwidthProbe {
     #[new]
-    fn new(py: Python<'_>, nbytes: i64) -> PyResult<Self> {
-        let nbytes = positive(nbytes, "nbytes")?;
-        if nbytes < 4096 {
-            return Err(invalid(format!(
-                "nbytes must be at least 4096, got {nbytes}"
-            )));
-        }
+    fn new(py: Python<'_>, nbytes: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let nbytes: usize = arg(nbytes, "nbytes")?;
         Ok(PyReadBandwidthProbe {
-            inner: py.detach(|| attention::ReadProbe::new(nbytes)),
+            inner: detached(py, || attention::ReadProbe::new(nbytes))?,
         })
     }
 
     /// Reads the whole buffer once; returns GB/s (10^9 bytes per second).
-    fn sweep(&self, py: Python<'_>) -> f64 {
-        py.detach(|| self.inner.sweep())
+    fn sweep(&self, py: Python<'_>) -> PyResult<f64> {
+        detached(py, || self.inner.sweep())
     }
 
     /// Bytes one sweep reads.
@@ -265,26 +138,30 @@ pub struct PyContiguousKV {
 #[pymethods]
 impl PyContiguousKV {
     #[new]
-    #[pyo3(signature = (num_seqs, num_kv_heads, max_context, head_dim, dtype="float32", seed=0))]
+    #[pyo3(
+        signature = (num_seqs, num_kv_heads, max_context, head_dim, dtype=Param::Absent, seed=Param::Absent),
+        text_signature = "(num_seqs, num_kv_heads, max_context, head_dim, dtype='float32', seed=0)"
+    )]
     fn new(
         py: Python<'_>,
-        num_seqs: i64,
-        num_kv_heads: i64,
-        max_context: i64,
-        head_dim: i64,
-        dtype: &str,
-        seed: u64,
+        num_seqs: &Bound<'_, PyAny>,
+        num_kv_heads: &Bound<'_, PyAny>,
+        max_context: &Bound<'_, PyAny>,
+        head_dim: &Bound<'_, PyAny>,
+        dtype: Param<'_>,
+        seed: Param<'_>,
     ) -> PyResult<Self> {
-        let dtype: KvDtype = dtype.parse().py_err()?;
-        let dims = [
-            positive(num_seqs, "num_seqs")?,
-            positive(num_kv_heads, "num_kv_heads")?,
-            positive(max_context, "max_context")?,
-            positive(head_dim, "head_dim")?,
+        let dims: [usize; 4] = [
+            arg(num_seqs, "num_seqs")?,
+            arg(num_kv_heads, "num_kv_heads")?,
+            arg(max_context, "max_context")?,
+            arg(head_dim, "head_dim")?,
         ];
-        let inner = py
-            .detach(|| ContiguousKv::random(dtype, dims[0], dims[1], dims[2], dims[3], seed))
-            .py_err()?;
+        let dtype: String = dtype.or("dtype", "float32".into())?;
+        let seed: u64 = seed.or("seed", 0)?;
+        let inner = detached(py, || {
+            ContiguousKv::random(dtype.parse()?, dims[0], dims[1], dims[2], dims[3], seed)
+        })?;
         Ok(PyContiguousKV {
             inner,
             head_dim: dims[3],
@@ -293,7 +170,10 @@ impl PyContiguousKV {
 
     /// Attention of `query` (float32 `[num_tokens, num_heads, head_dim]`) over the first
     /// `context_lens[i]` rows of sequence i, same semantics as `KVCache.attention`.
-    #[pyo3(signature = (query, context_lens, query_start_loc, block_size=16, scale=None, kernel=None))]
+    #[pyo3(
+        signature = (query, context_lens, query_start_loc, block_size=Param::Absent, scale=None, kernel=None),
+        text_signature = "($self, query, context_lens, query_start_loc, block_size=16, scale=None, kernel=None)"
+    )]
     #[allow(clippy::too_many_arguments)]
     fn attention<'py>(
         &self,
@@ -301,15 +181,15 @@ impl PyContiguousKV {
         query: &Bound<'py, PyAny>,
         context_lens: &Bound<'py, PyAny>,
         query_start_loc: &Bound<'py, PyAny>,
-        block_size: i64,
-        scale: Option<f64>,
-        kernel: Option<&str>,
+        block_size: Param<'py>,
+        scale: Option<&Bound<'py, PyAny>>,
+        kernel: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let block_size = positive(block_size, "block_size")?;
+        let block_size: usize = block_size.or("block_size", 16)?;
         let arrays = Arrays::extract(query, context_lens, query_start_loc)?;
         let call = arrays.call(self.head_dim, scale, kernel)?;
-        let mut out = vec![0.0f32; call.query.len()];
-        py.detach(|| {
+        let mut out = call.out()?;
+        detached(py, || {
             self.inner.attention(
                 call.path,
                 &call.query,
@@ -320,8 +200,7 @@ impl PyContiguousKV {
                 call.scale,
                 &mut out,
             )
-        })
-        .py_err()?;
+        })?;
         call.output(py, out)
     }
 

@@ -1,4 +1,6 @@
 //! `pagedkv.BlockManager`: the block pool, prefix cache and block tables of one model.
+//!
+//! Every argument goes through `args`, every call through `sync::locked`; the logic is the core's.
 
 use std::sync::Mutex;
 
@@ -6,9 +8,10 @@ use numpy::{PyArray1, PyArray2, PyArrayMethods};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 
-use super::args::{non_negative, positive, token_ids};
-use super::errors::IntoPyResult;
-use crate::{BlockManager, Error, SeqId};
+use super::args::{arg, opt, Param};
+use super::sync::{detached, locked};
+use crate::block_manager::DEFAULT_BLOCK_SIZE;
+use crate::{BlockManager, BlockStats, SeqId, TokenId};
 
 /// Paged KV block manager: allocates fixed-size blocks to sequences, shares full blocks between
 /// sequences with equal prefixes, and copies shared blocks on write. Thread-safe.
@@ -18,32 +21,43 @@ pub struct PyBlockManager {
 }
 
 impl PyBlockManager {
-    fn with<T: Send>(&self, py: Python<'_>, f: impl FnOnce(&mut BlockManager) -> T + Send) -> T {
-        py.detach(|| {
-            f(&mut self
-                .inner
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner()))
-        })
+    fn with<T: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&mut BlockManager) -> crate::Result<T> + Send,
+    ) -> PyResult<T> {
+        locked(py, &self.inner, f)
     }
 }
 
-fn seq_id(value: i64) -> PyResult<SeqId> {
-    non_negative(value, "seq_id")
+/// A prompt and its optional cache salt, as the core takes them.
+fn prompt(
+    token_ids: &Bound<'_, PyAny>,
+    cache_salt: Option<&Bound<'_, PyAny>>,
+) -> PyResult<(Vec<TokenId>, Option<String>)> {
+    Ok((arg(token_ids, "token_ids")?, opt(cache_salt, "cache_salt")?))
 }
 
 #[pymethods]
 impl PyBlockManager {
     /// Creates a manager of `num_blocks` blocks of `block_size` tokens.
     #[new]
-    #[pyo3(signature = (num_blocks, block_size=16, enable_prefix_caching=true))]
-    fn new(num_blocks: i64, block_size: i64, enable_prefix_caching: bool) -> PyResult<Self> {
-        let manager = BlockManager::new(
-            positive(num_blocks, "num_blocks")?,
-            positive(block_size, "block_size")?,
-            enable_prefix_caching,
-        )
-        .py_err()?;
+    #[pyo3(
+        signature = (num_blocks, block_size=Param::Absent, enable_prefix_caching=Param::Absent),
+        text_signature = "(num_blocks, block_size=16, enable_prefix_caching=True)"
+    )]
+    fn new(
+        py: Python<'_>,
+        num_blocks: &Bound<'_, PyAny>,
+        block_size: Param<'_>,
+        enable_prefix_caching: Param<'_>,
+    ) -> PyResult<Self> {
+        let (num_blocks, block_size, caching) = (
+            arg(num_blocks, "num_blocks")?,
+            block_size.or("block_size", DEFAULT_BLOCK_SIZE)?,
+            enable_prefix_caching.or("enable_prefix_caching", true)?,
+        );
+        let manager = detached(py, || BlockManager::new(num_blocks, block_size, caching))?;
         Ok(PyBlockManager {
             inner: Mutex::new(manager),
         })
@@ -55,18 +69,15 @@ impl PyBlockManager {
     fn allocate(
         &self,
         py: Python<'_>,
-        seq_id: i64,
+        seq_id: &Bound<'_, PyAny>,
         token_ids: &Bound<'_, PyAny>,
-        cache_salt: Option<String>,
+        cache_salt: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<usize> {
-        let (seq, tokens) = (
-            self::seq_id(seq_id)?,
-            self::token_ids(token_ids, "token_ids")?,
-        );
+        let seq: SeqId = arg(seq_id, "seq_id")?;
+        let (tokens, salt) = prompt(token_ids, cache_salt)?;
         self.with(py, |m| {
-            m.allocate(seq, &tokens, cache_salt.as_deref().map(str::as_bytes))
+            m.allocate(seq, &tokens, salt.as_deref().map(str::as_bytes))
         })
-        .py_err()
     }
 
     /// Whether `allocate` of `token_ids` would succeed now (counting evictable prefix hits).
@@ -75,13 +86,12 @@ impl PyBlockManager {
         &self,
         py: Python<'_>,
         token_ids: &Bound<'_, PyAny>,
-        cache_salt: Option<String>,
+        cache_salt: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<bool> {
-        let tokens = self::token_ids(token_ids, "token_ids")?;
-        Ok(self.with(py, |m| {
-            let found = m.match_prefix(&tokens, cache_salt.as_deref().map(str::as_bytes));
-            m.blocks_to_admit(&found, tokens.len()) <= m.num_available_blocks()
-        }))
+        let (tokens, salt) = prompt(token_ids, cache_salt)?;
+        self.with(py, |m| {
+            Ok(m.can_allocate(&tokens, salt.as_deref().map(str::as_bytes)))
+        })
     }
 
     /// Number of leading tokens of `token_ids` that `allocate` would serve from the cache.
@@ -90,13 +100,13 @@ impl PyBlockManager {
         &self,
         py: Python<'_>,
         token_ids: &Bound<'_, PyAny>,
-        cache_salt: Option<String>,
+        cache_salt: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<usize> {
-        let tokens = self::token_ids(token_ids, "token_ids")?;
-        Ok(self.with(py, |m| {
-            m.match_prefix(&tokens, cache_salt.as_deref().map(str::as_bytes))
-                .num_cached_tokens(m.block_size())
-        }))
+        let (tokens, salt) = prompt(token_ids, cache_salt)?;
+        self.with(py, |m| {
+            Ok(m.match_prefix(&tokens, salt.as_deref().map(str::as_bytes))
+                .num_cached_tokens(m.block_size()))
+        })
     }
 
     /// Gives `token_ids` slots at the end of `seq_id`. Returns the copy-on-write op `(src, dst)`
@@ -104,75 +114,67 @@ impl PyBlockManager {
     fn append(
         &self,
         py: Python<'_>,
-        seq_id: i64,
+        seq_id: &Bound<'_, PyAny>,
         token_ids: &Bound<'_, PyAny>,
     ) -> PyResult<Option<(u32, u32)>> {
-        let (seq, tokens) = (
-            self::seq_id(seq_id)?,
-            self::token_ids(token_ids, "token_ids")?,
-        );
-        let copy = self.with(py, |m| m.append(seq, &tokens)).py_err()?;
+        let seq: SeqId = arg(seq_id, "seq_id")?;
+        let tokens: Vec<TokenId> = arg(token_ids, "token_ids")?;
+        let copy = self.with(py, |m| m.append(seq, &tokens))?;
         Ok(copy.map(|op| (op.src, op.dst)))
     }
 
     /// Makes `child_id` share every block of `parent_id` (copy-on-write on the next append).
-    fn fork(&self, py: Python<'_>, parent_id: i64, child_id: i64) -> PyResult<()> {
-        let (parent, child) = (seq_id(parent_id)?, seq_id(child_id)?);
-        self.with(py, |m| m.fork(parent, child)).py_err()
+    fn fork(
+        &self,
+        py: Python<'_>,
+        parent_id: &Bound<'_, PyAny>,
+        child_id: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let (parent, child) = (arg(parent_id, "parent_id")?, arg(child_id, "child_id")?);
+        self.with(py, |m| m.fork(parent, child))
     }
 
     /// Frees `seq_id`; its full blocks stay cached for later prefix hits, tail block evicted first.
-    fn free(&self, py: Python<'_>, seq_id: i64) -> PyResult<()> {
-        let seq = self::seq_id(seq_id)?;
-        self.with(py, |m| m.free(seq)).py_err()
+    fn free(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>) -> PyResult<()> {
+        let seq: SeqId = arg(seq_id, "seq_id")?;
+        self.with(py, |m| m.free(seq))
     }
 
     /// Physical block ids of `seq_id`, in logical order (int32).
     fn block_table<'py>(
         &self,
         py: Python<'py>,
-        seq_id: i64,
+        seq_id: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyArray1<i32>>> {
-        let seq = self::seq_id(seq_id)?;
-        let blocks = self.with(py, |m| {
-            m.table(seq)
-                .map(|t| t.blocks().iter().map(|&b| b as i32).collect::<Vec<_>>())
-        });
-        Ok(PyArray1::from_vec(py, blocks.py_err()?))
+        let seq: SeqId = arg(seq_id, "seq_id")?;
+        let blocks = self.with(py, |m| Ok(m.table(seq)?.entries().collect::<Vec<_>>()))?;
+        Ok(PyArray1::from_vec(py, blocks))
     }
 
     /// Tokens with a slot in `seq_id`.
-    fn num_tokens(&self, py: Python<'_>, seq_id: i64) -> PyResult<usize> {
-        let seq = self::seq_id(seq_id)?;
-        self.with(py, |m| m.table(seq).map(|t| t.num_tokens()))
-            .py_err()
+    fn num_tokens(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let seq: SeqId = arg(seq_id, "seq_id")?;
+        self.with(py, |m| Ok(m.table(seq)?.num_tokens()))
     }
 
     /// The token ids of `seq_id`.
-    fn token_ids(&self, py: Python<'_>, seq_id: i64) -> PyResult<Vec<u32>> {
-        let seq = self::seq_id(seq_id)?;
-        self.with(py, |m| m.table(seq).map(|t| t.tokens().to_vec()))
-            .py_err()
+    fn token_ids(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+        let seq: SeqId = arg(seq_id, "seq_id")?;
+        self.with(py, |m| Ok(m.table(seq)?.tokens().to_vec()))
     }
 
     /// Block tables of `seq_ids` as one int32 array `[len(seq_ids), max_blocks]`, padded with -1.
     fn block_tables<'py>(
         &self,
         py: Python<'py>,
-        seq_ids: Vec<i64>,
+        seq_ids: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyArray2<i32>>> {
-        let seqs = seq_ids
-            .into_iter()
-            .map(seq_id)
-            .collect::<PyResult<Vec<_>>>()?;
-        let (width, data) = self
-            .with(py, |m| {
-                let mut out = Vec::new();
-                m.batch_block_tables(&seqs, 0, &mut out).map(|w| (w, out))
-            })
-            .py_err()?;
-        let array = PyArray1::from_vec(py, data);
-        array.reshape([seqs.len(), width])
+        let seqs: Vec<SeqId> = arg(seq_ids, "seq_ids")?;
+        let (width, data) = self.with(py, |m| {
+            let mut out = Vec::new();
+            m.batch_block_tables(&seqs, 0, &mut out).map(|w| (w, out))
+        })?;
+        PyArray1::from_vec(py, data).reshape([seqs.len(), width])
     }
 
     /// Cache slots (int64, block × block_size + offset) of the last `num_new_tokens[i]` tokens of
@@ -180,44 +182,18 @@ impl PyBlockManager {
     fn slot_mapping<'py>(
         &self,
         py: Python<'py>,
-        seq_ids: Vec<i64>,
-        num_new_tokens: Vec<i64>,
+        seq_ids: &Bound<'py, PyAny>,
+        num_new_tokens: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyArray1<i64>>> {
-        if seq_ids.len() != num_new_tokens.len() {
-            return Err(super::args::shape_error(format!(
-                "{} seq_ids but {} num_new_tokens",
-                seq_ids.len(),
-                num_new_tokens.len()
-            )));
-        }
-        let seqs = seq_ids
-            .into_iter()
-            .map(seq_id)
-            .collect::<PyResult<Vec<_>>>()?;
-        let counts = num_new_tokens
-            .into_iter()
-            .map(|n| non_negative(n, "num_new_tokens"))
-            .collect::<PyResult<Vec<_>>>()?;
-        let slots = self.with(py, |m| -> crate::Result<Vec<i64>> {
-            let mut out = Vec::new();
-            for (&seq, &count) in seqs.iter().zip(&counts) {
-                let table = m.table(seq)?;
-                let end = table.num_tokens();
-                let start = end.checked_sub(count as usize).ok_or_else(|| {
-                    Error::InvalidArgument(format!(
-                        "sequence {seq} has {end} tokens, fewer than {count}"
-                    ))
-                })?;
-                table.extend_slots(start, end, m.block_size(), &mut out);
-            }
-            Ok(out)
-        });
-        Ok(PyArray1::from_vec(py, slots.py_err()?))
+        let seqs: Vec<SeqId> = arg(seq_ids, "seq_ids")?;
+        let counts: Vec<usize> = arg(num_new_tokens, "num_new_tokens")?;
+        let slots = self.with(py, |m| m.slot_mapping(&seqs, &counts))?;
+        Ok(PyArray1::from_vec(py, slots))
     }
 
     /// Occupancy and activity counters as a dict.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = self.with(py, |m| m.stats());
+        let s: BlockStats = self.with(py, |m| Ok(m.stats()))?;
         let dict = PyDict::new(py);
         dict.set_item("num_blocks", s.num_blocks)?;
         dict.set_item("free_blocks", s.free_blocks)?;
@@ -234,41 +210,46 @@ impl PyBlockManager {
 
     /// Raises AssertionError naming the first broken invariant of the pool or the tables.
     fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
-        self.with(py, |m| m.check_invariants())
+        self.with(py, |m| Ok(m.check_invariants()))?
             .map_err(pyo3::exceptions::PyAssertionError::new_err)
     }
 
     /// Tokens per block.
     #[getter]
-    fn block_size(&self, py: Python<'_>) -> usize {
-        self.with(py, |m| m.block_size())
+    fn block_size(&self, py: Python<'_>) -> PyResult<usize> {
+        self.with(py, |m| Ok(m.block_size()))
     }
 
     /// Total blocks.
     #[getter]
-    fn num_blocks(&self, py: Python<'_>) -> usize {
-        self.with(py, |m| m.num_blocks())
+    fn num_blocks(&self, py: Python<'_>) -> PyResult<usize> {
+        self.with(py, |m| Ok(m.num_blocks()))
     }
 
     /// Blocks an allocation can obtain now: clean plus evictable cached blocks.
     #[getter]
-    fn num_free_blocks(&self, py: Python<'_>) -> usize {
-        self.with(py, |m| m.num_available_blocks())
+    fn num_free_blocks(&self, py: Python<'_>) -> PyResult<usize> {
+        self.with(py, |m| Ok(m.num_available_blocks()))
     }
 
-    fn __len__(&self, py: Python<'_>) -> usize {
-        self.with(py, |m| m.num_sequences())
+    fn __len__(&self, py: Python<'_>) -> PyResult<usize> {
+        self.with(py, |m| Ok(m.num_sequences()))
     }
 
-    fn __contains__(&self, py: Python<'_>, seq_id: i64) -> bool {
-        u64::try_from(seq_id).is_ok_and(|seq| self.with(py, |m| m.contains(seq)))
+    /// Membership never raises for the key: anything that is not a valid sequence id (a
+    /// negative int, one of 2**64 or more, a non-int) is simply not in the manager.
+    fn __contains__(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>) -> PyResult<bool> {
+        match arg::<SeqId>(seq_id, "seq_id") {
+            Ok(seq) => self.with(py, |m| Ok(m.contains(seq))),
+            Err(_) => Ok(false),
+        }
     }
 
-    fn __repr__(&self, py: Python<'_>) -> String {
-        let s = self.with(py, |m| m.stats());
-        format!(
+    fn __repr__(&self, py: Python<'_>) -> PyResult<String> {
+        let s = self.with(py, |m| Ok(m.stats()))?;
+        Ok(format!(
             "BlockManager(num_blocks={}, used={}, cached={}, free={})",
             s.num_blocks, s.used_blocks, s.cached_blocks, s.free_blocks
-        )
+        ))
     }
 }

@@ -1,33 +1,54 @@
-//! The mapping from the core's `Error` to the Python exception classes of `pagedkv.errors` (defined
-//! in Python so they can also subclass `KeyError` / `ValueError` / `RuntimeError`). A panic in the
-//! core surfaces as `pyo3.PanicException`, never as an abort.
+//! The mapping from the core's `Error` to the Python exception classes of `pagedkv.errors`
+//! (defined in Python so they can also subclass `KeyError` / `ValueError` / `RuntimeError`).
+//!
+//! Each class is declared once here with `import_exception!` and its type object cached on first
+//! use, so raising looks nothing up by name. `check_classes` runs at `_core` import and fails it
+//! (an `ImportError`-like error, not a panic) if `pagedkv.errors` lacks a class; after it, the
+//! cached lookups cannot fail.
 
+use pyo3::exceptions::PyMemoryError;
+use pyo3::import_exception;
 use pyo3::prelude::*;
 
 use crate::Error;
 
-/// Converts a core error into its Python exception.
+import_exception!(pagedkv.errors, OutOfBlocksError);
+import_exception!(pagedkv.errors, UnknownSequenceError);
+import_exception!(pagedkv.errors, DuplicateSequenceError);
+import_exception!(pagedkv.errors, ShapeError);
+import_exception!(pagedkv.errors, InvalidArgumentError);
+import_exception!(pagedkv.errors, InternalError);
+
+/// Every class declared above, by name.
+const CLASSES: [&str; 6] = [
+    "OutOfBlocksError",
+    "UnknownSequenceError",
+    "DuplicateSequenceError",
+    "ShapeError",
+    "InvalidArgumentError",
+    "InternalError",
+];
+
+/// Fails unless `pagedkv.errors` defines every class declared here.
+pub fn check_classes(py: Python<'_>) -> PyResult<()> {
+    let module = py.import("pagedkv.errors")?;
+    for name in CLASSES {
+        module.getattr(name)?;
+    }
+    Ok(())
+}
+
+/// Converts a core error into its Python exception (built lazily: no GIL needed here).
 pub fn to_py(error: Error) -> PyErr {
-    let class = match error {
-        Error::OutOfBlocks { .. } => "OutOfBlocksError",
-        Error::UnknownSequence(_) => "UnknownSequenceError",
-        Error::DuplicateSequence(_) => "DuplicateSequenceError",
-        Error::Shape(_) => "ShapeError",
-        Error::InvalidArgument(_) => "InvalidArgumentError",
-    };
     let message = error.to_string();
-    Python::attach(|py| {
-        match py
-            .import("pagedkv.errors")
-            .and_then(|module| module.getattr(class))
-        {
-            Ok(class) => PyErr::from_type(
-                class.cast_into().expect("pagedkv.errors holds classes"),
-                message,
-            ),
-            Err(import_error) => import_error,
-        }
-    })
+    match error {
+        Error::OutOfBlocks { .. } => OutOfBlocksError::new_err(message),
+        Error::UnknownSequence(_) => UnknownSequenceError::new_err(message),
+        Error::DuplicateSequence(_) => DuplicateSequenceError::new_err(message),
+        Error::Shape(_) => ShapeError::new_err(message),
+        Error::InvalidArgument(_) => InvalidArgumentError::new_err(message),
+        Error::OutOfMemory(_) => PyMemoryError::new_err(message),
+    }
 }
 
 /// `Result<T, Error>` → `PyResult<T>`.

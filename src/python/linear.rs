@@ -7,7 +7,7 @@ use numpy::ndarray::Ix2;
 use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
-use super::args::{c_order, expect_shape, typed_array};
+use super::args::{c_order, expect_shape, opt, typed_array, Param};
 use super::errors::IntoPyResult;
 use crate::linear::{Linear, LinearKernel};
 use crate::KvDtype;
@@ -22,8 +22,9 @@ pub struct PyLinear {
 #[pymethods]
 impl PyLinear {
     #[new]
-    #[pyo3(signature = (weight, dtype="float32"))]
-    fn new(py: Python<'_>, weight: &Bound<'_, PyAny>, dtype: &str) -> PyResult<Self> {
+    #[pyo3(signature = (weight, dtype=Param::Absent), text_signature = "(weight, dtype='float32')")]
+    fn new(py: Python<'_>, weight: &Bound<'_, PyAny>, dtype: Param<'_>) -> PyResult<Self> {
+        let dtype: String = dtype.or("dtype", "float32".into())?;
         let dtype: KvDtype = dtype.parse().py_err()?;
         let array: PyReadonlyArray<'_, f32, Ix2> = typed_array(weight, "weight", "float32")?;
         let (k, n) = (array.shape()[0], array.shape()[1]);
@@ -31,7 +32,7 @@ impl PyLinear {
         let fortran = !array.is_c_contiguous() && array.is_fortran_contiguous();
         let (data, strides) = match array.as_slice() {
             Ok(slice) if fortran => (std::borrow::Cow::Borrowed(slice), (1, k)),
-            _ => (c_order(&array), (n, 1)),
+            _ => (c_order(&array)?, (n, 1)),
         };
         let inner = py
             .detach(|| Linear::new(&data, k, n, strides, dtype))
@@ -46,16 +47,16 @@ impl PyLinear {
         &self,
         py: Python<'py>,
         x: &Bound<'py, PyAny>,
-        kernel: Option<&str>,
+        kernel: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let kernel = match kernel {
+        let kernel = match opt::<String>(kernel, "kernel")? {
             None => LinearKernel::best(),
             Some(name) => name.parse().py_err()?,
         };
         let array: PyReadonlyArray<'_, f32, Ix2> = typed_array(x, "x", "float32")?;
         expect_shape(array.shape(), &[None, Some(self.inner.in_features())], "x")?;
         let m = array.shape()[0];
-        let x = c_order(&array);
+        let x = c_order(&array)?;
         let mut y = vec![0.0f32; m * self.inner.out_features()];
         py.detach(|| self.inner.forward_with(kernel, &x, m, &mut y))
             .py_err()?;

@@ -1,19 +1,24 @@
 //! The Python binding, `pagedkv._core`: thin `#[pyclass]` shells over core types. Each method
-//! converts its arguments, releases the GIL for the work, and maps core errors to the classes of
-//! `pagedkv.errors`. No scheduling or memory logic lives here.
+//! converts its arguments with `args` (every refusal a typed error), runs the work through
+//! `sync` (GIL released, lock taken, panics and poisoned locks surfaced as `InternalError`), and
+//! maps core errors to the classes of `pagedkv.errors` (`errors`). No scheduling or memory logic
+//! lives here.
 
 mod args;
 mod attention;
+mod attention_call;
 mod block_manager;
 mod errors;
 mod kv_cache;
 mod linear;
 mod scheduler;
+mod sync;
 
 use pyo3::prelude::*;
 
 #[pymodule]
 fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    errors::check_classes(m.py())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_class::<block_manager::PyBlockManager>()?;
     m.add_class::<kv_cache::PyKVCache>()?;

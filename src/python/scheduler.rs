@@ -11,28 +11,28 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyList, PyTuple};
 
-use super::args::{invalid, non_negative, positive, token_ids};
-use super::errors::IntoPyResult;
+use super::args::{arg, invalid, opt, Param};
+use super::sync::{detached, locked};
+use crate::block_manager::DEFAULT_BLOCK_SIZE;
 use crate::scheduler::{
-    FinishReason, Policy, RequestOptions, SamplingParams, Scheduler, SchedulerConfig, StepOutput,
-    UpdateOutput, DEFAULT_ADMISSION_LOOKAHEAD_TOKENS,
+    FinishReason, Policy, RequestOptions, SamplingParams, Scheduler, SchedulerConfig, StepId,
+    StepOutput, UpdateOutput, DEFAULT_AGING_STEPS,
 };
+use crate::TokenId;
 
-/// Continuous-batching scheduler over a paged KV cache. Thread-safe; `schedule` and `update`
-/// release the GIL.
+/// Continuous-batching scheduler over a paged KV cache. Thread-safe; every call releases the GIL.
 #[pyclass(name = "Scheduler", module = "pagedkv", frozen)]
 pub struct PyScheduler {
     inner: Mutex<Scheduler>,
 }
 
 impl PyScheduler {
-    fn with<T: Send>(&self, py: Python<'_>, f: impl FnOnce(&mut Scheduler) -> T + Send) -> T {
-        py.detach(|| {
-            f(&mut self
-                .inner
-                .lock()
-                .unwrap_or_else(|poisoned| poisoned.into_inner()))
-        })
+    fn with<T: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&mut Scheduler) -> crate::Result<T> + Send,
+    ) -> PyResult<T> {
+        locked(py, &self.inner, f)
     }
 }
 
@@ -42,174 +42,188 @@ fn strings<'py>(py: Python<'py>, ids: &[Arc<str>]) -> PyResult<Bound<'py, PyList
 
 #[pymethods]
 impl PyScheduler {
+    /// Every limit left out keeps the default of `SchedulerConfig::new`.
     #[new]
-    #[pyo3(signature = (
-        num_blocks, block_size=16, max_num_seqs=256, max_num_batched_tokens=8192,
-        max_model_len=None, enable_prefix_caching=true, policy="fcfs", aging_steps=100,
-        long_prefill_token_threshold=0, eos_token_id=None,
-        admission_lookahead_tokens=Some(DEFAULT_ADMISSION_LOOKAHEAD_TOKENS as i64),
-    ))]
+    #[pyo3(
+        signature = (
+            num_blocks, block_size=Param::Absent, max_num_seqs=Param::Absent,
+            max_num_batched_tokens=Param::Absent, max_model_len=None,
+            enable_prefix_caching=Param::Absent, policy=Param::Absent, aging_steps=Param::Absent,
+            long_prefill_token_threshold=Param::Absent, eos_token_ids=None,
+            admission_lookahead_tokens=Param::Absent,
+        ),
+        text_signature = "(num_blocks, block_size=16, max_num_seqs=256, \
+            max_num_batched_tokens=8192, max_model_len=None, enable_prefix_caching=True, \
+            policy='fcfs', aging_steps=100, long_prefill_token_threshold=0, eos_token_ids=None, \
+            admission_lookahead_tokens=32)"
+    )]
     #[allow(clippy::too_many_arguments)]
     fn new(
-        num_blocks: i64,
-        block_size: i64,
-        max_num_seqs: i64,
-        max_num_batched_tokens: i64,
-        max_model_len: Option<i64>,
-        enable_prefix_caching: bool,
-        policy: &str,
-        aging_steps: i64,
-        long_prefill_token_threshold: i64,
-        eos_token_id: Option<i64>,
-        admission_lookahead_tokens: Option<i64>,
+        py: Python<'_>,
+        num_blocks: &Bound<'_, PyAny>,
+        block_size: Param<'_>,
+        max_num_seqs: Param<'_>,
+        max_num_batched_tokens: Param<'_>,
+        max_model_len: Option<&Bound<'_, PyAny>>,
+        enable_prefix_caching: Param<'_>,
+        policy: Param<'_>,
+        aging_steps: Param<'_>,
+        long_prefill_token_threshold: Param<'_>,
+        eos_token_ids: Option<&Bound<'_, PyAny>>,
+        admission_lookahead_tokens: Param<'_>,
     ) -> PyResult<Self> {
-        let mut config = SchedulerConfig::new(
-            positive(num_blocks, "num_blocks")?,
-            positive(block_size, "block_size")?,
+        let mut c = SchedulerConfig::new(
+            arg(num_blocks, "num_blocks")?,
+            block_size.or("block_size", DEFAULT_BLOCK_SIZE)?,
         );
-        config.max_num_seqs = positive(max_num_seqs, "max_num_seqs")?;
-        config.max_num_batched_tokens = positive(max_num_batched_tokens, "max_num_batched_tokens")?;
-        if let Some(len) = max_model_len {
-            config.max_model_len = positive(len, "max_model_len")?;
+        c.max_num_seqs = max_num_seqs.or("max_num_seqs", c.max_num_seqs)?;
+        c.max_num_batched_tokens =
+            max_num_batched_tokens.or("max_num_batched_tokens", c.max_num_batched_tokens)?;
+        if let Some(len) = opt(max_model_len, "max_model_len")? {
+            c.max_model_len = len;
         }
-        config.enable_prefix_caching = enable_prefix_caching;
-        config.policy = match policy {
-            "fcfs" => Policy::Fcfs,
-            "priority" => Policy::Priority {
-                aging_steps: positive(aging_steps, "aging_steps")? as u64,
-            },
-            other => {
-                return Err(invalid(format!(
-                    "policy must be 'fcfs' or 'priority', not {other:?}"
-                )))
-            }
-        };
-        config.long_prefill_token_threshold =
-            non_negative(long_prefill_token_threshold, "long_prefill_token_threshold")? as usize;
-        config.eos_token_id = eos_token_id
-            .map(|t| {
-                u32::try_from(t).map_err(|_| invalid(format!("eos_token_id {t} outside 0..2^32")))
-            })
-            .transpose()?;
-        config.admission_lookahead_tokens = admission_lookahead_tokens
-            .map(|t| non_negative(t, "admission_lookahead_tokens"))
-            .transpose()?
-            .map(|t| t as usize);
+        c.enable_prefix_caching =
+            enable_prefix_caching.or("enable_prefix_caching", c.enable_prefix_caching)?;
+        let policy: String = policy.or("policy", "fcfs".into())?;
+        let aging_steps = aging_steps.or("aging_steps", DEFAULT_AGING_STEPS)?;
+        c.long_prefill_token_threshold = long_prefill_token_threshold.or(
+            "long_prefill_token_threshold",
+            c.long_prefill_token_threshold,
+        )?;
+        c.eos_token_ids = opt(eos_token_ids, "eos_token_ids")?.unwrap_or_default();
+        c.admission_lookahead_tokens = admission_lookahead_tokens
+            .or("admission_lookahead_tokens", c.admission_lookahead_tokens)?;
+        let scheduler = detached(py, || {
+            c.policy = Policy::from_name(&policy, aging_steps)?;
+            Scheduler::new(c)
+        })?;
         Ok(PyScheduler {
-            inner: Mutex::new(Scheduler::new(config).py_err()?),
+            inner: Mutex::new(scheduler),
         })
     }
 
     /// Queues a request. Raises DuplicateSequenceError for a live id, InvalidArgumentError for an
     /// empty prompt, a prompt leaving no room within max_model_len, or bad limits; nothing changes then.
-    #[pyo3(signature = (
-        request_id, prompt_token_ids, max_tokens=16, stop_token_ids=None, ignore_eos=false,
-        priority=0, arrival_time=None, cache_salt=None, n=1,
-    ))]
+    #[pyo3(
+        signature = (
+            request_id, prompt_token_ids, max_tokens=Param::Absent, stop_token_ids=None,
+            ignore_eos=Param::Absent, priority=Param::Absent, arrival_time=None, cache_salt=None,
+            n=Param::Absent,
+        ),
+        text_signature = "($self, request_id, prompt_token_ids, max_tokens=16, \
+            stop_token_ids=None, ignore_eos=False, priority=0, arrival_time=None, cache_salt=None, \
+            n=1)"
+    )]
     #[allow(clippy::too_many_arguments)]
     fn add_request(
         &self,
         py: Python<'_>,
-        request_id: &str,
+        request_id: &Bound<'_, PyAny>,
         prompt_token_ids: &Bound<'_, PyAny>,
-        max_tokens: i64,
+        max_tokens: Param<'_>,
         stop_token_ids: Option<&Bound<'_, PyAny>>,
-        ignore_eos: bool,
-        priority: i64,
-        arrival_time: Option<f64>,
-        cache_salt: Option<String>,
-        n: i64,
+        ignore_eos: Param<'_>,
+        priority: Param<'_>,
+        arrival_time: Option<&Bound<'_, PyAny>>,
+        cache_salt: Option<&Bound<'_, PyAny>>,
+        n: Param<'_>,
     ) -> PyResult<()> {
-        let prompt = token_ids(prompt_token_ids, "prompt_token_ids")?;
+        let defaults = SamplingParams::default();
+        let request_id: String = arg(request_id, "request_id")?;
+        let prompt: Vec<TokenId> = arg(prompt_token_ids, "prompt_token_ids")?;
         let params = SamplingParams {
-            max_tokens: positive(max_tokens, "max_tokens")?,
-            stop_token_ids: stop_token_ids
-                .map(|s| token_ids(s, "stop_token_ids"))
-                .transpose()?
-                .unwrap_or_default(),
-            ignore_eos,
-            n: positive(n, "n")?,
+            max_tokens: max_tokens.or("max_tokens", defaults.max_tokens)?,
+            stop_token_ids: opt(stop_token_ids, "stop_token_ids")?.unwrap_or_default(),
+            ignore_eos: ignore_eos.or("ignore_eos", defaults.ignore_eos)?,
+            n: n.or("n", defaults.n)?,
         };
-        let arrival_time = arrival_time.unwrap_or_else(|| {
+        let arrival_time = opt(arrival_time, "arrival_time")?.unwrap_or_else(|| {
             std::time::SystemTime::now()
                 .duration_since(std::time::UNIX_EPOCH)
                 .map_or(0.0, |d| d.as_secs_f64())
         });
         let options = RequestOptions {
-            priority,
+            priority: priority.or("priority", 0)?,
             arrival_time,
-            cache_salt: cache_salt.map(String::into_bytes),
+            cache_salt: opt::<String>(cache_salt, "cache_salt")?.map(String::into_bytes),
         };
-        self.with(py, |s| s.add_request(request_id, prompt, params, options))
-            .py_err()
+        self.with(py, |s| s.add_request(&request_id, prompt, params, options))
     }
 
     /// Drops a request in any state and frees its blocks. Raises UnknownSequenceError if it is
     /// not waiting or running.
-    fn abort(&self, py: Python<'_>, request_id: &str) -> PyResult<()> {
-        self.with(py, |s| s.abort(request_id)).py_err()
+    fn abort(&self, py: Python<'_>, request_id: &Bound<'_, PyAny>) -> PyResult<()> {
+        let request_id: String = arg(request_id, "request_id")?;
+        self.with(py, |s| s.abort(&request_id))
     }
 
     /// Builds the next step (see SchedulerOutput). The previous step must have been updated.
     fn schedule(&self, py: Python<'_>) -> PyResult<PySchedulerOutput> {
-        let out = self
-            .with(py, |s| {
-                s.schedule()?;
-                Ok(s.take_step_output())
-            })
-            .py_err()?;
+        let out = self.with(py, |s| {
+            s.schedule()?;
+            Ok(s.take_step_output())
+        })?;
         Ok(PySchedulerOutput::new(out))
     }
 
     /// Appends `sampled_token_ids[k]` (one per sample, i.e. per `output.logits_indices[k]`) and
     /// finishes sequences; returns what was produced. Raises ShapeError for a wrong length and
-    /// InvalidArgumentError for an output that is not the step awaiting update.
+    /// InvalidArgumentError for an output that is not the step awaiting update (the core checks).
     fn update(
         &self,
         py: Python<'_>,
-        output: &PySchedulerOutput,
+        output: &Bound<'_, PyAny>,
         sampled_token_ids: &Bound<'_, PyAny>,
     ) -> PyResult<PyUpdateOutput> {
-        let sampled = token_ids(sampled_token_ids, "sampled_token_ids")?;
-        let step = output.step;
-        let result = self.with(py, |s| {
-            if s.pending_step() != Some(step) {
-                return Err(crate::Error::InvalidArgument(format!(
-                    "output of step {step} is not the step awaiting update ({:?})",
-                    s.pending_step()
-                )));
-            }
-            s.update(&sampled)?;
+        let step = output
+            .cast::<PySchedulerOutput>()
+            .map_err(|_| {
+                invalid(format!(
+                    "output must be the SchedulerOutput of schedule(), got {}",
+                    output
+                        .get_type()
+                        .name()
+                        .map(|n| n.to_string())
+                        .unwrap_or_default()
+                ))
+            })?
+            .get()
+            .id;
+        let sampled: Vec<TokenId> = arg(sampled_token_ids, "sampled_token_ids")?;
+        let inner = self.with(py, |s| {
+            s.update(step, &sampled)?;
             Ok(s.take_update_output())
-        });
-        Ok(PyUpdateOutput {
-            inner: result.py_err()?,
-        })
+        })?;
+        Ok(PyUpdateOutput { inner })
     }
 
     /// Whether any request is waiting or running.
-    fn has_unfinished(&self, py: Python<'_>) -> bool {
-        self.with(py, |s| s.has_unfinished())
+    fn has_unfinished(&self, py: Python<'_>) -> PyResult<bool> {
+        self.with(py, |s| Ok(s.has_unfinished()))
     }
 
     /// Prompt plus output so far of sample `seq_index` of a live request.
-    #[pyo3(signature = (request_id, seq_index=0))]
+    #[pyo3(
+        signature = (request_id, seq_index=Param::Absent),
+        text_signature = "($self, request_id, seq_index=0)"
+    )]
     fn sequence_tokens(
         &self,
         py: Python<'_>,
-        request_id: &str,
-        seq_index: u32,
+        request_id: &Bound<'_, PyAny>,
+        seq_index: Param<'_>,
     ) -> PyResult<Vec<u32>> {
+        let request_id: String = arg(request_id, "request_id")?;
+        let seq_index = seq_index.or("seq_index", 0)?;
         self.with(py, |s| {
-            s.sequence_tokens(request_id, seq_index)
+            s.sequence_tokens(&request_id, seq_index)
                 .map(<[u32]>::to_vec)
         })
-        .py_err()
     }
 
     /// Cumulative figures and current occupancy as a dict.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = self.with(py, |s| s.stats());
+        let s = self.with(py, |s| Ok(s.stats()))?;
         let dict = PyDict::new(py);
         dict.set_item("steps", s.steps)?;
         dict.set_item("num_running", s.num_running)?;
@@ -232,50 +246,55 @@ impl PyScheduler {
 
     /// Raises AssertionError naming the first broken invariant of the scheduler or block manager.
     fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
-        self.with(py, |s| s.check_invariants())
+        self.with(py, |s| Ok(s.check_invariants()))?
             .map_err(pyo3::exceptions::PyAssertionError::new_err)
     }
 
     /// Running sequences.
     #[getter]
-    fn num_running(&self, py: Python<'_>) -> usize {
-        self.with(py, |s| s.num_running())
+    fn num_running(&self, py: Python<'_>) -> PyResult<usize> {
+        self.with(py, |s| Ok(s.num_running()))
     }
 
     /// Waiting sequences (new or preempted).
     #[getter]
-    fn num_waiting(&self, py: Python<'_>) -> usize {
-        self.with(py, |s| s.num_waiting())
+    fn num_waiting(&self, py: Python<'_>) -> PyResult<usize> {
+        self.with(py, |s| Ok(s.num_waiting()))
     }
 
     /// Requests waiting or running.
     #[getter]
-    fn num_unfinished_requests(&self, py: Python<'_>) -> usize {
-        self.with(py, |s| s.num_unfinished_requests())
+    fn num_unfinished_requests(&self, py: Python<'_>) -> PyResult<usize> {
+        self.with(py, |s| Ok(s.num_unfinished_requests()))
     }
 
     /// Blocks an allocation could obtain now (clean plus evictable cached).
     #[getter]
-    fn num_free_blocks(&self, py: Python<'_>) -> usize {
-        self.with(py, |s| s.block_manager().num_available_blocks())
+    fn num_free_blocks(&self, py: Python<'_>) -> PyResult<usize> {
+        self.with(py, |s| Ok(s.block_manager().num_available_blocks()))
     }
 
     #[getter]
-    fn block_size(&self, py: Python<'_>) -> usize {
-        self.with(py, |s| s.config().block_size)
+    fn block_size(&self, py: Python<'_>) -> PyResult<usize> {
+        self.with(py, |s| Ok(s.config().block_size))
     }
 
     #[getter]
-    fn max_model_len(&self, py: Python<'_>) -> usize {
-        self.with(py, |s| s.config().max_model_len)
+    fn max_model_len(&self, py: Python<'_>) -> PyResult<usize> {
+        self.with(py, |s| Ok(s.config().max_model_len))
     }
 
-    fn __len__(&self, py: Python<'_>) -> usize {
+    fn __len__(&self, py: Python<'_>) -> PyResult<usize> {
         self.num_unfinished_requests(py)
     }
 
-    fn __contains__(&self, py: Python<'_>, request_id: &str) -> bool {
-        self.with(py, |s| s.contains(request_id))
+    /// Membership never raises for the key: anything that is not a valid request id (a non-str,
+    /// a str with lone surrogates) is simply not in the scheduler.
+    fn __contains__(&self, py: Python<'_>, request_id: &Bound<'_, PyAny>) -> PyResult<bool> {
+        match arg::<String>(request_id, "request_id") {
+            Ok(id) => self.with(py, |s| Ok(s.contains(&id))),
+            Err(_) => Ok(false),
+        }
     }
 }
 
@@ -287,8 +306,7 @@ impl PyScheduler {
 /// lists of str.
 #[pyclass(name = "SchedulerOutput", module = "pagedkv", frozen)]
 pub struct PySchedulerOutput {
-    #[pyo3(get)]
-    step: u64,
+    id: StepId,
     num_seqs: usize,
     num_samples: usize,
     block_table_width: usize,
@@ -302,7 +320,7 @@ pub struct PySchedulerOutput {
 impl PySchedulerOutput {
     fn new(out: StepOutput) -> Self {
         PySchedulerOutput {
-            step: out.step,
+            id: out.id,
             num_seqs: out.num_seqs(),
             num_samples: out.num_samples(),
             block_table_width: out.block_table_width,
@@ -312,37 +330,38 @@ impl PySchedulerOutput {
         }
     }
 
-    fn data(&self) -> std::sync::MutexGuard<'_, StepOutput> {
-        self.data
-            .lock()
-            .unwrap_or_else(|poisoned| poisoned.into_inner())
-    }
-
-    /// The array in slot `slot`, made on first use from the buffer `take` moves out.
-    fn array<'py>(
+    /// The array in slot `slot`, made once: `take` moves its buffer out of the step (under the
+    /// lock), `make` turns it into the array (with the GIL).
+    fn array<'py, B: Send>(
         &self,
         py: Python<'py>,
         slot: usize,
-        take: impl FnOnce(Python<'py>, &mut StepOutput) -> PyResult<Bound<'py, PyAny>>,
+        take: impl FnOnce(&mut StepOutput) -> B + Send,
+        make: impl FnOnce(Python<'py>, B) -> PyResult<Bound<'py, PyAny>>,
     ) -> PyResult<Py<PyAny>> {
-        if let Some(array) = self.arrays[slot].get(py) {
-            return Ok(array.clone_ref(py));
-        }
-        let array = take(py, &mut self.data())?.unbind();
-        Ok(self.arrays[slot].get_or_init(py, || array).clone_ref(py))
+        let array = self.arrays[slot].get_or_try_init(py, || {
+            let buffer = locked(py, &self.data, |d| Ok(take(d)))?;
+            make(py, buffer).map(Bound::unbind)
+        })?;
+        Ok(array.clone_ref(py))
+    }
+
+    /// A copy of a list of request ids.
+    fn ids(
+        &self,
+        py: Python<'_>,
+        which: fn(&StepOutput) -> &Vec<Arc<str>>,
+    ) -> PyResult<Vec<Arc<str>>> {
+        locked(py, &self.data, |d| Ok(which(d).clone()))
     }
 }
 
-fn vector<'py, T: numpy::Element>(
-    py: Python<'py>,
-    data: &mut Vec<T>,
-) -> PyResult<Bound<'py, PyAny>> {
-    Ok(PyArray1::from_vec(py, std::mem::take(data)).into_any())
+fn vector<T: numpy::Element>(py: Python<'_>, data: Vec<T>) -> PyResult<Bound<'_, PyAny>> {
+    Ok(PyArray1::from_vec(py, data).into_any())
 }
 
 /// A flat buffer of `(src, dst)` pairs as a `[C, 2]` array.
-fn pairs<'py>(py: Python<'py>, data: &mut Vec<i64>) -> PyResult<Bound<'py, PyAny>> {
-    let data = std::mem::take(data);
+fn pairs(py: Python<'_>, data: Vec<i64>) -> PyResult<Bound<'_, PyAny>> {
     let array =
         Array2::from_shape_vec((data.len() / 2, 2), data).map_err(|e| invalid(e.to_string()))?;
     Ok(array.into_pyarray(py).into_any())
@@ -353,31 +372,31 @@ impl PySchedulerOutput {
     /// Token ids to run, int64 [T].
     #[getter]
     fn input_ids(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        self.array(py, 0, |py, d| vector(py, &mut d.input_ids))
+        self.array(py, 0, |d| std::mem::take(&mut d.input_ids), vector)
     }
 
     /// Position of each token in its sequence, int64 [T].
     #[getter]
     fn positions(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        self.array(py, 1, |py, d| vector(py, &mut d.positions))
+        self.array(py, 1, |d| std::mem::take(&mut d.positions), vector)
     }
 
     /// Cache slot (block * block_size + offset) to write each token's K/V to, int64 [T].
     #[getter]
     fn slot_mapping(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        self.array(py, 2, |py, d| vector(py, &mut d.slot_mapping))
+        self.array(py, 2, |d| std::mem::take(&mut d.slot_mapping), vector)
     }
 
     /// Row i's tokens are query_start_loc[i]..query_start_loc[i+1], int32 [S+1].
     #[getter]
     fn query_start_loc(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        self.array(py, 3, |py, d| vector(py, &mut d.query_start_loc))
+        self.array(py, 3, |d| std::mem::take(&mut d.query_start_loc), vector)
     }
 
     /// Tokens in the cache per row, including this step's, int32 [S].
     #[getter]
     fn context_lens(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        self.array(py, 4, |py, d| vector(py, &mut d.context_lens))
+        self.array(py, 4, |d| std::mem::take(&mut d.context_lens), vector)
     }
 
     /// Block table of each row, int32 [S, W], padded with -1.
@@ -385,48 +404,58 @@ impl PySchedulerOutput {
     fn block_tables(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
         let width = self.block_table_width;
         let rows = self.num_seqs;
-        self.array(py, 5, |py, d| {
-            let data = std::mem::take(&mut d.block_tables);
-            let array =
-                Array2::from_shape_vec((rows, width), data).map_err(|e| invalid(e.to_string()))?;
-            Ok(array.into_pyarray(py).into_any())
-        })
+        self.array(
+            py,
+            5,
+            |d| std::mem::take(&mut d.block_tables),
+            |py, data| {
+                let array = Array2::from_shape_vec((rows, width), data)
+                    .map_err(|e| invalid(e.to_string()))?;
+                Ok(array.into_pyarray(py).into_any())
+            },
+        )
     }
 
     /// Copy-on-write block copies (src, dst) to apply before attention, int64 [C, 2].
     #[getter]
     fn copy_ops(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        self.array(py, 6, |py, d| pairs(py, &mut d.copy_ops))
+        self.array(py, 6, |d| std::mem::take(&mut d.copy_ops), pairs)
     }
 
     /// Token row whose logits give each sample, int64 [K].
     #[getter]
     fn logits_indices(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        self.array(py, 7, |py, d| vector(py, &mut d.logits_indices))
+        self.array(py, 7, |d| std::mem::take(&mut d.logits_indices), vector)
     }
 
     /// Sample index (0..n) of each row's sequence, uint32 [S].
     #[getter]
     fn seq_indices(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        self.array(py, 8, |py, d| vector(py, &mut d.seq_indices))
+        self.array(py, 8, |d| std::mem::take(&mut d.seq_indices), vector)
     }
 
     /// Sample index (0..n) of each sample's sequence, uint32 [K].
     #[getter]
     fn sample_seq_indices(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        self.array(py, 9, |py, d| vector(py, &mut d.sample_seq_indices))
+        self.array(py, 9, |d| std::mem::take(&mut d.sample_seq_indices), vector)
     }
 
     /// Request id of each row (scheduled sequence).
     #[getter]
     fn request_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        strings(py, &self.data().request_ids)
+        strings(py, &self.ids(py, |d| &d.request_ids)?)
     }
 
     /// Request id of each sample (parallel samples repeat their request).
     #[getter]
     fn sample_request_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        strings(py, &self.data().sample_request_ids)
+        strings(py, &self.ids(py, |d| &d.sample_request_ids)?)
+    }
+
+    /// Step number (from 0) within the scheduler that built it.
+    #[getter]
+    fn step(&self) -> u64 {
+        self.id.number()
     }
 
     /// Rows (sequences) in the batch.
@@ -468,7 +497,10 @@ impl PySchedulerOutput {
     fn __repr__(&self) -> String {
         format!(
             "SchedulerOutput(step={}, num_seqs={}, num_tokens={}, num_samples={})",
-            self.step, self.num_seqs, self.stats.num_scheduled_tokens, self.num_samples
+            self.id.number(),
+            self.num_seqs,
+            self.stats.num_scheduled_tokens,
+            self.num_samples
         )
     }
 }

@@ -15,8 +15,11 @@
 //! - `running` is sorted by `victim_rank`, so its back is always the next victim, and a victim is
 //!   never a sequence already scheduled in the current step (those are in front of the cursor);
 //! - running sequences plus the forks their prompts still owe never exceed `max_num_seqs`;
-//! - `schedule` and `update` alternate; an error from either, or from `add_request` / `abort`,
-//!   leaves every structure as it was.
+//! - `schedule` and `update` alternate, `update` naming by its `StepId` the step it answers (a
+//!   step of another scheduler or an old one is refused); an error from either, or from
+//!   `add_request` / `abort`, leaves every structure as it was.
+//! - the limits fit the step's arrays: `max_model_len` and `max_num_batched_tokens` an i32,
+//!   `max_num_seqs` a u32 (checked by `SchedulerConfig::validate`).
 //!
 //! Progress: `max_model_len` tokens fit the cache, and admission never skips the queue head, so
 //! every request either finishes or was rejected by `add_request`.
@@ -32,10 +35,11 @@ mod slab;
 mod tests;
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-pub use output::{Produced, SchedulerStats, StepOutput, StepStats, UpdateOutput};
-pub use queue::Policy;
+pub use output::{Produced, SchedulerStats, StepId, StepOutput, StepStats, UpdateOutput};
+pub use queue::{Policy, DEFAULT_AGING_STEPS};
 pub use request::{FinishReason, SamplingParams};
 
 use crate::block_manager::BlockManager;
@@ -52,6 +56,16 @@ use slab::{Handle, Slab};
 /// tokens 26, 32 tokens 4, 64 tokens none; throughput is flat from 16 to 64 and falls beyond.
 pub const DEFAULT_ADMISSION_LOOKAHEAD_TOKENS: usize = 32;
 
+/// Longest `max_model_len` and `max_num_batched_tokens`: a step's `context_lens` and
+/// `query_start_loc` are int32 arrays.
+pub const MAX_TOKENS_PER_ARRAY: usize = i32::MAX as usize;
+
+/// Most sequences in the batch: sample indices and owed forks are u32.
+pub const MAX_NUM_SEQS: usize = u32::MAX as usize;
+
+/// Numbers each scheduler, so a step id names the scheduler that built it.
+static NEXT_SCHEDULER: AtomicU64 = AtomicU64::new(0);
+
 /// Limits and policy of a scheduler.
 #[derive(Debug, Clone, PartialEq)]
 pub struct SchedulerConfig {
@@ -67,8 +81,10 @@ pub struct SchedulerConfig {
     pub policy: Policy,
     /// Most prompt tokens one sequence computes in a step (0: only the budget limits it).
     pub long_prefill_token_threshold: usize,
-    /// End-of-sequence token: finishes a sequence unless its request sets `ignore_eos`.
-    pub eos_token_id: Option<TokenId>,
+    /// End-of-sequence tokens: any of them finishes a sequence unless its request sets
+    /// `ignore_eos` (checkpoints may name several, e.g. Llama 3's `<|end_of_text|>` and
+    /// `<|eot_id|>`). A handful at most, so a linear scan beats hashing.
+    pub eos_token_ids: Vec<TokenId>,
     /// Admission headroom, in tokens of growth per running sequence (`None`: none, admit whenever
     /// the first chunk fits now). A waiting sequence is admitted only if, once its first chunk
     /// is allocated, the available blocks still cover every running sequence (itself included)
@@ -82,32 +98,50 @@ pub struct SchedulerConfig {
 
 impl SchedulerConfig {
     /// Defaults for a cache of `num_blocks` blocks of `block_size` tokens: 256 sequences, 8192
-    /// tokens per step, `max_model_len` the whole cache, prefix caching on, FCFS.
+    /// tokens per step, `max_model_len` the whole cache (at most `MAX_TOKENS_PER_ARRAY`), prefix
+    /// caching on, FCFS.
     pub fn new(num_blocks: usize, block_size: usize) -> Self {
         SchedulerConfig {
             num_blocks,
             block_size,
             max_num_seqs: 256,
             max_num_batched_tokens: 8192,
-            max_model_len: num_blocks.saturating_mul(block_size),
+            max_model_len: num_blocks
+                .saturating_mul(block_size)
+                .min(MAX_TOKENS_PER_ARRAY),
             enable_prefix_caching: true,
             policy: Policy::Fcfs,
             long_prefill_token_threshold: 0,
-            eos_token_id: None,
+            eos_token_ids: Vec::new(),
             admission_lookahead_tokens: Some(DEFAULT_ADMISSION_LOOKAHEAD_TOKENS),
         }
     }
 
     fn validate(&self) -> Result<()> {
-        ensure(self.max_num_seqs > 0, || {
-            "max_num_seqs must be positive".into()
+        ensure((1..=MAX_NUM_SEQS).contains(&self.max_num_seqs), || {
+            format!(
+                "max_num_seqs must be in 1..={MAX_NUM_SEQS}, got {}",
+                self.max_num_seqs
+            )
         })?;
-        ensure(self.max_num_batched_tokens > 0, || {
-            "max_num_batched_tokens must be positive".into()
-        })?;
-        ensure(self.max_model_len >= 2, || {
-            "max_model_len must be at least 2 (a prompt token and an output)".into()
-        })?;
+        ensure(
+            (1..=MAX_TOKENS_PER_ARRAY).contains(&self.max_num_batched_tokens),
+            || {
+                format!(
+                    "max_num_batched_tokens must be in 1..={MAX_TOKENS_PER_ARRAY}, got {}",
+                    self.max_num_batched_tokens
+                )
+            },
+        )?;
+        ensure(
+            (2..=MAX_TOKENS_PER_ARRAY).contains(&self.max_model_len),
+            || {
+                format!(
+                "max_model_len must be in 2..={MAX_TOKENS_PER_ARRAY} (a prompt token and an output), got {}",
+                self.max_model_len
+            )
+            },
+        )?;
         let capacity = self.num_blocks.saturating_mul(self.block_size);
         ensure(self.max_model_len <= capacity, || {
             format!(
@@ -172,6 +206,8 @@ struct Totals {
 
 /// The continuous-batching scheduler.
 pub struct Scheduler {
+    /// Process-unique, from `NEXT_SCHEDULER` (see `StepId`).
+    id: u64,
     config: SchedulerConfig,
     blocks: BlockManager,
     requests: Slab<Request>,
@@ -205,6 +241,7 @@ impl Scheduler {
             config.enable_prefix_caching,
         )?;
         Ok(Scheduler {
+            id: NEXT_SCHEDULER.fetch_add(1, Ordering::Relaxed),
             config,
             blocks,
             requests: Slab::default(),
@@ -372,19 +409,34 @@ impl Scheduler {
         self.totals.scheduled_tokens += stats.num_scheduled_tokens as u64;
         self.totals.prefill_tokens += stats.num_prefill_tokens as u64;
         self.totals.peak_running = self.totals.peak_running.max(self.running.len());
-        self.output.step = self.step;
+        self.output.id = StepId {
+            scheduler: self.id,
+            step: self.step,
+        };
         self.step += 1;
         self.awaiting_update = true;
         Ok(&self.output)
     }
 
-    /// Appends `sampled[k]` to the sequence of sample k of the last step (`logits_indices[k]`),
+    /// Appends `sampled[k]` to the sequence of sample k of step `step` (`logits_indices[k]`),
     /// finishing sequences on a stop token, `max_tokens` or `max_model_len` and freeing their
-    /// blocks. Fails, changing nothing, unless exactly one token per sample is given.
-    pub fn update(&mut self, sampled: &[TokenId]) -> Result<&UpdateOutput> {
-        ensure(self.awaiting_update, || {
-            "update() without a scheduled step".into()
-        })?;
+    /// blocks. Fails, changing nothing, unless `step` is the step awaiting update (of this
+    /// scheduler) and exactly one token per sample is given.
+    pub fn update(&mut self, step: StepId, sampled: &[TokenId]) -> Result<&UpdateOutput> {
+        let pending = self.pending_step();
+        if pending != Some(step) {
+            let number = step.step;
+            return Err(Error::InvalidArgument(match pending {
+                _ if step.scheduler != self.id => {
+                    format!("the output of step {number} comes from another scheduler")
+                }
+                None => format!("update() of step {number} without a step awaiting it"),
+                Some(p) => format!(
+                    "the output of step {number} is not the step awaiting update ({})",
+                    p.step
+                ),
+            }));
+        }
         if sampled.len() != self.samples.len() {
             return Err(Error::Shape(format!(
                 "step {} has {} samples, got {} sampled tokens",
@@ -407,7 +459,7 @@ impl Scheduler {
             seq.num_output += 1;
             let params = &request.params;
             let finish = if params.stop_token_ids.contains(&token)
-                || (!params.ignore_eos && self.config.eos_token_id == Some(token))
+                || (!params.ignore_eos && self.config.eos_token_ids.contains(&token))
             {
                 Some(FinishReason::Stop)
             } else if seq.num_output >= params.max_tokens {
@@ -437,8 +489,11 @@ impl Scheduler {
     }
 
     /// The step awaiting `update`, if any.
-    pub fn pending_step(&self) -> Option<u64> {
-        self.awaiting_update.then(|| self.step - 1)
+    pub fn pending_step(&self) -> Option<StepId> {
+        self.awaiting_update.then(|| StepId {
+            scheduler: self.id,
+            step: self.step - 1,
+        })
     }
 
     /// Moves the last step's arrays out (for a caller that keeps them past the next step); the
@@ -803,8 +858,8 @@ impl Scheduler {
             out.query_start_loc.push(out.input_ids.len() as i32);
             out.context_lens.push(end as i32);
             let table_row = &mut out.block_tables[i * width..][..table.blocks().len()];
-            for (cell, &block) in table_row.iter_mut().zip(table.blocks()) {
-                *cell = block as i32;
+            for (cell, entry) in table_row.iter_mut().zip(table.entries()) {
+                *cell = entry;
             }
             out.request_ids.push(request.id.clone());
             out.seq_indices.push(seq.index);

@@ -18,11 +18,27 @@ use std::sync::Arc;
 
 use crate::scheduler::request::FinishReason;
 
+/// Which step of which scheduler a `StepOutput` is: `update` takes it and refuses any other
+/// than the step it awaits, so another scheduler's output (whose step number may match) is refused.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct StepId {
+    /// Process-unique number of the scheduler that built the step.
+    pub(crate) scheduler: u64,
+    pub(crate) step: u64,
+}
+
+impl StepId {
+    /// The step number (from 0) within its scheduler.
+    pub fn number(self) -> u64 {
+        self.step
+    }
+}
+
 /// The batch of one step.
 #[derive(Debug, Default, Clone)]
 pub struct StepOutput {
-    /// Step number (from 0), checked by `update`.
-    pub step: u64,
+    /// The step this is, to pass to `update`.
+    pub id: StepId,
     pub input_ids: Vec<i64>,
     pub positions: Vec<i64>,
     pub slot_mapping: Vec<i64>,

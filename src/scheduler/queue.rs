@@ -21,6 +21,7 @@
 
 use std::collections::BTreeSet;
 
+use crate::error::{ensure, Error, Result};
 use crate::scheduler::slab::Handle;
 
 /// The order in which waiting requests are admitted.
@@ -30,6 +31,26 @@ pub enum Policy {
     Fcfs,
     /// Lower priority value first; waiting `aging_steps` steps raises a request by one level.
     Priority { aging_steps: u64 },
+}
+
+/// `aging_steps` of a priority policy when a configuration does not say.
+pub const DEFAULT_AGING_STEPS: u64 = 100;
+
+impl Policy {
+    /// The policy called `name` in configurations: `"fcfs"`, or `"priority"` aging one level
+    /// every `aging_steps` steps (which must be positive; ignored by FCFS).
+    pub fn from_name(name: &str, aging_steps: u64) -> Result<Policy> {
+        match name {
+            "fcfs" => Ok(Policy::Fcfs),
+            "priority" => {
+                ensure(aging_steps > 0, || "aging_steps must be positive".into())?;
+                Ok(Policy::Priority { aging_steps })
+            }
+            other => Err(Error::InvalidArgument(format!(
+                "policy must be 'fcfs' or 'priority', not {other:?}"
+            ))),
+        }
+    }
 }
 
 /// Position of a sequence in the waiting queue (smaller is served first).

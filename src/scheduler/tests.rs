@@ -26,6 +26,7 @@ fn next_token(last: i64, position: i64) -> TokenId {
 /// Runs one step, sampling with `next_token`; returns the step and what update produced.
 fn step(s: &mut Scheduler) -> (StepOutput, UpdateOutput) {
     let out = s.schedule().unwrap().clone();
+    let id = out.id;
     let sampled: Vec<TokenId> = out
         .logits_indices
         .iter()
@@ -34,7 +35,7 @@ fn step(s: &mut Scheduler) -> (StepOutput, UpdateOutput) {
             next_token(out.input_ids[row as usize], out.positions[row as usize]) + sample
         })
         .collect();
-    let produced = s.update(&sampled).unwrap().clone();
+    let produced = s.update(id, &sampled).unwrap().clone();
     s.check_invariants().unwrap();
     (out, produced)
 }
@@ -62,6 +63,7 @@ fn step_output_has_the_model_runner_layout() {
     add(&mut s, "a", vec![10, 11, 12, 13, 14, 15], 2);
     add(&mut s, "b", vec![20, 21], 2);
     let out = s.schedule().unwrap().clone();
+    let id = out.id;
     assert_eq!(out.input_ids, vec![10, 11, 12, 13, 14, 15, 20, 21]);
     assert_eq!(out.positions, vec![0, 1, 2, 3, 4, 5, 0, 1]);
     assert_eq!(out.query_start_loc, vec![0, 6, 8]);
@@ -92,14 +94,15 @@ fn step_output_has_the_model_runner_layout() {
         out.request_ids.iter().map(|r| &**r).collect::<Vec<_>>(),
         ["a", "b"]
     );
-    s.update(&[100, 200]).unwrap();
+    s.update(id, &[100, 200]).unwrap();
     // The decode step feeds the sampled tokens at the next positions, same blocks.
     let out = s.schedule().unwrap().clone();
+    let id = out.id;
     assert_eq!(out.input_ids, vec![100, 200]);
     assert_eq!(out.positions, vec![6, 2]);
     assert_eq!(out.context_lens, vec![7, 3]);
     assert_eq!(out.slot_mapping, vec![slot(a1, 2), slot(b0, 2)]);
-    let produced = s.update(&[101, 201]).unwrap();
+    let produced = s.update(id, &[101, 201]).unwrap();
     assert!(produced
         .produced
         .iter()
@@ -113,11 +116,24 @@ fn step_output_has_the_model_runner_layout() {
 fn schedule_and_update_must_alternate_and_count_samples() {
     let mut s = Scheduler::new(config(8, 4)).unwrap();
     add(&mut s, "a", vec![1, 2, 3], 4);
-    assert!(matches!(s.update(&[]), Err(Error::InvalidArgument(_))));
-    s.schedule().unwrap();
+    let never = StepId::default();
+    assert!(matches!(
+        s.update(never, &[]),
+        Err(Error::InvalidArgument(_))
+    ));
+    let id = s.schedule().unwrap().id;
     assert!(matches!(s.schedule(), Err(Error::InvalidArgument(_))));
-    assert!(matches!(s.update(&[1, 2]), Err(Error::Shape(_))));
-    assert_eq!(s.update(&[7]).unwrap().produced[0].token, 7);
+    // Another scheduler's output of the same step number is refused, changing nothing.
+    let mut other = Scheduler::new(config(8, 4)).unwrap();
+    add(&mut other, "a", vec![1, 2, 3], 4);
+    let foreign = other.schedule().unwrap().id;
+    assert_eq!(foreign.number(), id.number());
+    assert!(matches!(
+        s.update(foreign, &[7]),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert!(matches!(s.update(id, &[1, 2]), Err(Error::Shape(_))));
+    assert_eq!(s.update(id, &[7]).unwrap().produced[0].token, 7);
     assert_eq!(s.sequence_tokens("a", 0).unwrap(), &[1, 2, 3, 7]);
 }
 
@@ -363,9 +379,9 @@ fn abort_in_every_state_returns_every_block() {
     // Aborted between schedule and update: its sample is dropped, the others go through.
     add(&mut s, "x", vec![1; 3], 5);
     add(&mut s, "y", vec![2; 3], 5);
-    s.schedule().unwrap();
+    let id = s.schedule().unwrap().id;
     s.abort("x").unwrap();
-    let produced = s.update(&[7, 8]).unwrap();
+    let produced = s.update(id, &[7, 8]).unwrap();
     assert_eq!(produced.produced.len(), 1);
     assert_eq!(&*produced.produced[0].request_id, "y");
     assert_eq!(produced.produced[0].token, 8);
@@ -376,7 +392,7 @@ fn abort_in_every_state_returns_every_block() {
 #[test]
 fn finishing_on_stop_tokens_eos_and_max_model_len() {
     let mut cfg = config(16, 4);
-    cfg.eos_token_id = Some(2);
+    cfg.eos_token_ids = vec![2, 7];
     cfg.max_model_len = 6;
     let mut s = Scheduler::new(cfg).unwrap();
     let with = |stop: Vec<TokenId>, ignore_eos| SamplingParams {
@@ -406,19 +422,19 @@ fn finishing_on_stop_tokens_eos_and_max_model_len() {
         RequestOptions::default(),
     )
     .unwrap();
-    s.schedule().unwrap();
-    let produced = s.update(&[2, 2, 5]).unwrap();
+    let id = s.schedule().unwrap().id;
+    let produced = s.update(id, &[2, 2, 5]).unwrap();
     let finishes: Vec<_> = produced.produced.iter().map(|p| p.finish).collect();
     assert_eq!(
         finishes,
         vec![Some(FinishReason::Stop), None, Some(FinishReason::Stop)]
     );
     // "ignore" now holds 4 tokens; it ends when it holds 6 = max_model_len.
-    s.schedule().unwrap();
-    assert_eq!(s.update(&[2]).unwrap().produced[0].finish, None);
-    s.schedule().unwrap();
+    let id = s.schedule().unwrap().id;
+    assert_eq!(s.update(id, &[2]).unwrap().produced[0].finish, None);
+    let id = s.schedule().unwrap().id;
     assert_eq!(
-        s.update(&[2]).unwrap().produced[0].finish,
+        s.update(id, &[2]).unwrap().produced[0].finish,
         Some(FinishReason::MaxModelLen)
     );
     let too_long = s.add_request(
@@ -429,6 +445,51 @@ fn finishing_on_stop_tokens_eos_and_max_model_len() {
     );
     assert!(matches!(too_long, Err(Error::InvalidArgument(_))));
     assert!(!s.contains("long"));
+}
+
+#[test]
+fn every_eos_id_finishes_unless_ignore_eos() {
+    let mut cfg = config(16, 4);
+    cfg.eos_token_ids = vec![2, 465];
+    let mut s = Scheduler::new(cfg).unwrap();
+    for (id, ignore_eos) in [("a", false), ("b", false), ("c", true)] {
+        let params = SamplingParams {
+            max_tokens: 4,
+            ignore_eos,
+            ..SamplingParams::default()
+        };
+        s.add_request(id, vec![9; 3], params, RequestOptions::default())
+            .unwrap();
+    }
+    let id = s.schedule().unwrap().id;
+    let produced = s.update(id, &[465, 2, 465]).unwrap();
+    let finishes: Vec<_> = produced.produced.iter().map(|p| p.finish).collect();
+    assert_eq!(
+        finishes,
+        vec![Some(FinishReason::Stop), Some(FinishReason::Stop), None]
+    );
+}
+
+#[test]
+fn limits_that_overflow_the_step_arrays_are_refused() {
+    let refused = |edit: fn(&mut SchedulerConfig)| {
+        let mut cfg = config(1 << 20, 1 << 12);
+        edit(&mut cfg);
+        matches!(Scheduler::new(cfg), Err(Error::InvalidArgument(_)))
+    };
+    // context_lens and query_start_loc are int32; sample indices u32.
+    assert!(refused(|c| c.max_model_len = MAX_TOKENS_PER_ARRAY + 1));
+    assert!(refused(
+        |c| c.max_num_batched_tokens = MAX_TOKENS_PER_ARRAY + 1
+    ));
+    assert!(refused(|c| c.max_num_seqs = MAX_NUM_SEQS + 1));
+    // The default max_model_len of a cache larger than an int32 is capped, not refused.
+    let cfg = config(1 << 20, 1 << 12);
+    assert_eq!(cfg.max_model_len, MAX_TOKENS_PER_ARRAY);
+    assert!(matches!(
+        Scheduler::new(config(4, 1 << 62)),
+        Err(Error::InvalidArgument(_))
+    ));
 }
 
 /// One random request of the property test.

@@ -2,7 +2,10 @@
 sampling, tokenizers, a dense reference (the test oracle) and a simulated model for large runs.
 
 One concept per module: :mod:`~pagedkv.model.config`, :mod:`~pagedkv.model.files` (safe opening of
-checkpoint files), :mod:`~pagedkv.model.weights`, :mod:`~pagedkv.model.rope`,
+checkpoint files), :mod:`~pagedkv.model.weights` (Hugging Face checkpoints),
+:mod:`~pagedkv.model.gguf_file` (the GGUF format), :mod:`~pagedkv.model.gguf` (Llama from GGUF),
+:mod:`~pagedkv.model.pretrained` (models by name or path: :func:`load_pretrained`),
+:mod:`~pagedkv.model.rope`,
 :mod:`~pagedkv.model.step`, :mod:`~pagedkv.model.llama`, :mod:`~pagedkv.model.reference`,
 :mod:`~pagedkv.model.sampling`, :mod:`~pagedkv.model.tokenizer`, :mod:`~pagedkv.model.simulated`.
 """
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 from pagedkv.model.config import LlamaConfig, RopeScaling
 from pagedkv.model.llama import LlamaModel
+from pagedkv.model.pretrained import REGISTRY, load_pretrained
 from pagedkv.model.reference import DenseReference
 from pagedkv.model.sampling import SamplingParams, sample
 from pagedkv.model.simulated import SimulatedModel, StepCostModel
@@ -26,6 +30,8 @@ __all__ = [
     "load_config",
     "load_checkpoint",
     "save_checkpoint",
+    "load_pretrained",
+    "REGISTRY",
     "ModelStep",
     "LlamaModel",
     "DenseReference",

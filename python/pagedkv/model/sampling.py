@@ -4,6 +4,14 @@ Greedy when ``temperature == 0``; otherwise the logits are divided by the temper
 ``top_k`` most likely tokens and to the smallest set whose probability reaches ``top_p`` (nucleus),
 renormalised, and drawn from with the request's own random generator, so a seeded request gives
 the same tokens whatever else shares its batch.
+
+Non-finite logits: a row holding +inf draws uniformly among its +inf tokens (the limit of the
+softmax), greedy takes the first of them; a row holding a NaN, or only -inf, has no token to give
+and gets :data:`NO_TOKEN` (the engine fails that request alone).
+
+:class:`SamplingParams` checks only what the sampler uses (temperature, top_k, top_p, seed);
+``max_tokens``, ``n``, ``stop_token_ids`` and ``ignore_eos`` are the scheduler's, checked by it
+when the request is submitted.
 """
 
 from __future__ import annotations
@@ -16,21 +24,24 @@ import numpy as np
 
 from pagedkv.errors import InvalidArgumentError, ShapeError
 
-__all__ = ["SamplingParams", "sample"]
+__all__ = ["NO_TOKEN", "SamplingParams", "sample"]
+
+NO_TOKEN = -1  # what `sample` gives a row with nothing to draw from (NaN, or only -inf)
 
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How one request generates.
 
-    - ``max_tokens``: most tokens to generate (≥ 1).
+    - ``max_tokens``: most tokens to generate (≥ 1, checked by the scheduler).
     - ``temperature``: 0 for greedy (argmax), else > 0; higher flattens the distribution.
     - ``top_k``: keep the k most likely tokens; 0 keeps all.
     - ``top_p``: keep the smallest most-likely set whose probability reaches top_p, in (0, 1].
     - ``seed``: seeds the request's generator; None draws from fresh OS entropy.
     - ``stop_token_ids``: generation ends after producing one of these (it is kept in the output).
     - ``ignore_eos``: do not stop at the model's end-of-sequence tokens.
-    - ``n``: independent samples of the same prompt (parallel sampling, sharing the prompt's blocks).
+    - ``n``: independent samples of the same prompt (parallel sampling, sharing the prompt's
+      blocks; ≥ 1 and at most the scheduler's ``max_num_seqs``, checked by the scheduler).
     """
 
     max_tokens: int = 16
@@ -46,10 +57,6 @@ class SamplingParams:
         def is_int(value: object) -> bool:
             return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
-        if not is_int(self.max_tokens) or self.max_tokens < 1:
-            raise InvalidArgumentError(f"max_tokens must be an integer ≥ 1, got {self.max_tokens!r}")
-        if not is_int(self.n) or self.n < 1:
-            raise InvalidArgumentError(f"n must be an integer ≥ 1, got {self.n!r}")
         if not isinstance(self.temperature, (int, float)) or not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise InvalidArgumentError(f"temperature must be a finite number ≥ 0, got {self.temperature!r}")
         if not is_int(self.top_k) or self.top_k < 0:
@@ -58,10 +65,7 @@ class SamplingParams:
             raise InvalidArgumentError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.seed is not None and (not is_int(self.seed) or self.seed < 0):
             raise InvalidArgumentError(f"seed must be a non-negative integer or None, got {self.seed!r}")
-        stops = tuple(self.stop_token_ids)
-        if not all(is_int(t) and t >= 0 for t in stops):
-            raise InvalidArgumentError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stops))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))  # frozen: hashable
 
     @property
     def greedy(self) -> bool:
@@ -80,7 +84,8 @@ def sample(
     logits: np.ndarray, params: Sequence[SamplingParams], generators: Sequence[np.random.Generator]
 ) -> np.ndarray:
     """Next token of each row of ``logits`` ``[rows, vocab]`` under ``params[row]``, drawing from
-    ``generators[row]`` (greedy rows draw nothing). Returns int64 ``[rows]``.
+    ``generators[row]`` (greedy rows draw nothing). Returns int64 ``[rows]``, :data:`NO_TOKEN` for
+    a row with a NaN or without a logit above -inf.
 
     Rows are processed together: one argmax for the greedy rows, one sort and cumulative sum for
     the rows with top-k or top-p, one softmax for the rest; only the single uniform draw per row
@@ -92,6 +97,13 @@ def sample(
             f"logits {logits.shape}, {len(params)} params and {len(generators)} generators must agree in rows"
         )
     rows, vocab = logits.shape
+    peak = logits.max(axis=1)  # NaN wins a max: one pass finds the NaN and the infinite rows
+    failed = np.isnan(peak) | (peak == -np.inf)
+    infinite = peak == np.inf
+    if failed.any() or infinite.any():
+        logits = np.array(logits, dtype=np.float64)
+        logits[infinite] = np.where(logits[infinite] == np.inf, 0.0, -np.inf)
+        logits[failed] = 0.0  # any finite row: its token is replaced below
     tokens = np.empty(rows, dtype=np.int64)
     temperature = np.array([p.temperature for p in params], dtype=np.float64)
     greedy = temperature == 0
@@ -116,6 +128,7 @@ def sample(
         probs[mass_before >= top_p[truncated, None]] = 0.0  # the most likely token always stays
         picked = _draw(probs, [generators[i] for i in np.flatnonzero(truncated).tolist()])
         tokens[truncated] = order[np.arange(len(picked)), picked]
+    tokens[failed] = NO_TOKEN
     return tokens
 
 

