@@ -465,13 +465,13 @@ fn grow(
     tokens: &[TokenId],
 ) {
     for chunk in split_at_block_boundaries(table.tokens.len(), tokens, bs) {
-        if table.tokens.len() % bs == 0 {
+        if table.tokens.len().is_multiple_of(bs) {
             table
                 .blocks
                 .push(pool.allocate().expect("capacity checked"));
         }
         table.tokens.extend_from_slice(chunk);
-        if table.tokens.len() % bs == 0 {
+        if table.tokens.len().is_multiple_of(bs) {
             let full = table.hashes.len();
             let parent = table.hashes.last().copied().unwrap_or(table.root);
             let hash = chain_hash(parent, &table.tokens[full * bs..]);

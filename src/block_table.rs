@@ -50,7 +50,7 @@ impl BlockTable {
 
     /// The last block if it is partly filled (the only block a later append writes into).
     pub fn partial_tail(&self, block_size: usize) -> Option<BlockId> {
-        (self.tokens.len() % block_size != 0)
+        (!self.tokens.len().is_multiple_of(block_size))
             .then(|| *self.blocks.last().expect("tokens imply blocks"))
     }
 

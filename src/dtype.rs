@@ -61,7 +61,7 @@ impl std::str::FromStr for KvDtype {
             "float16" | "f16" | "fp16" | "half" => Ok(KvDtype::F16),
             "bfloat16" | "bf16" => Ok(KvDtype::Bf16),
             other => Err(Error::InvalidArgument(format!(
-                "unknown KV dtype {other:?}; expected float32, float16 or bfloat16"
+                "unknown dtype {other:?}; expected float32, float16 or bfloat16"
             ))),
         }
     }

@@ -13,6 +13,7 @@ pub mod dtype;
 pub mod error;
 pub mod free_list;
 pub mod kv_cache;
+pub mod linear;
 pub mod lru;
 mod memory;
 pub mod prefix_cache;

@@ -138,12 +138,12 @@ impl Model {
 
     fn push_tokens(&mut self, seq: &mut RefSeq, tokens: &[u32]) {
         for &token in tokens {
-            if seq.tokens.len() % BLOCK_SIZE == 0 {
+            if seq.tokens.len().is_multiple_of(BLOCK_SIZE) {
                 let block = self.take_block();
                 seq.blocks.push(block);
             }
             seq.tokens.push(token);
-            if seq.tokens.len() % BLOCK_SIZE == 0 {
+            if seq.tokens.len().is_multiple_of(BLOCK_SIZE) {
                 let key = (seq.salted, seq.tokens.clone());
                 let block = *seq.blocks.last().unwrap();
                 if !self.index.contains_key(&key) && self.blocks[block].key.is_none() {

@@ -7,6 +7,7 @@ end)`` runs ``tokens[start:end]`` of a sequence whose slots were allocated or ap
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -90,10 +91,17 @@ def build_step(manager: BlockManager, work: Sequence[Work], copy_ops: Sequence[t
 class Harness:
     """The tiny model on a paged cache, with the dense reference to check every step against."""
 
-    def __init__(self, num_blocks: int = 64, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int = 64,
+        enable_prefix_caching: bool = True,
+        weight_dtype: str = "float32",
+        rounding_dir: Path | None = None,
+    ) -> None:
         self.weights = LlamaWeights.random(LlamaConfig.tiny(), seed=0)
-        self.model = LlamaModel(self.weights)
-        self.reference = DenseReference(self.weights)
+        self.model = LlamaModel(self.weights, weight_dtype=weight_dtype)
+        stored = self.weights if rounding_dir is None else stored_projections(self.weights, weight_dtype, rounding_dir)
+        self.reference = DenseReference(stored)
         self.manager = BlockManager(num_blocks, BLOCK_SIZE, enable_prefix_caching)
         self.cache = self.model.new_kv_cache(num_blocks, BLOCK_SIZE)
 
@@ -110,6 +118,14 @@ class Harness:
         return per_item
 
 
+def stored_projections(weights: LlamaWeights, dtype: str, directory: Path) -> LlamaWeights:
+    """``weights`` with every matrix rounded to ``dtype`` as a checkpoint stores it (to nearest
+    even), the embedding table kept float32: what ``LlamaModel(weights, weight_dtype=dtype)``
+    multiplies by. (The norms are ones, exact in every dtype.)"""
+    save_checkpoint(weights, directory, dtype=dtype)
+    return dataclasses.replace(load_checkpoint(directory), embed_tokens=weights.embed_tokens)
+
+
 def random_tokens(rng: np.random.Generator, n: int) -> list[int]:
     return rng.integers(3, LlamaConfig.tiny().vocab_size, n).tolist()
 
@@ -117,8 +133,14 @@ def random_tokens(rng: np.random.Generator, n: int) -> list[int]:
 # ---------------------------------------------------------------------------- paged forward
 
 
-def test_mixed_length_batch_prefill_then_decode_matches_reference() -> None:
-    h, rng = Harness(), np.random.default_rng(1)
+@pytest.mark.parametrize("weight_dtype", ["float32", "float16", "bfloat16"])
+def test_mixed_length_batch_prefill_then_decode_matches_reference(weight_dtype: str, tmp_path: Path) -> None:
+    """16-bit weights are compared with the reference over the same rounded weights, so the
+    float32 tolerance still holds: the model adds no error beyond float32 sums. (Against the
+    unrounded weights, bfloat16's 2⁻⁹ relative rounding moves these logits by ~1e-2.)"""
+    rounding_dir = None if weight_dtype == "float32" else tmp_path
+    h, rng = Harness(weight_dtype=weight_dtype, rounding_dir=rounding_dir), np.random.default_rng(1)
+    assert h.model.weight_dtype == weight_dtype
     prompts = {seq: random_tokens(rng, n) for seq, n in enumerate([1, 7, 8, 19, 33])}
     for seq, tokens in prompts.items():
         assert h.manager.allocate(seq, tokens) == 0
@@ -130,6 +152,15 @@ def test_mixed_length_batch_prefill_then_decode_matches_reference() -> None:
             assert h.manager.append(seq, [tokens[-1]]) is None
             work.append((seq, tokens, len(tokens) - 1, len(tokens)))
         logits = h.run(work)
+
+
+def test_half_precision_weights_are_rounded_not_kept_in_float32() -> None:
+    """The reference over unrounded weights is off by more than the tolerance: the comparison in
+    the test above can fail."""
+    h = Harness(weight_dtype="bfloat16")
+    assert h.manager.allocate(0, list(range(3, 12))) == 0
+    with pytest.raises(AssertionError, match="max abs error"):
+        h.run([(0, list(range(3, 12)), 0, 9)])
 
 
 def test_chunked_prefill_gives_the_same_logits_as_one_pass() -> None:

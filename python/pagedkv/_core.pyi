@@ -390,3 +390,24 @@ def attention_kernel_seconds(
     scale: float | None = None,
 ) -> float:
     """Seconds per ``KVCache.attention`` call spent in the kernel alone, timed inside Rust."""
+
+class Linear:
+    """A weight ``W`` ``[in_features, out_features]`` stored as float32, float16 or bfloat16
+    (rounded to nearest), and ``x @ W`` for float32 ``x`` ``[M, in_features]``, summed in float32
+    on the attention threads. A C- or Fortran-ordered float32 weight is packed without a copy of
+    its own (``w.T`` of an ``[out, in]`` checkpoint matrix is Fortran-ordered); other layouts are
+    read in C order. ``ShapeError`` for a wrong ndim, dtype or extent, ``InvalidArgumentError``
+    for an unknown dtype or kernel."""
+
+    in_features: int
+    out_features: int
+    dtype: str
+    nbytes: int
+
+    def __init__(self, weight: npt.NDArray[np.float32], dtype: str = "float32") -> None: ...
+    def __call__(self, x: npt.NDArray[np.float32], kernel: Optional[str] = None) -> npt.NDArray[np.float32]:
+        """``x @ W`` as a new float32 ``[M, out_features]`` array; ``kernel`` ("avx512", "avx2" or
+        "portable") forces a path (``InvalidArgumentError`` if this CPU cannot run it)."""
+
+def available_linear_kernels() -> list[str]:
+    """Linear kernels this CPU runs, fastest first, e.g. ``["avx2", "portable"]``."""

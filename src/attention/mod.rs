@@ -26,6 +26,7 @@ use rayon::prelude::*;
 
 pub use probes::{measure_fma_peak, measure_read_bandwidth, ReadProbe, MIN_PROBE_BYTES};
 pub use simd::KernelPath;
+pub(crate) use threads::pool;
 pub use threads::{num_threads, set_num_threads, MAX_THREADS, NUM_THREADS_ENV};
 
 use crate::dtype::{KvDtype, KvElement};
@@ -275,12 +276,12 @@ impl<'a> Problem<'a> {
         out: &[f32],
     ) -> Result<Self> {
         let invalid = |message: String| Err(Error::InvalidArgument(message));
-        if head_dim % 8 != 0 {
+        if !head_dim.is_multiple_of(8) {
             return invalid(format!(
                 "attention needs head_dim a multiple of 8, the cache has {head_dim}"
             ));
         }
-        if num_heads == 0 || num_heads % num_kv_heads != 0 {
+        if num_heads == 0 || !num_heads.is_multiple_of(num_kv_heads) {
             return invalid(format!(
                 "num_heads {num_heads} must be a positive multiple of num_kv_heads {num_kv_heads}"
             ));

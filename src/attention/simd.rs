@@ -279,7 +279,7 @@ mod avx2 {
         /// 64 bytes of f32, one per other iteration for 16-bit K/V.
         #[inline(always)]
         fn pace(&mut self, bytes: usize, iteration: usize) {
-            if bytes >= 64 || iteration % 2 == 0 {
+            if bytes >= 64 || iteration.is_multiple_of(2) {
                 self.line();
             }
         }

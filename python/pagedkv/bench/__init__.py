@@ -7,6 +7,7 @@ runs the others in this order.
 BENCHES = {
     "blocks": "pagedkv.bench.blocks",
     "attention": "pagedkv.bench.attention",
+    "linear": "pagedkv.bench.linear",
     "scheduler": "pagedkv.bench.scheduler",
     "serve": "pagedkv.bench.serve",
     "model": "pagedkv.bench.model",

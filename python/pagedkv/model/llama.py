@@ -5,7 +5,9 @@ is written into the cache at its slot, and attention reads every sequence's cont
 block table with ``KVCache.attention`` (the Rust paged kernel). Positions come from the step, so
 chunked prefill, prefix-cache hits and recompute after preemption need nothing special here; the
 rotary angles are computed for those positions only (no table over ``max_position_embeddings``).
-Matrix products run in numpy float32 on the whole batch; there is no per-token Python loop.
+Matrix products run on the whole batch in the Rust linear kernel (``pagedkv._core.Linear``: weights
+stored in float32, float16 or bfloat16, activations and sums in float32) on the same worker pool
+as attention, so the two never compete for cores; there is no per-token Python loop.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import NamedTuple
 import numpy as np
 from threadpoolctl import ThreadpoolController
 
-from pagedkv._core import KVCache
+from pagedkv._core import KVCache, Linear
 from pagedkv.errors import InvalidArgumentError, ShapeError
 from pagedkv.model.rope import apply_rope, rope_cos_sin, rope_frequencies
 from pagedkv.model.step import ModelStep
@@ -34,18 +36,21 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
 class LlamaModel:
     """A Llama decoder running on a paged :class:`~pagedkv.KVCache`.
 
-    The projections are stored fused and transposed for the forward pass (``[q|k|v]`` and
-    ``[gate|up]`` as ``[in, out]``), so each layer makes four matrix products.
+    The projections are packed fused (``[q|k|v]`` and ``[gate|up]``) into
+    :class:`~pagedkv._core.Linear` weights of ``weight_dtype`` ("float32", "float16" or
+    "bfloat16"), so each layer makes four matrix products, plus the lm_head's. The 16-bit dtypes
+    halve the bytes a decode step streams; the embedding table stays float32 (it is gathered,
+    not multiplied).
 
     ``blas_threads`` caps numpy's BLAS threads while :meth:`forward` runs (None leaves BLAS as it
-    is). The default, 1, is deliberate: a step's matrices are small, the Rust attention kernel's
-    workers need the same cores between the matrix products, and OpenBLAS threads that spin
-    waiting for work starve everything else. On 2 loaded cores, a batch-32 decode step of the
-    tiny model took 14 ms with one BLAS thread and 166 ms with two. The cap is process-wide while
-    it holds, so numpy work on other threads during a step runs single-threaded too.
+    is), for whatever numpy still does there. The default, 1, is deliberate: the Rust workers need
+    the same cores, and OpenBLAS threads that spin waiting for work starve everything else. On 2
+    loaded cores, a batch-32 decode step of the tiny model took 14 ms with one BLAS thread and
+    166 ms with two when numpy did the matrix products. The cap is process-wide while it holds,
+    so numpy work on other threads during a step runs single-threaded too.
     """
 
-    def __init__(self, weights: LlamaWeights, blas_threads: int | None = 1) -> None:
+    def __init__(self, weights: LlamaWeights, blas_threads: int | None = 1, weight_dtype: str = "float32") -> None:
         if blas_threads is not None and blas_threads < 1:
             raise InvalidArgumentError(f"blas_threads must be ≥ 1 or None, got {blas_threads}")
         self._blas_threads = blas_threads
@@ -56,16 +61,18 @@ class LlamaModel:
         self._kv_dim = c.num_kv_heads * c.head_dim
         self._scale = float(c.head_dim) ** -0.5
         self._embed = weights.embed_tokens
-        self._lm_head_t = np.ascontiguousarray(weights.lm_head.T)
+        # `.T` of an `[out, in]` matrix is Fortran-ordered: Linear packs it without a copy.
+        self._lm_head = Linear(weights.lm_head.T, weight_dtype)
+        self.weight_dtype = self._lm_head.dtype
         self._final_norm = weights.norm
         self._layers = [
             _FusedLayer(
                 input_norm=layer.input_layernorm,
-                qkv_t=np.ascontiguousarray(np.concatenate((layer.q_proj, layer.k_proj, layer.v_proj)).T),
-                o_t=np.ascontiguousarray(layer.o_proj.T),
+                qkv=Linear(np.concatenate((layer.q_proj, layer.k_proj, layer.v_proj)).T, weight_dtype),
+                o=Linear(layer.o_proj.T, weight_dtype),
                 post_norm=layer.post_attention_layernorm,
-                gate_up_t=np.ascontiguousarray(np.concatenate((layer.gate_proj, layer.up_proj)).T),
-                down_t=np.ascontiguousarray(layer.down_proj.T),
+                gate_up=Linear(np.concatenate((layer.gate_proj, layer.up_proj)).T, weight_dtype),
+                down=Linear(layer.down_proj.T, weight_dtype),
             )
             for layer in weights.layers
         ]
@@ -107,7 +114,7 @@ class LlamaModel:
         hidden = self._embed[input_ids]
         for index, layer in enumerate(self._layers):
             x = rms_norm(hidden, layer.input_norm, c.rms_norm_eps)
-            qkv = x @ layer.qkv_t
+            qkv = layer.qkv(x)
             q = qkv[:, : self._q_dim].reshape(num_tokens, c.num_heads, c.head_dim)
             k = qkv[:, self._q_dim : self._q_dim + self._kv_dim].reshape(num_tokens, c.num_kv_heads, c.head_dim)
             v = np.ascontiguousarray(qkv[:, self._q_dim + self._kv_dim :]).reshape(num_tokens, c.num_kv_heads, c.head_dim)
@@ -116,24 +123,24 @@ class LlamaModel:
             attn = kv_cache.attention(
                 index, q, step.block_tables, step.context_lens, step.query_start_loc, scale=self._scale
             )
-            hidden = hidden + attn.reshape(num_tokens, self._q_dim) @ layer.o_t
+            hidden = hidden + layer.o(attn.reshape(num_tokens, self._q_dim))
             x = rms_norm(hidden, layer.post_norm, c.rms_norm_eps)
-            gate_up = x @ layer.gate_up_t
+            gate_up = layer.gate_up(x)
             gate, up = gate_up[:, : c.intermediate_size], gate_up[:, c.intermediate_size :]
-            hidden = hidden + (_silu(gate) * up) @ layer.down_t
+            hidden = hidden + layer.down(_silu(gate) * up)
         last = rms_norm(hidden[np.asarray(step.logits_indices)], self._final_norm, c.rms_norm_eps)
-        return last @ self._lm_head_t
+        return self._lm_head(last)
 
 
 class _FusedLayer(NamedTuple):
     """One layer's weights in the forward pass's layout."""
 
     input_norm: np.ndarray
-    qkv_t: np.ndarray
-    o_t: np.ndarray
+    qkv: Linear
+    o: Linear
     post_norm: np.ndarray
-    gate_up_t: np.ndarray
-    down_t: np.ndarray
+    gate_up: Linear
+    down: Linear
 
 
 def _silu(x: np.ndarray) -> np.ndarray:

@@ -1,0 +1,425 @@
+//! Linear layers: `y[M, N] = x[M, K] · W[K, N]` with `W` stored in f32, f16 or bf16 and `x`, `y`
+//! and every sum in f32, on the attention thread pool.
+//!
+//! Invariants:
+//! - `W` is packed once, at construction, into panels of 16 columns: panel `p` holds
+//!   `W[k][16p + j]` at `p·K·16 + k·16 + j`, zero past column `N`. A tile reads each weight once
+//!   per `R` rows of `x` from one contiguous stream per panel, and never a padding column into `y`.
+//! - `x` is copied once per call into row tiles of the widest tile's height (the last one
+//!   shorter), each interleaved as `[k][rows]`: a tile's broadcasts then walk one pointer, not one
+//!   per row, which cut the scalar instructions of the k-loop that competed with the FMAs.
+//! - The work is split over panel ranges only: every task owns whole columns of `y`, so tasks
+//!   write disjoint elements and the result does not depend on the thread count. Each `y` element
+//!   is one f32 sum in increasing `k`.
+//! - When a panel serves more than one tile of rows, 16-bit weights are converted to f32 once
+//!   into a per-task buffer (K·16·P floats, ≤ 200 KB) instead of once per tile.
+//! - Calls run on `attention::pool()`, the same workers as the attention kernel: a model step
+//!   alternates the two on the same threads instead of two pools fighting over the cores.
+//! - Shapes are checked before any work ([`crate::Error::Shape`]); an unavailable kernel is
+//!   [`crate::Error::InvalidArgument`]. Nothing here panics on caller input.
+//!
+//! Why own kernels and not the `gemm` crate (0.18), measured on this 2-core Zen 2 AVX2 machine
+//! shared with other builds (load average 3–6): `gemm` f32 reached 85–93 GFLOP/s on one thread
+//! for M ≥ 16 at SmolLM2-135M's shapes, a better f32 inner loop than these tiles (below). But it
+//! takes one element type for `x`, `W` and `y` (f16 means f16 activations; no bf16 at all), so
+//! 16-bit weights would need an f32 copy of each panel per call, doubling the bytes M = 1 moves;
+//! with `Parallelism::Rayon(2)` it stayed on one thread below ~50 MFLOP (M = 16, K = 576,
+//! N = 960: 86.5 vs 86.9 GFLOP/s, so half the cores idle in a decode step); and at M = 1 it gave
+//! 5.9 GFLOP/s on the 113 MB lm_head (f32, 12 GB/s). These tiles read 16-bit weights as they
+//! are (converted in registers at M ≤ 6, once per panel above), split every shape over the shared
+//! pool, and at M = 1 stream the weights at 0.7–1.0 of the read bandwidth measured in the same
+//! run (`python -m pagedkv bench linear`, 2 threads, quiet minutes: qkv/o/gate_up/down bf16
+//! 0.60–0.89, f32 0.71–1.04). At M = 16 they reached 0.40–0.51 of the 2-thread FMA peak
+//! (180–195 GFLOP/s) and at M = 512 0.55–0.71, before `x` was interleaved; with it, under load,
+//! 0.53–0.75 and 0.65–0.88 of the peak measured in the same run. Matching `gemm`'s f32 loop
+//! (K-blocking, a 2-deep software pipeline) is the open step for prefill.
+
+mod kernels;
+#[cfg(test)]
+mod tests;
+
+use half::{bf16, f16};
+use rayon::prelude::*;
+
+use crate::attention::pool;
+use crate::dtype::{KvDtype, KvElement};
+use crate::error::{Error, Result};
+use kernels::{Ahead, Isa, MAX_TILE, PANEL};
+
+/// Which implementation of the tiles runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum LinearKernel {
+    /// Plain Rust the compiler vectorises for the baseline target; runs everywhere.
+    Portable,
+    /// x86-64 AVX2 + FMA + F16C.
+    Avx2,
+    /// x86-64 AVX-512F (16-lane FMAs; f16 and bf16 converted with AVX-512F instructions).
+    Avx512,
+}
+
+impl LinearKernel {
+    /// Every kernel, best first.
+    pub const ALL: [LinearKernel; 3] = [
+        LinearKernel::Avx512,
+        LinearKernel::Avx2,
+        LinearKernel::Portable,
+    ];
+
+    /// Whether this CPU can run the kernel.
+    pub fn available(self) -> bool {
+        self.isa().is_some()
+    }
+
+    /// The fastest kernel this CPU runs.
+    pub fn best() -> LinearKernel {
+        LinearKernel::ALL
+            .into_iter()
+            .find(|kernel| kernel.available())
+            .unwrap_or(LinearKernel::Portable)
+    }
+
+    /// Lower-case name: "avx512", "avx2" or "portable".
+    pub fn name(self) -> &'static str {
+        match self {
+            LinearKernel::Portable => "portable",
+            LinearKernel::Avx2 => "avx2",
+            LinearKernel::Avx512 => "avx512",
+        }
+    }
+
+    fn isa(self) -> Option<Isa> {
+        match self {
+            LinearKernel::Portable => Some(Isa::Portable),
+            #[cfg(target_arch = "x86_64")]
+            LinearKernel::Avx2 => (is_x86_feature_detected!("avx2")
+                && is_x86_feature_detected!("fma")
+                && is_x86_feature_detected!("f16c"))
+            .then_some(Isa::Avx2),
+            #[cfg(target_arch = "x86_64")]
+            LinearKernel::Avx512 => (is_x86_feature_detected!("avx512f")
+                && LinearKernel::Avx2.available())
+            .then_some(Isa::Avx512),
+            #[cfg(not(target_arch = "x86_64"))]
+            _ => None,
+        }
+    }
+}
+
+impl std::str::FromStr for LinearKernel {
+    type Err = Error;
+
+    fn from_str(name: &str) -> Result<Self> {
+        LinearKernel::ALL
+            .into_iter()
+            .find(|kernel| kernel.name() == name)
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "unknown linear kernel {name:?}; expected avx512, avx2 or portable"
+                ))
+            })
+    }
+}
+
+/// The packed weight in its storage type.
+enum Panels {
+    F32(Vec<f32>),
+    F16(Vec<f16>),
+    Bf16(Vec<bf16>),
+}
+
+/// A weight `W[K, N]` packed for `y = x · W`; immutable once built.
+pub struct Linear {
+    in_features: usize,
+    out_features: usize,
+    panels: Panels,
+}
+
+impl Linear {
+    /// Packs `weight`, whose element `(k, n)` is `weight[k · k_stride + n · n_stride]`, as
+    /// `dtype` (rounded to nearest; f16 saturates to ±inf past 65504). `(N, 1)` strides read a
+    /// row-major `[K, N]`, `(1, K)` a row-major `[N, K]` (the `[out, in]` checkpoint layout).
+    pub fn new(
+        weight: &[f32],
+        in_features: usize,
+        out_features: usize,
+        strides: (usize, usize),
+        dtype: KvDtype,
+    ) -> Result<Self> {
+        let (k, n) = (in_features, out_features);
+        if k == 0 || n == 0 {
+            return Err(Error::Shape(format!(
+                "a linear weight needs positive extents, got [{k}, {n}]"
+            )));
+        }
+        let last = (k - 1)
+            .checked_mul(strides.0)
+            .zip((n - 1).checked_mul(strides.1))
+            .and_then(|(a, b)| a.checked_add(b));
+        if last.is_none_or(|last| last >= weight.len()) {
+            return Err(Error::Shape(format!(
+                "a [{k}, {n}] weight at strides {strides:?} does not fit in {} elements",
+                weight.len()
+            )));
+        }
+        let panels = match dtype {
+            KvDtype::F32 => Panels::F32(pack(weight, k, n, strides)),
+            KvDtype::F16 => Panels::F16(pack(weight, k, n, strides)),
+            KvDtype::Bf16 => Panels::Bf16(pack(weight, k, n, strides)),
+        };
+        Ok(Linear {
+            in_features: k,
+            out_features: n,
+            panels,
+        })
+    }
+
+    /// `K`.
+    pub fn in_features(&self) -> usize {
+        self.in_features
+    }
+
+    /// `N`.
+    pub fn out_features(&self) -> usize {
+        self.out_features
+    }
+
+    /// The storage type of the weight.
+    pub fn dtype(&self) -> KvDtype {
+        match self.panels {
+            Panels::F32(_) => KvDtype::F32,
+            Panels::F16(_) => KvDtype::F16,
+            Panels::Bf16(_) => KvDtype::Bf16,
+        }
+    }
+
+    /// Bytes of packed weight (what one call with M ≤ 6 streams from memory).
+    pub fn nbytes(&self) -> usize {
+        self.num_panels() * PANEL * self.in_features * self.dtype().size_of()
+    }
+
+    fn num_panels(&self) -> usize {
+        self.out_features.div_ceil(PANEL)
+    }
+
+    /// `y = x · W` for `x` row-major `[m, K]` into `y` row-major `[m, N]`, with the best kernel.
+    pub fn forward(&self, x: &[f32], m: usize, y: &mut [f32]) -> Result<()> {
+        self.forward_with(LinearKernel::best(), x, m, y)
+    }
+
+    /// [`Linear::forward`] on a chosen kernel.
+    pub fn forward_with(
+        &self,
+        kernel: LinearKernel,
+        x: &[f32],
+        m: usize,
+        y: &mut [f32],
+    ) -> Result<()> {
+        let (k, n) = (self.in_features, self.out_features);
+        if Some(x.len()) != m.checked_mul(k) || Some(y.len()) != m.checked_mul(n) {
+            return Err(Error::Shape(format!(
+                "linear [{k}, {n}] on {} inputs into {} outputs: expected {m} × {k} and {m} × {n}",
+                x.len(),
+                y.len()
+            )));
+        }
+        let isa = kernel.isa().ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "the {} linear kernel does not run on this CPU",
+                kernel.name()
+            ))
+        })?;
+        if m == 0 {
+            return Ok(());
+        }
+        let run = Run {
+            isa,
+            x: &interleave(x, m, k, isa.max_rows()),
+            m,
+            k,
+            n,
+            y: SharedOut(y.as_mut_ptr()),
+        };
+        match &self.panels {
+            Panels::F32(w) => run.all(w),
+            Panels::F16(w) => run.all(w),
+            Panels::Bf16(w) => run.all(w),
+        }
+    }
+}
+
+fn pack<T: KvElement>(weight: &[f32], k: usize, n: usize, strides: (usize, usize)) -> Vec<T> {
+    let panels = n.div_ceil(PANEL);
+    let mut packed = vec![T::default(); panels * k * PANEL];
+    for (p, panel) in packed.chunks_exact_mut(k * PANEL).enumerate() {
+        for (kk, row) in panel.chunks_exact_mut(PANEL).enumerate() {
+            for (j, value) in row.iter_mut().enumerate().take(n - p * PANEL) {
+                *value = T::from_f32(weight[kk * strides.0 + (p * PANEL + j) * strides.1]);
+            }
+        }
+    }
+    packed
+}
+
+/// `x` (`[m, k]` row-major) as consecutive tiles of `tile_rows` rows (the last may be shorter),
+/// tile `t` at `t · tile_rows · k` holding its element `(r, kk)` at `kk · rows + r`.
+fn interleave(x: &[f32], m: usize, k: usize, tile_rows: usize) -> Vec<f32> {
+    let mut tiles = vec![0.0f32; m * k];
+    for (tile, rows_x) in tiles.chunks_mut(tile_rows * k).zip(x.chunks(tile_rows * k)) {
+        let rows = rows_x.len() / k;
+        for (r, row) in rows_x.chunks_exact(k).enumerate() {
+            for (kk, &value) in row.iter().enumerate() {
+                tile[kk * rows + r] = value;
+            }
+        }
+    }
+    tiles
+}
+
+/// `y`'s base pointer, shared by the tasks of one call.
+#[derive(Clone, Copy)]
+struct SharedOut(*mut f32);
+
+// SAFETY: tasks write disjoint column ranges of `y` (see the module invariants), and the call
+// that owns `&mut y` waits for all of them.
+unsafe impl Send for SharedOut {}
+unsafe impl Sync for SharedOut {}
+
+/// One checked call: the shapes agree and `isa` runs on this CPU.
+struct Run<'a> {
+    isa: Isa,
+    x: &'a [f32],
+    m: usize,
+    k: usize,
+    n: usize,
+    y: SharedOut,
+}
+
+impl Run<'_> {
+    /// Splits the panels over the pool: about 4 tasks per thread, for balance under load, each a
+    /// whole number of the widest tile's panel groups (a task of fewer panels than a group would
+    /// run M = 1 on single-panel tiles, 2 accumulators deep: bound by the FMA latency).
+    fn all<T: KvElement>(&self, packed: &[T]) -> Result<()> {
+        let panel_len = self.k * PANEL;
+        let panels = packed.len() / panel_len;
+        let pool = pool()?;
+        let width = self.isa.panels_for(self.m.min(self.isa.max_rows()));
+        let share = panels.div_ceil(pool.current_num_threads() * 4);
+        let per_task = (share / width * width).max(width);
+        pool.install(|| {
+            packed
+                .par_chunks(per_task * panel_len)
+                .enumerate()
+                .for_each(|(task, chunk)| self.task(chunk, task * per_task));
+        });
+        Ok(())
+    }
+
+    /// Panels `first..` held in `chunk`, for every row of `x`.
+    fn task<T: KvElement>(&self, chunk: &[T], first: usize) {
+        let panel_len = self.k * PANEL;
+        let rows = self.m.min(self.isa.max_rows());
+        let width = self.isa.panels_for(rows);
+        let convert = T::DTYPE != KvDtype::F32 && self.m > rows;
+        let mut scratch = if convert {
+            vec![0.0f32; width * panel_len]
+        } else {
+            Vec::new()
+        };
+        let mut done = 0;
+        while done < chunk.len() {
+            let group = if chunk.len() - done >= width * panel_len {
+                width
+            } else {
+                1
+            };
+            let end = done + group * panel_len;
+            let (src, rest) = (&chunk[done..end], &chunk[end..]);
+            let ahead = Ahead::new(&rest[..rest.len().min(width * panel_len)], self.k);
+            let panel = first + done / panel_len;
+            if convert {
+                let dst = &mut scratch[..group * panel_len];
+                // SAFETY: `isa` runs on this CPU (checked by the caller of `all`).
+                unsafe { self.isa.convert(src, dst) };
+                self.rows(group, dst, panel, ahead);
+            } else {
+                self.rows(group, src, panel, ahead);
+            }
+            done += group * panel_len;
+        }
+    }
+
+    /// Every tile of rows of `x` against `group` panels at `w`, the first being panel `panel`;
+    /// the first tile requests `ahead`, the next group.
+    fn rows<T: KvElement>(&self, group: usize, w: &[T], panel: usize, ahead: Ahead) {
+        let mut out = [0.0f32; MAX_TILE];
+        let col0 = panel * PANEL;
+        let cols = (group * PANEL).min(self.n - col0);
+        let mut row0 = 0;
+        while row0 < self.m {
+            let rows = (self.m - row0).min(self.isa.max_rows());
+            // A shorter last tile of rows may want wider tiles than the group: then one panel each.
+            let width = match self.isa.panels_for(rows) {
+                wide if wide <= group && group.is_multiple_of(wide) => wide,
+                _ => 1,
+            };
+            for sub in (0..group).step_by(width) {
+                // The first tile brings the next group into L2; the others would only repeat it.
+                let ahead = if row0 == 0 && sub == 0 {
+                    ahead
+                } else {
+                    Ahead::NONE
+                };
+                self.tile(rows, width, w, sub, row0, col0, cols, &mut out, ahead);
+            }
+            row0 += rows;
+        }
+    }
+
+    /// One tile: `rows` rows from `row0`, `width` panels from `sub` within the group.
+    #[allow(clippy::too_many_arguments)]
+    fn tile<T: KvElement>(
+        &self,
+        rows: usize,
+        width: usize,
+        w: &[T],
+        sub: usize,
+        row0: usize,
+        col0: usize,
+        cols: usize,
+        out: &mut [f32; MAX_TILE],
+        ahead: Ahead,
+    ) {
+        let panel_len = self.k * PANEL;
+        let w = &w[sub * panel_len..(sub + width) * panel_len];
+        // Row tiles are `max_rows` high but the last, so the tile of `row0` starts at `row0 · k`.
+        let x = &self.x[row0 * self.k..(row0 + rows) * self.k];
+        // SAFETY: `isa` runs on this CPU; `x` holds `rows` interleaved rows of `k`, `w` holds `width` panels,
+        // `out` holds MAX_TILE ≥ rows · width · 16 floats, and `(rows, width)` is either
+        // `(rows, panels_for(rows))` or `(rows, 1)`, the combinations every path lists.
+        unsafe {
+            self.isa.tile(
+                rows,
+                width,
+                x.as_ptr(),
+                w.as_ptr(),
+                self.k,
+                out.as_mut_ptr(),
+                ahead,
+            )
+        };
+        let first = sub * PANEL;
+        let count = (width * PANEL).min(cols.saturating_sub(first));
+        for r in 0..rows {
+            let src = &out[r * width * PANEL..r * width * PANEL + count];
+            // SAFETY: row `row0 + r` < m and columns `col0 + first .. + count` ≤ n lie in `y`
+            // (m × n); this task alone writes these columns.
+            unsafe {
+                std::ptr::copy_nonoverlapping(
+                    src.as_ptr(),
+                    self.y.0.add((row0 + r) * self.n + col0 + first),
+                    count,
+                )
+            };
+        }
+    }
+}

@@ -1,0 +1,150 @@
+use super::*;
+
+/// Deterministic values in [-1, 1).
+fn values(len: usize, seed: u64) -> Vec<f32> {
+    let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state >> 40) as f32 / (1u64 << 23) as f32 - 1.0
+        })
+        .collect()
+}
+
+/// `x · W` in f64 over the weight as rounded to `dtype`.
+fn reference(x: &[f32], w: &[f32], m: usize, k: usize, n: usize, dtype: KvDtype) -> Vec<f64> {
+    let round = |v: f32| match dtype {
+        KvDtype::F32 => v,
+        KvDtype::F16 => f16::from_f32(v).to_f32(),
+        KvDtype::Bf16 => bf16::from_f32(v).to_f32(),
+    };
+    let mut y = vec![0.0f64; m * n];
+    for i in 0..m {
+        for kk in 0..k {
+            let xv = f64::from(x[i * k + kk]);
+            for j in 0..n {
+                y[i * n + j] += xv * f64::from(round(w[kk * n + j]));
+            }
+        }
+    }
+    y
+}
+
+const DTYPES: [KvDtype; 3] = [KvDtype::F32, KvDtype::F16, KvDtype::Bf16];
+
+#[test]
+fn every_kernel_and_dtype_matches_the_reference_on_odd_shapes() {
+    let shapes = [
+        (1, 1, 1),
+        (1, 13, 17),
+        (2, 7, 33),
+        (3, 5, 64),
+        (5, 19, 31),
+        (7, 9, 129),
+        (16, 33, 47),
+        (17, 64, 160),
+        (33, 3, 15),
+        // Enough panels for whole groups of the widest M = 1 and M = 2 tiles, and a tail.
+        (1, 37, 200),
+        (2, 50, 100),
+        (1, 5, 16 * 21),
+    ];
+    for kernel in LinearKernel::ALL.into_iter().filter(|k| k.available()) {
+        for dtype in DTYPES {
+            for &(m, k, n) in &shapes {
+                let x = values(m * k, 1 + m as u64);
+                let w = values(k * n, 2 + n as u64);
+                let linear = Linear::new(&w, k, n, (n, 1), dtype).unwrap();
+                let mut y = vec![f32::NAN; m * n];
+                linear.forward_with(kernel, &x, m, &mut y).unwrap();
+                let want = reference(&x, &w, m, k, n, dtype);
+                for (i, (&got, &want)) in y.iter().zip(&want).enumerate() {
+                    // f32 sums of k terms of magnitude ≤ 1: error ≤ k · 2^-24 · Σ|terms| ≤ k² 2^-24.
+                    let bound = (k * k) as f64 * 6e-8 + 1e-6;
+                    assert!(
+                        (f64::from(got) - want).abs() <= bound,
+                        "{} {} m={m} k={k} n={n} at {i}: {got} vs {want}",
+                        kernel.name(),
+                        dtype.name()
+                    );
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn paths_agree_to_rounding_and_thread_count_does_not_matter() {
+    let (m, k, n) = (12, 100, 200);
+    let x = values(m * k, 5);
+    let w = values(k * n, 6);
+    let linear = Linear::new(&w, k, n, (n, 1), KvDtype::Bf16).unwrap();
+    let mut first = vec![0.0f32; m * n];
+    linear.forward(&x, m, &mut first).unwrap();
+    for kernel in LinearKernel::ALL.into_iter().filter(|k| k.available()) {
+        let mut y = vec![0.0f32; m * n];
+        linear.forward_with(kernel, &x, m, &mut y).unwrap();
+        for (a, b) in y.iter().zip(&first) {
+            assert!((a - b).abs() <= 1e-4, "{}: {a} vs {b}", kernel.name());
+        }
+    }
+    // Same kernel, same sums in the same order: identical bits whatever the split.
+    let mut again = vec![0.0f32; m * n];
+    linear.forward(&x, m, &mut again).unwrap();
+    assert_eq!(again, first);
+}
+
+#[test]
+fn transposed_strides_read_the_out_in_layout() {
+    let (m, k, n) = (3, 21, 37);
+    let x = values(m * k, 7);
+    let w = values(k * n, 8);
+    let mut w_t = vec![0.0f32; k * n];
+    for kk in 0..k {
+        for j in 0..n {
+            w_t[j * k + kk] = w[kk * n + j];
+        }
+    }
+    let direct = Linear::new(&w, k, n, (n, 1), KvDtype::F32).unwrap();
+    let transposed = Linear::new(&w_t, k, n, (1, k), KvDtype::F32).unwrap();
+    let (mut a, mut b) = (vec![0.0f32; m * n], vec![0.0f32; m * n]);
+    direct.forward(&x, m, &mut a).unwrap();
+    transposed.forward(&x, m, &mut b).unwrap();
+    assert_eq!(a, b);
+}
+
+#[test]
+fn bad_shapes_and_kernels_are_typed_errors() {
+    assert!(matches!(
+        Linear::new(&[], 0, 3, (3, 1), KvDtype::F32),
+        Err(Error::Shape(_))
+    ));
+    assert!(matches!(
+        Linear::new(&[0.0; 5], 2, 3, (3, 1), KvDtype::F32),
+        Err(Error::Shape(_))
+    ));
+    let linear = Linear::new(&[1.0; 6], 2, 3, (3, 1), KvDtype::F16).unwrap();
+    assert_eq!(linear.nbytes(), 2 * 16 * 2);
+    let mut y = vec![0.0f32; 3];
+    assert!(matches!(
+        linear.forward(&[1.0; 3], 1, &mut y),
+        Err(Error::Shape(_))
+    ));
+    assert!(matches!(
+        linear.forward(&[1.0; 2], 2, &mut y),
+        Err(Error::Shape(_))
+    ));
+    linear.forward(&[1.0, 2.0], 1, &mut y).unwrap();
+    assert_eq!(y, [3.0; 3]);
+    linear.forward(&[], 0, &mut []).unwrap();
+    for kernel in LinearKernel::ALL.into_iter().filter(|k| !k.available()) {
+        assert!(matches!(
+            linear.forward_with(kernel, &[1.0, 2.0], 1, &mut y),
+            Err(Error::InvalidArgument(_))
+        ));
+    }
+    assert!("sse".parse::<LinearKernel>().is_err());
+    assert_eq!("avx2".parse::<LinearKernel>().unwrap(), LinearKernel::Avx2);
+}

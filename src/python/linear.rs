@@ -1,0 +1,107 @@
+//! `pagedkv._core.Linear`: a packed weight and its product, a thin shell over
+//! [`crate::linear::Linear`]. The weight is read without a copy when C- or Fortran-contiguous
+//! (a `.T` of an `[out, in]` checkpoint matrix is the latter); inputs are read in C order; the GIL
+//! is released while packing and computing.
+
+use numpy::ndarray::Ix2;
+use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray, PyUntypedArrayMethods};
+use pyo3::prelude::*;
+
+use super::args::{c_order, expect_shape, opt, typed_array, Param};
+use super::errors::IntoPyResult;
+use crate::linear::{Linear, LinearKernel};
+use crate::KvDtype;
+
+/// A weight `W` (`[in_features, out_features]`) stored as float32, float16 or bfloat16, and
+/// `y = x @ W` for float32 `x` `[M, in_features]`, summed in float32 on the attention threads.
+#[pyclass(name = "Linear", module = "pagedkv", frozen)]
+pub struct PyLinear {
+    inner: Linear,
+}
+
+#[pymethods]
+impl PyLinear {
+    #[new]
+    #[pyo3(signature = (weight, dtype=Param::Absent), text_signature = "(weight, dtype='float32')")]
+    fn new(py: Python<'_>, weight: &Bound<'_, PyAny>, dtype: Param<'_>) -> PyResult<Self> {
+        let dtype: String = dtype.or("dtype", "float32".into())?;
+        let dtype: KvDtype = dtype.parse().py_err()?;
+        let array: PyReadonlyArray<'_, f32, Ix2> = typed_array(weight, "weight", "float32")?;
+        let (k, n) = (array.shape()[0], array.shape()[1]);
+        // A Fortran-ordered array's memory is its transpose in C order: read it with swapped strides.
+        let fortran = !array.is_c_contiguous() && array.is_fortran_contiguous();
+        let (data, strides) = match array.as_slice() {
+            Ok(slice) if fortran => (std::borrow::Cow::Borrowed(slice), (1, k)),
+            _ => (c_order(&array)?, (n, 1)),
+        };
+        let inner = py
+            .detach(|| Linear::new(&data, k, n, strides, dtype))
+            .py_err()?;
+        Ok(PyLinear { inner })
+    }
+
+    /// `x @ W` as a new float32 array `[M, out_features]`; `x` is float32 `[M, in_features]` of
+    /// any layout. `kernel` ("avx512", "avx2" or "portable") forces a path, for tests.
+    #[pyo3(signature = (x, kernel=None))]
+    fn __call__<'py>(
+        &self,
+        py: Python<'py>,
+        x: &Bound<'py, PyAny>,
+        kernel: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let kernel = match opt::<String>(kernel, "kernel")? {
+            None => LinearKernel::best(),
+            Some(name) => name.parse().py_err()?,
+        };
+        let array: PyReadonlyArray<'_, f32, Ix2> = typed_array(x, "x", "float32")?;
+        expect_shape(array.shape(), &[None, Some(self.inner.in_features())], "x")?;
+        let m = array.shape()[0];
+        let x = c_order(&array)?;
+        let mut y = vec![0.0f32; m * self.inner.out_features()];
+        py.detach(|| self.inner.forward_with(kernel, &x, m, &mut y))
+            .py_err()?;
+        Ok(PyArray1::from_vec(py, y)
+            .reshape([m, self.inner.out_features()])?
+            .into_any())
+    }
+
+    /// Rows of `W` (the length of an input row).
+    #[getter]
+    fn in_features(&self) -> usize {
+        self.inner.in_features()
+    }
+
+    /// Columns of `W` (the length of an output row).
+    #[getter]
+    fn out_features(&self) -> usize {
+        self.inner.out_features()
+    }
+
+    /// Storage dtype name: "float32", "float16" or "bfloat16".
+    #[getter]
+    fn dtype(&self) -> &'static str {
+        self.inner.dtype().name()
+    }
+
+    /// Bytes of the stored weight, columns padded to a multiple of 16.
+    #[getter]
+    fn nbytes(&self) -> usize {
+        self.inner.nbytes()
+    }
+}
+
+/// Linear kernels this CPU can run, fastest first (e.g. `["avx2", "portable"]`).
+#[pyfunction]
+fn available_linear_kernels() -> Vec<&'static str> {
+    LinearKernel::ALL
+        .into_iter()
+        .filter(|k| k.available())
+        .map(LinearKernel::name)
+        .collect()
+}
+
+pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyLinear>()?;
+    m.add_function(wrap_pyfunction!(available_linear_kernels, m)?)?;
+    Ok(())
+}
