@@ -18,7 +18,18 @@ from pagedkv.model.weights import _encode, _widen
 
 DTYPES = ["float32", "float16", "bfloat16"]
 KERNELS = available_linear_kernels()
-SHAPES = [(1, 1, 1), (1, 13, 17), (2, 7, 33), (5, 19, 31), (6, 64, 16), (7, 100, 129), (16, 576, 47), (33, 3, 15), (1, 37, 200), (2, 50, 100)]
+SHAPES = [
+    (1, 1, 1),
+    (1, 13, 17),
+    (2, 7, 33),
+    (5, 19, 31),
+    (6, 64, 16),
+    (7, 100, 129),
+    (16, 576, 47),
+    (33, 3, 15),
+    (1, 37, 200),
+    (2, 50, 100),
+]
 
 
 def stored(weight: np.ndarray, dtype: str) -> np.ndarray:
@@ -131,7 +142,15 @@ def test_bench_reports_fractions_of_the_limits_measured_in_the_same_run(capsys: 
 
 
 @pytest.mark.parametrize(
-    ("flag", "value"), [("--rows", "0"), ("--rows", "1,,2"), ("--dtypes", "int8"), ("--samples", "0"), ("--weight-mib", "-1"), ("--projections", "qk")]
+    ("flag", "value"),
+    [
+        ("--rows", "0"),
+        ("--rows", "1,,2"),
+        ("--dtypes", "int8"),
+        ("--samples", "0"),
+        ("--weight-mib", "-1"),
+        ("--projections", "qk"),
+    ],
 )
 def test_bench_flags_are_usage_errors(flag: str, value: str, capsys: pytest.CaptureFixture[str]) -> None:
     from pagedkv.__main__ import main

@@ -391,6 +391,7 @@ def attention_kernel_seconds(
 ) -> float:
     """Seconds per ``KVCache.attention`` call spent in the kernel alone, timed inside Rust."""
 
+@final
 class Linear:
     """A weight ``W`` ``[in_features, out_features]`` stored as float32, float16 or bfloat16
     (rounded to nearest), and ``x @ W`` for float32 ``x`` ``[M, in_features]``, summed in float32
@@ -404,8 +405,8 @@ class Linear:
     dtype: str
     nbytes: int
 
-    def __init__(self, weight: npt.NDArray[np.float32], dtype: str = "float32") -> None: ...
-    def __call__(self, x: npt.NDArray[np.float32], kernel: Optional[str] = None) -> npt.NDArray[np.float32]:
+    def __new__(cls, weight: npt.NDArray[np.float32], dtype: str = "float32") -> Self: ...
+    def __call__(self, x: npt.NDArray[np.float32], kernel: str | None = None) -> npt.NDArray[np.float32]:
         """``x @ W`` as a new float32 ``[M, out_features]`` array; ``kernel`` ("avx512", "avx2" or
         "portable") forces a path (``InvalidArgumentError`` if this CPU cannot run it)."""
 

@@ -23,8 +23,8 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from types import SimpleNamespace
-from typing import Callable
 
 import numpy as np
 from threadpoolctl import threadpool_limits
@@ -106,7 +106,7 @@ def _linear_cases(args, samples: int, probe, numpy_threads: int, table) -> list[
         for m in args.rows:
             x = rng.standard_normal((m, k), dtype=np.float32)
             flops = 2.0 * m * k * n
-            runners = {dtype: _rotating([lambda lin=lin: lin(x) for lin in lins]) for dtype, lins in linears.items()}
+            runners = {dtype: _rotating([lambda lin=lin, x=x: lin(x) for lin in lins]) for dtype, lins in linears.items()}
             for run in runners.values():  # warm-up: page in, build the pool
                 run()
             times: dict[str, list[float]] = {dtype: [] for dtype in runners}
@@ -118,7 +118,7 @@ def _linear_cases(args, samples: int, probe, numpy_threads: int, table) -> list[
                 bandwidth.append(probe.sweep())
                 peak.append(_core.measure_fma_peak())
             with threadpool_limits(limits=numpy_threads, user_api="blas"):
-                numpy_run = _rotating([lambda w=w: x @ w for w in weights])
+                numpy_run = _rotating([lambda w=w, x=x: x @ w for w in weights])
                 numpy_run()
                 numpy_s = statistics.median(numpy_run() for _ in range(samples))
             bw, fma = statistics.median(bandwidth), statistics.median(peak)
@@ -193,7 +193,7 @@ def _numpy_model(weights: LlamaWeights) -> LlamaModel:
             gate_up=_NumpyProjection(np.concatenate((layer.gate_proj, layer.up_proj)).T),
             down=_NumpyProjection(layer.down_proj.T),
         )
-        for fused, layer in zip(model._layers, weights.layers)
+        for fused, layer in zip(model._layers, weights.layers, strict=True)
     ]
     return model
 
@@ -235,7 +235,7 @@ def _model_step(args, samples: int, table) -> dict:
         for sample in range(samples):
             for name in names[sample % len(names) :] + names[: sample % len(names)]:
                 model, cache = variants[name], caches[name]
-                times[name].append(_seconds(lambda: model.forward(step, cache), 3))
+                times[name].append(_seconds(lambda model=model, cache=cache, step=step: model.forward(step, cache), 3))
         before = statistics.median(times[names[0]])
         for name in names:
             seconds = statistics.median(times[name])
