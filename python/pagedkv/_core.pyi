@@ -34,6 +34,8 @@ __all__ = [
     "measure_read_bandwidth",
     "measure_fma_peak",
     "attention_kernel_seconds",
+    "Linear",
+    "available_linear_kernels",
 ]
 
 __version__: str
