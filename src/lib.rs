@@ -16,6 +16,7 @@ pub mod kv_cache;
 pub mod lru;
 mod memory;
 pub mod prefix_cache;
+pub mod sampling;
 pub mod scheduler;
 mod sync;
 

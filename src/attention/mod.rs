@@ -26,6 +26,7 @@ use rayon::prelude::*;
 
 pub use probes::{measure_fma_peak, measure_read_bandwidth, ReadProbe, MIN_PROBE_BYTES};
 pub use simd::KernelPath;
+pub(crate) use threads::pool;
 pub use threads::{num_threads, set_num_threads, MAX_THREADS, NUM_THREADS_ENV};
 
 use crate::dtype::{KvDtype, KvElement};

@@ -10,6 +10,7 @@ mod attention_call;
 mod block_manager;
 mod errors;
 mod kv_cache;
+mod sampling;
 mod scheduler;
 mod sync;
 
@@ -25,5 +26,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<scheduler::PySchedulerOutput>()?;
     m.add_class::<scheduler::PyUpdateOutput>()?;
     attention::register(m)?;
+    sampling::register(m)?;
     Ok(())
 }
