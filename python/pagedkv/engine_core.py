@@ -181,7 +181,7 @@ class PagedModelRunner:
 
     def run(self, step: ModelStep, params: Sequence[SamplingParams], generators: Sequence[np.random.Generator]) -> np.ndarray:
         logits = self.model.forward(step, self.kv_cache)
-        return sample(logits, params, generators).tokens
+        return sample(logits, params, generators)
 
 
 class SimulatedRunner:

@@ -39,7 +39,7 @@ import numpy as np
 from pagedkv import _core
 from pagedkv.errors import InvalidArgumentError, ShapeError
 
-__all__ = ["MAX_TOP_LOGPROBS", "NO_TOKEN", "SamplingParams", "Samples", "TokenHistory", "sample"]
+__all__ = ["MAX_TOP_LOGPROBS", "NO_TOKEN", "SamplingParams", "Samples", "TokenHistory", "sample", "sample_with_logprobs"]
 
 NO_TOKEN = -1  # what `sample` gives a row with nothing to draw from (NaN, or only -inf)
 
@@ -181,6 +181,16 @@ class Samples:
 
 
 def sample(
+    logits: np.ndarray,
+    params: Sequence[SamplingParams],
+    generators: Sequence[np.random.Generator],
+    histories: Sequence[TokenHistory | None] | None = None,
+) -> np.ndarray:
+    """The tokens of :func:`sample_with_logprobs` (int64 ``[rows]``)."""
+    return sample_with_logprobs(logits, params, generators, histories).tokens
+
+
+def sample_with_logprobs(
     logits: np.ndarray,
     params: Sequence[SamplingParams],
     generators: Sequence[np.random.Generator],
