@@ -100,7 +100,10 @@ pub fn sample(
             || format!("row {r}: a history token is outside the vocabulary of {vocab}"),
         )?;
         ensure((0.0..1.0).contains(&p.uniform), || {
-            format!("row {r}: the uniform number must be in [0, 1), got {}", p.uniform)
+            format!(
+                "row {r}: the uniform number must be in [0, 1), got {}",
+                p.uniform
+            )
         })?;
     }
     let pool = crate::attention::pool()?;
@@ -146,15 +149,22 @@ fn sample_row(row: &[f32], p: &RowParams, history: &History<'_>, s: &mut Scratch
         && (p.repetition_penalty != 1.0 || p.presence_penalty != 0.0 || p.frequency_penalty != 0.0);
     buffer.clear();
     if infinite {
-        buffer.extend(
-            row.iter()
-                .map(|&x| if x == f32::INFINITY { 0.0 } else { f32::NEG_INFINITY }),
-        );
+        buffer.extend(row.iter().map(|&x| {
+            if x == f32::INFINITY {
+                0.0
+            } else {
+                f32::NEG_INFINITY
+            }
+        }));
     } else if penalized {
         buffer.extend_from_slice(row);
         apply_penalties(buffer, p, history);
     }
-    let (raw, raw_max) = if infinite { (&buffer[..], 0.0) } else { (row, max) };
+    let (raw, raw_max) = if infinite {
+        (&buffer[..], 0.0)
+    } else {
+        (row, max)
+    };
     let (values, values_max) = match (infinite, penalized) {
         (false, false) => (row, max),
         (true, _) => (&buffer[..], 0.0),
@@ -498,7 +508,10 @@ mod tests {
         for i in 0..10_000 {
             let x = -(i as f32) * 0.0087;
             let (fast, exact) = (exp_nonpositive(x), x.exp());
-            assert!((fast - exact).abs() <= (3e-7 + 1e-7 * -x) * exact, "{x}: {fast} vs {exact}");
+            assert!(
+                (fast - exact).abs() <= (3e-7 + 1e-7 * -x) * exact,
+                "{x}: {fast} vs {exact}"
+            );
         }
         assert_eq!(exp_nonpositive(f32::NEG_INFINITY), 0.0);
     }

@@ -31,7 +31,9 @@ fn row_params(row: &[f64]) -> PyResult<RowParams> {
         if x >= 0.0 && x.fract() == 0.0 && x < u32::MAX as f64 {
             Ok(x as usize)
         } else {
-            Err(invalid(format!("{name} must be a non-negative integer, got {x}")))
+            Err(invalid(format!(
+                "{name} must be a non-negative integer, got {x}"
+            )))
         }
     };
     Ok(RowParams {

@@ -9,5 +9,6 @@ BENCHES = {
     "attention": "pagedkv.bench.attention",
     "scheduler": "pagedkv.bench.scheduler",
     "serve": "pagedkv.bench.serve",
+    "sampling": "pagedkv.bench.sampling",
     "all": "pagedkv.bench.all",
 }
