@@ -201,7 +201,7 @@ fn max_and_nan(row: &[f32]) -> (f32, bool) {
     for chunk in chunks {
         for j in 0..8 {
             max[j] = if chunk[j] > max[j] { chunk[j] } else { max[j] };
-            nan[j] |= (chunk[j] != chunk[j]) as u32;
+            nan[j] |= chunk[j].is_nan() as u32;
         }
     }
     let mut m = max.into_iter().fold(f32::NEG_INFINITY, f32::max);
