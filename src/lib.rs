@@ -17,6 +17,7 @@ pub mod linear;
 pub mod lru;
 mod memory;
 pub mod prefix_cache;
+pub mod sampling;
 pub mod scheduler;
 mod sync;
 

@@ -11,6 +11,7 @@ mod block_manager;
 mod errors;
 mod kv_cache;
 mod linear;
+mod sampling;
 mod scheduler;
 mod sync;
 
@@ -27,5 +28,6 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<scheduler::PyUpdateOutput>()?;
     attention::register(m)?;
     linear::register(m)?;
+    sampling::register(m)?;
     Ok(())
 }

@@ -11,5 +11,6 @@ BENCHES = {
     "scheduler": "pagedkv.bench.scheduler",
     "serve": "pagedkv.bench.serve",
     "model": "pagedkv.bench.model",
+    "sampling": "pagedkv.bench.sampling",
     "all": "pagedkv.bench.all",
 }
