@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.model.sampling import NO_TOKEN, SamplingParams, TokenHistory, sample, sample_with_logprobs
 
@@ -24,7 +25,7 @@ def reference(logits: np.ndarray, p: SamplingParams, history: TokenHistory | Non
     """The probabilities the module doc defines, in float64 with full sorts."""
     x = logits.astype(np.float64).copy()
     if history is not None:
-        for token, count in zip(history.tokens.tolist(), history.counts.tolist()):
+        for token, count in zip(history.tokens.tolist(), history.counts.tolist(), strict=True):
             x[token] = x[token] / p.repetition_penalty if x[token] > 0 else x[token] * p.repetition_penalty
             x[token] -= p.frequency_penalty * count + p.presence_penalty * (count > 0)
     vocab = len(x)
@@ -95,7 +96,7 @@ def test_penalties_follow_openai_and_hf_formulas():
     history = TokenHistory([1, 1, 4, 6], with_prompt=True)
     for token in [3, 3, 8, 1]:
         history.append(token)
-    assert dict(zip(history.tokens.tolist(), history.counts.tolist())) == {1: 1, 4: 0, 6: 0, 3: 2, 8: 1}
+    assert dict(zip(history.tokens.tolist(), history.counts.tolist(), strict=True)) == {1: 1, 4: 0, 6: 0, 3: 2, 8: 1}
     for kwargs in [dict(repetition_penalty=1.8), dict(presence_penalty=1.5), dict(frequency_penalty=0.7),
                    dict(repetition_penalty=0.6, presence_penalty=-1.0, frequency_penalty=2.0)]:
         p = SamplingParams(temperature=1.0, **kwargs)

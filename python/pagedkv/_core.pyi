@@ -36,6 +36,9 @@ __all__ = [
     "attention_kernel_seconds",
     "Linear",
     "available_linear_kernels",
+    "sample_rows",
+    "SAMPLING_COLUMNS",
+    "NO_TOKEN",
 ]
 
 __version__: str
@@ -414,3 +417,20 @@ class Linear:
 
 def available_linear_kernels() -> list[str]:
     """Linear kernels this CPU runs, fastest first, e.g. ``["avx2", "portable"]``."""
+
+SAMPLING_COLUMNS: list[str]
+"""Column order of ``sample_rows``'s ``params`` matrix (one row of parameters per logits row)."""
+NO_TOKEN: int
+"""The token ``sample_rows`` gives a row with no token to draw (a NaN, or only -inf)."""
+
+def sample_rows(
+    logits: npt.NDArray[np.float32],
+    params: npt.NDArray[np.float64],
+    history_offsets: npt.NDArray[np.int64],
+    history_tokens: npt.NDArray[np.int32],
+    history_counts: npt.NDArray[np.int32],
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32], npt.NDArray[np.int64], npt.NDArray[np.float32]]:
+    """One token per row of ``logits`` ``[rows, vocab]`` under that row of ``params`` ``[rows,
+    len(SAMPLING_COLUMNS)]``, the rows' token histories in CSR form (``history_offsets`` ``[rows +
+    1]`` into ``history_tokens`` and ``history_counts``): ``(tokens, logprobs, top_ids,
+    top_logprobs)``; unused entries hold -1 and NaN. Used by :func:`pagedkv.model.sampling.sample`."""

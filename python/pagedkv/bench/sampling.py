@@ -46,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def baseline(logits: np.ndarray, params: list[SamplingParams], generators, histories) -> np.ndarray:
     """main's numpy sampler (finite rows only), plus min-p and penalties."""
     logits = np.array(logits, dtype=np.float64)
-    for r, (p, h) in enumerate(zip(params, histories)):
+    for r, (p, h) in enumerate(zip(params, histories, strict=True)):
         if h is not None and p.penalized:
             x = logits[r, h.tokens]
             x = np.where(x > 0, x / p.repetition_penalty, x * p.repetition_penalty)
@@ -112,17 +112,27 @@ def run(args: argparse.Namespace) -> int:
         histories: list[TokenHistory | None] = [None] * args.rows
         if p.penalized:
             histories = []
-            for r in range(args.rows):
+            for _ in range(args.rows):
                 history = TokenHistory(rng.integers(0, args.vocab, 192).tolist())
                 for token in rng.integers(0, args.vocab, 64).tolist():
                     history.append(token)
                 histories.append(history)
         sample(logits, params, generators, histories)  # warm the pool
-        kernel = _median_ms(lambda: sample(logits, params, generators, histories), repeats)
+        kernel = _median_ms(lambda params=params, histories=histories: sample(logits, params, generators, histories), repeats)
         slow = args.quick and p.temperature > 0
-        numpy_ms = None if slow else _median_ms(lambda: baseline(logits, params, generators, histories), repeats)
-        results.append(dict(case=name, kernel_ms=round(kernel, 3), numpy_ms=None if numpy_ms is None else round(numpy_ms, 3),
-                            speedup=None if numpy_ms is None else round(numpy_ms / kernel, 1)))
+        numpy_ms = (
+            None
+            if slow
+            else _median_ms(lambda params=params, histories=histories: baseline(logits, params, generators, histories), repeats)
+        )
+        results.append(
+            dict(
+                case=name,
+                kernel_ms=round(kernel, 3),
+                numpy_ms=None if numpy_ms is None else round(numpy_ms, 3),
+                speedup=None if numpy_ms is None else round(numpy_ms / kernel, 1),
+            )
+        )
     report = dict(rows=args.rows, vocab=args.vocab, repeats=repeats, load_average=os.getloadavg(), cases=results)
     if args.json:
         print(json.dumps(report))

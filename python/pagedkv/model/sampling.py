@@ -151,7 +151,7 @@ class TokenHistory:
         self._tokens = np.zeros(max(16, 2 * self._size), dtype=np.int32)
         self._counts = np.zeros_like(self._tokens)
         self._tokens[: self._size] = ids
-        self._where = dict(zip(ids.tolist(), range(self._size)))
+        self._where = dict(zip(ids.tolist(), range(self._size), strict=True))
 
     def append(self, token: int) -> None:
         """Counts one generated token."""
@@ -217,7 +217,7 @@ def sample_with_logprobs(
             f"{len(histories)} histories must agree in rows"
         )
     table = np.empty((rows, len(_COLUMNS)), dtype=np.float64)
-    for r, (p, g) in enumerate(zip(params, generators)):
+    for r, (p, g) in enumerate(zip(params, generators, strict=True)):
         table[r] = [getattr(p, name) for name in _PARAM_COLUMNS] + [
             0.0 if p.greedy else g.random(),
             p.top_logprobs if p.logprobs else -1,
