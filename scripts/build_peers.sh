@@ -2,7 +2,7 @@
 # The peers of `python -m pagedkv bench model`, built outside git in .peers/ (`make peers`):
 # llama.cpp CPU-only from the source vendored in the llama-cpp-python sdist on PyPI (the only
 # registry that carries it), and the SmolLM2 GGUF requantized to F16 and F32 beside the shipped
-# Q4_1. Each step is skipped when its output exists, so a rerun costs nothing; delete .peers/ to
+# Q4_1 (llama-server too: the peer of `bench http`). Each step is skipped when its output exists, so a rerun costs nothing; delete .peers/ to
 # rebuild. The build is niced and uses -j2: the machine has 2 cores and is shared.
 set -euo pipefail
 
@@ -11,7 +11,7 @@ PEERS=${PEERS_DIR:-$ROOT/.peers}
 VENV=${PEERS_VENV:-$ROOT/.venv-peers}
 PROJECT_PY=${PROJECT_PY:-$ROOT/.venv/bin/python}
 JOBS=${PEERS_JOBS:-2}
-TOOLS=(llama-bench llama-batched-bench llama-quantize llama-simple)
+TOOLS=(llama-bench llama-batched-bench llama-quantize llama-simple llama-server)
 
 mkdir -p "$PEERS/src"
 if [ ! -x "$VENV/bin/python" ]; then python3 -m venv "$VENV"; fi
@@ -32,7 +32,7 @@ if [ ! -f "$BUILD/build.ninja" ]; then
   "$VENV/bin/cmake" -S "$LLAMA" -B "$BUILD" -G Ninja -DCMAKE_MAKE_PROGRAM="$VENV/bin/ninja" \
     -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF \
     -DGGML_METAL=OFF -DGGML_CUDA=OFF -DGGML_VULKAN=OFF -DLLAMA_OPENSSL=OFF \
-    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_TOOLS=ON
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_TOOLS=ON
 fi
 nice -n 10 "$VENV/bin/cmake" --build "$BUILD" -j "$JOBS" --target "${TOOLS[@]}"
 mkdir -p "$PEERS/bin"
