@@ -354,31 +354,51 @@ impl Scheduler {
             .remove(request)
             .expect("id map points at live requests");
         for handle in request.seqs {
-            let seq = self
-                .seqs
-                .remove(handle)
-                .expect("requests list live sequences");
-            match seq.status {
-                SeqStatus::Waiting => {
-                    let queued = self.waiting.remove(seq.queue_key, handle);
-                    debug_assert!(queued);
-                }
-                SeqStatus::Running => {
-                    self.blocks
-                        .free(seq.block_seq)
-                        .expect("running sequences have tables");
-                    let at = self
-                        .running
-                        .iter()
-                        .position(|&h| h == handle)
-                        .expect("running sequence listed");
-                    self.running.remove(at);
-                    self.owed_forks -= seq.pending_forks as usize;
-                }
-            }
+            self.drop_sequence(handle);
         }
         self.totals.aborted_requests += 1;
         Ok(())
+    }
+
+    /// Ends sample `seq_index` of a live request before its siblings (the engine met its stop
+    /// string), freeing its blocks; a step awaiting update skips it, and the request goes on with
+    /// the others. Fails, changing nothing: `UnknownSequence` for no such live sample,
+    /// `InvalidArgument` for the request's only live sample (abort the request instead).
+    pub fn finish_sample(&mut self, request_id: &str, seq_index: u32) -> Result<()> {
+        let (request, at) = self.find_sample(request_id, seq_index)?;
+        let seqs = &mut self.requests[request].seqs;
+        ensure(seqs.len() > 1, || {
+            format!("sample {seq_index} is the last of request {request_id:?}: abort it instead")
+        })?;
+        let handle = seqs.remove(at);
+        self.drop_sequence(handle);
+        Ok(())
+    }
+
+    /// Removes a waiting or running sequence (not from its request's list), returning its blocks.
+    fn drop_sequence(&mut self, handle: Handle) {
+        let seq = self
+            .seqs
+            .remove(handle)
+            .expect("requests list live sequences");
+        match seq.status {
+            SeqStatus::Waiting => {
+                let queued = self.waiting.remove(seq.queue_key, handle);
+                debug_assert!(queued);
+            }
+            SeqStatus::Running => {
+                self.blocks
+                    .free(seq.block_seq)
+                    .expect("running sequences have tables");
+                let at = self
+                    .running
+                    .iter()
+                    .position(|&h| h == handle)
+                    .expect("running sequence listed");
+                self.running.remove(at);
+                self.owed_forks -= seq.pending_forks as usize;
+            }
+        }
     }
 
     /// Builds the next step. Fails if the previous step has not been passed to `update`.
@@ -534,16 +554,21 @@ impl Scheduler {
 
     /// Tokens of sample `seq_index` of a live request: its prompt followed by its output so far.
     pub fn sequence_tokens(&self, request_id: &str, seq_index: u32) -> Result<&[TokenId]> {
+        let (request, at) = self.find_sample(request_id, seq_index)?;
+        Ok(&self.seqs[self.requests[request].seqs[at]].tokens)
+    }
+
+    /// The request holding live sample `seq_index` of `request_id`, and where in its `seqs`.
+    fn find_sample(&self, request_id: &str, seq_index: u32) -> Result<(Handle, usize)> {
         let unknown =
             || Error::UnknownSequence(format!("request {request_id:?} sample {seq_index}"));
-        let request = &self.requests[*self.request_ids.get(request_id).ok_or_else(unknown)?];
-        let seq = request
+        let request = *self.request_ids.get(request_id).ok_or_else(unknown)?;
+        let at = self.requests[request]
             .seqs
             .iter()
-            .map(|&h| &self.seqs[h])
-            .find(|s| s.index == seq_index)
+            .position(|&h| self.seqs[h].index == seq_index)
             .ok_or_else(unknown)?;
-        Ok(&seq.tokens)
+        Ok((request, at))
     }
 
     /// Totals and current occupancy.
