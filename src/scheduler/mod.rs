@@ -8,6 +8,8 @@
 //! freed (full ones stay cached, so the recompute is mostly prefix hits) and it waits again under
 //! its original key with its tokens kept. No admission happens in a step that preempted.
 //! `update` then appends one sampled token per sample, finishes sequences and frees their blocks.
+//! `finish_sample` ends one sample of a request early (a stop string its caller matched), freeing
+//! its blocks, while the request's other samples run on; `abort` ends a whole request.
 //!
 //! Invariants (checked by `check_invariants`):
 //! - every live sequence is either waiting (queued, no block table) or running (in `running`,
@@ -17,7 +19,7 @@
 //! - running sequences plus the forks their prompts still owe never exceed `max_num_seqs`;
 //! - `schedule` and `update` alternate, `update` naming by its `StepId` the step it answers (a
 //!   step of another scheduler or an old one is refused); an error from either, or from
-//!   `add_request` / `abort`, leaves every structure as it was.
+//!   `add_request` / `abort` / `finish_sample`, leaves every structure as it was.
 //! - the limits fit the step's arrays: `max_model_len` and `max_num_batched_tokens` an i32,
 //!   `max_num_seqs` a u32 (checked by `SchedulerConfig::validate`).
 //!
