@@ -12,9 +12,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from pagedkv import Engine, TokenLogprob
-from pagedkv.engine_core import EngineConfig, EngineCore
-from pagedkv.model import DenseReference, LlamaModel, load_tokenizer
+from pagedkv import Engine, InvalidArgumentError, Scheduler, TokenLogprob, UnknownSequenceError
+from pagedkv.engine_core import EngineConfig, EngineCore, SimulatedRunner, VirtualClock
+from pagedkv.model import DenseReference, LlamaModel, SimulatedModel, load_tokenizer
 from pagedkv.model.sampling import Samples, SamplingParams, TokenHistory, sample_with_logprobs
 from pagedkv.model.tokenizer import ByteTokenizer
 
@@ -225,3 +225,35 @@ def test_the_tiny_model_penalises_and_streams_logprobs_as_the_sampler_does(weigh
     for entry, token in zip(unpenalised.outputs[0].logprobs, unpenalised.token_ids, strict=True):
         assert entry.top[0] == (token, entry.logprob)
     assert [e.logprob for e in streamed] == completion.logprobs
+
+
+def test_a_simulated_model_reports_its_tokens_as_certain():
+    """The simulated runner has no logits: each token is its own only alternative, at logprob 0."""
+    clock = VirtualClock()
+    core = EngineCore(SimulatedRunner(SimulatedModel(vocab_size=VOCAB), clock), EngineConfig(num_blocks=64), clock=clock)
+    core.add_request("r", [5, 6, 7], SamplingParams(max_tokens=5, ignore_eos=True, logprobs=True, top_logprobs=3, n=2))
+    core.add_request("plain", [5, 6, 7], SamplingParams(max_tokens=5, ignore_eos=True))
+    outputs = {}
+    while core.has_unfinished():
+        outputs.update((o.request_id, o) for o in core.step()[1])
+    for completion in outputs["r"].outputs:
+        assert completion.logprobs == [TokenLogprob(t, 0.0, ((t, 0.0),)) for t in completion.token_ids]
+    assert outputs["plain"].outputs[0].logprobs is None
+
+
+def test_finish_sample_refuses_bad_input_with_typed_errors_changing_nothing():
+    scheduler = Scheduler(num_blocks=16, block_size=4)
+    scheduler.add_request("r", [5, 6, 7], max_tokens=4, n=2)
+    scheduler.update(out := scheduler.schedule(), [8] * out.num_samples)  # forks the two samples
+    with pytest.raises(UnknownSequenceError):
+        scheduler.finish_sample("r", 2)
+    with pytest.raises(UnknownSequenceError):
+        scheduler.finish_sample("nope", 0)
+    with pytest.raises(InvalidArgumentError):
+        scheduler.finish_sample("r", "0")
+    assert scheduler.num_running == 2
+    scheduler.finish_sample("r", 0)
+    with pytest.raises(InvalidArgumentError, match="last"):
+        scheduler.finish_sample("r", 1)
+    scheduler.check_invariants()
+    assert scheduler.num_running == 1
