@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import math
 import threading
+import urllib.parse
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
@@ -31,6 +32,8 @@ __all__ = [
     "output_dir",
     "comma_list",
     "one_of",
+    "http_url",
+    "add_engine_arguments",
 ]
 
 T = TypeVar("T")
@@ -116,6 +119,24 @@ def one_of(choices: Sequence[str]) -> Callable[[str], str]:
         return text
 
     return parse
+
+
+def http_url(text: str) -> str:
+    """An ``http://`` or ``https://`` URL with a host."""
+    parts = urllib.parse.urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise argparse.ArgumentTypeError(f"expected an http:// or https:// URL, got {text!r}")
+    return text
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of every command that runs an engine (``demo``, ``serve``)."""
+    parser.add_argument(
+        "--otlp-traces-endpoint",
+        type=http_url,
+        default=None,
+        help="export a trace of each request over OTLP/HTTP to this URL (e.g. http://localhost:4318/v1/traces)",
+    )
 
 
 def comma_list(item: Callable[[str], T]) -> Callable[[str], tuple[T, ...]]:

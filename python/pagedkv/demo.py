@@ -28,7 +28,8 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from pagedkv.cli import model_source, non_negative_int, port, positive_int, seconds
+from pagedkv import tracing
+from pagedkv.cli import add_engine_arguments, model_source, non_negative_int, port, positive_int, seconds
 from pagedkv.engine import Engine, RequestHandle
 from pagedkv.engine_core import RequestOutput
 from pagedkv.errors import InvalidArgumentError
@@ -86,6 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--metrics-port", type=port, default=None, help="serve Prometheus /metrics on this port (0: any free one)"
     )
     parser.add_argument("--seed", type=non_negative_int, default=0)
+    add_engine_arguments(parser)
 
 
 def _chat_workload(args: argparse.Namespace) -> Workload:
@@ -161,6 +163,7 @@ class _Feeder(threading.Thread):
 
 def run(args: argparse.Namespace) -> int:
     console = Console()
+    tracer = tracing.configure(otlp_endpoint=args.otlp_traces_endpoint)
     engine = Engine.from_pretrained(
         args.model,
         seed=args.seed,
@@ -168,12 +171,15 @@ def run(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_dtype=args.kv_dtype,
+        tracer=tracer,
     )
     try:
         return _serve(args, engine, console)
     finally:
         engine.shutdown(drain=False)
         engine.metrics.close()
+        if tracer is not None:
+            tracer.shutdown()
 
 
 def _serve(args: argparse.Namespace, engine: Engine, console: Console) -> int:
