@@ -8,11 +8,17 @@ rotary angles are computed for those positions only (no table over ``max_positio
 Matrix products run on the whole batch in the Rust linear kernel (``pagedkv._core.Linear``: weights
 stored in float32, float16 or bfloat16, activations and sums in float32) on the same worker pool
 as attention, so the two never compete for cores; there is no per-token Python loop.
+
+Construction streams: :meth:`LlamaModel.from_tensors` packs each layer's projections into their
+``Linear`` as soon as the layer's tensors have arrived and then drops the float32 arrays, so a
+loader that yields one tensor at a time (``load_model``) never holds more than the packed model,
+the float32 embedding table and one layer in float32.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable
 from typing import NamedTuple
 
 import numpy as np
@@ -22,9 +28,23 @@ from pagedkv._core import KVCache, Linear
 from pagedkv.errors import InvalidArgumentError, ShapeError
 from pagedkv.model.rope import apply_rope, rope_cos_sin, rope_frequencies
 from pagedkv.model.step import ModelStep
-from pagedkv.model.weights import LlamaWeights
+from pagedkv.model.config import LlamaConfig
+from pagedkv.model.weights import _LAYER_TENSORS, LlamaWeights
 
-__all__ = ["LlamaModel", "rms_norm"]
+__all__ = ["LlamaModel", "rms_norm", "DEFAULT_WEIGHT_DTYPE", "WEIGHT_DTYPES"]
+
+WEIGHT_DTYPES = ("float32", "float16", "bfloat16")
+"""The storage types :class:`LlamaModel` packs its projections in."""
+
+# float32 is the default because it is the precision the parity tests hold to (transformers'
+# greedy tokens on SmolLM2-135M, tests/test_parity.py); bfloat16 halves the bytes a decode step
+# streams and is the faster choice for single-request decode (see the measurements in
+# pagedkv.linear's module doc and `python -m pagedkv bench model --weight-dtype bfloat16`), at the
+# cost of logits that differ by the weights' rounding (tests/test_parity.py bounds it).
+DEFAULT_WEIGHT_DTYPE = "float32"
+
+# Hugging Face tensor suffix inside ``model.layers.{i}.`` -> LayerWeights field.
+_LAYER_FIELDS = {suffix: field for field, suffix in _LAYER_TENSORS.items()}
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -50,33 +70,88 @@ class LlamaModel:
     so numpy work on other threads during a step runs single-threaded too.
     """
 
-    def __init__(self, weights: LlamaWeights, blas_threads: int | None = 1, weight_dtype: str = "float32") -> None:
+    def __init__(
+        self, weights: LlamaWeights, blas_threads: int | None = 1, weight_dtype: str = DEFAULT_WEIGHT_DTYPE
+    ) -> None:
+        self._setup(weights.config, blas_threads)
+        self._pack(weights.named_tensors(), weight_dtype)
+
+    @classmethod
+    def from_tensors(
+        cls,
+        config: LlamaConfig,
+        tensors: Iterable[tuple[str, np.ndarray]],
+        *,
+        blas_threads: int | None = 1,
+        weight_dtype: str = DEFAULT_WEIGHT_DTYPE,
+    ) -> LlamaModel:
+        """A model from Hugging Face-named float32 tensors of the shapes ``config`` implies
+        (``LlamaWeights.named_tensors``' names, in any order), consumed one at a time: a layer is
+        packed once its nine tensors have arrived, and the arrays are not kept. Raises
+        :class:`InvalidArgumentError` when a tensor is missing or unknown."""
+        model = cls.__new__(cls)
+        model._setup(config, blas_threads)
+        model._pack(tensors, weight_dtype)
+        return model
+
+    @staticmethod
+    def check_weight_dtype(weight_dtype: str) -> None:
+        """Raises :class:`InvalidArgumentError` unless ``Linear`` stores ``weight_dtype`` (one of
+        :data:`WEIGHT_DTYPES` or an alias such as "bf16"), so a load can fail before it reads
+        anything. ``Linear`` itself is the one validator: a 1 × 1 weight asks it."""
+        Linear(np.zeros((1, 1), np.float32), weight_dtype)
+
+    def _setup(self, config: LlamaConfig, blas_threads: int | None) -> None:
         if blas_threads is not None and blas_threads < 1:
             raise InvalidArgumentError(f"blas_threads must be ≥ 1 or None, got {blas_threads}")
         self._blas_threads = blas_threads
         self._blas = ThreadpoolController() if blas_threads is not None else None
-        self.config = weights.config
-        c = self.config
+        self.config = c = config
         self._q_dim = c.num_heads * c.head_dim
         self._kv_dim = c.num_kv_heads * c.head_dim
         self._scale = float(c.head_dim) ** -0.5
-        self._embed = weights.embed_tokens
-        # `.T` of an `[out, in]` matrix is Fortran-ordered: Linear packs it without a copy.
-        self._lm_head = Linear(weights.lm_head.T, weight_dtype)
-        self.weight_dtype = self._lm_head.dtype
-        self._final_norm = weights.norm
-        self._layers = [
-            _FusedLayer(
-                input_norm=layer.input_layernorm,
-                qkv=Linear(np.concatenate((layer.q_proj, layer.k_proj, layer.v_proj)).T, weight_dtype),
-                o=Linear(layer.o_proj.T, weight_dtype),
-                post_norm=layer.post_attention_layernorm,
-                gate_up=Linear(np.concatenate((layer.gate_proj, layer.up_proj)).T, weight_dtype),
-                down=Linear(layer.down_proj.T, weight_dtype),
-            )
-            for layer in weights.layers
-        ]
         self._rope_frequencies = rope_frequencies(c)
+
+    def _pack(self, tensors: Iterable[tuple[str, np.ndarray]], weight_dtype: str) -> None:
+        self.check_weight_dtype(weight_dtype)
+        c = self.config
+        pending: dict[int, dict[str, np.ndarray]] = {}
+        layers: dict[int, _FusedLayer] = {}
+        found: dict[str, np.ndarray] = {}
+        lm_head: Linear | None = None
+        for name, array in tensors:
+            index, _, suffix = name.removeprefix("model.layers.").partition(".")
+            if name.startswith("model.layers.") and suffix in _LAYER_FIELDS and index.isdigit() and int(index) < c.num_layers:
+                parts = pending.setdefault(int(index), {})
+                parts[_LAYER_FIELDS[suffix]] = array
+                if len(parts) == len(_LAYER_FIELDS):
+                    layers[int(index)] = _fuse(pending.pop(int(index)), weight_dtype)
+            elif name in ("model.embed_tokens.weight", "model.norm.weight"):
+                found[name] = array
+            elif name != "lm_head.weight" or c.tie_word_embeddings:
+                raise InvalidArgumentError(f"tensor {name} is not part of this model")
+            if name == ("model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"):
+                # `.T` of an `[out, in]` matrix is Fortran-ordered: Linear packs it without a copy.
+                lm_head = Linear(array.T, weight_dtype)
+            del array  # the loop must not keep the last tensor alive while the next is read
+        missing = [f"model.layers.{i}" for i in range(c.num_layers) if i not in layers]
+        missing += [n for n in ("model.embed_tokens.weight", "model.norm.weight") if n not in found]
+        if lm_head is None or missing:
+            raise InvalidArgumentError(f"tensors missing: {', '.join(missing or ['lm_head.weight'])}")
+        self._embed = found["model.embed_tokens.weight"]
+        self._final_norm = found["model.norm.weight"]
+        self._lm_head = lm_head
+        self.weight_dtype = lm_head.dtype
+        self._layers = [layers[i] for i in range(c.num_layers)]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every parameter as held: the packed projections and lm_head, the float32
+        embedding table and norms."""
+        arrays = [self._embed, self._final_norm, *(layer.input_norm for layer in self._layers),
+                  *(layer.post_norm for layer in self._layers)]
+        linears = [self._lm_head, *(w for layer in self._layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down))]
+        return sum(a.nbytes for a in arrays) + sum(w.nbytes for w in linears)
 
     def new_kv_cache(self, num_blocks: int, block_size: int = 16, dtype: str = "float32") -> KVCache:
         """A KV cache shaped for this model (one K and V buffer per layer)."""
@@ -141,6 +216,19 @@ class _FusedLayer(NamedTuple):
     post_norm: np.ndarray
     gate_up: Linear
     down: Linear
+
+
+def _fuse(parts: dict[str, np.ndarray], weight_dtype: str) -> _FusedLayer:
+    """One layer's tensors (LayerWeights fields -> arrays) packed: ``[q|k|v]`` and ``[gate|up]``
+    fused, each ``[out, in]`` matrix read through its Fortran-ordered ``.T``."""
+    return _FusedLayer(
+        input_norm=parts["input_layernorm"],
+        qkv=Linear(np.concatenate((parts["q_proj"], parts["k_proj"], parts["v_proj"])).T, weight_dtype),
+        o=Linear(parts["o_proj"].T, weight_dtype),
+        post_norm=parts["post_attention_layernorm"],
+        gate_up=Linear(np.concatenate((parts["gate_proj"], parts["up_proj"])).T, weight_dtype),
+        down=Linear(parts["down_proj"].T, weight_dtype),
+    )
 
 
 def _silu(x: np.ndarray) -> np.ndarray:
