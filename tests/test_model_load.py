@@ -1,8 +1,8 @@
-"""Streaming loads (``load_model``, ``LlamaModel.from_tensors``), and the load peak of a real model: ``Engine.from_pretrained("smollm2-135m")`` streams the GGUF file
-tensor by tensor into packed ``Linear`` weights, so its peak resident memory, above what the
+"""Streaming loads (``load_model``, ``LlamaModel.from_tensors``), and the load peak of a real
+model: ``Engine.from_pretrained("smollm2-135m")`` streams the GGUF file tensor by tensor into packed ``Linear`` weights, so its peak resident memory, above what the
 interpreter held before the load, stays within 1.2× the bytes the loaded model holds
 (``LlamaModel.nbytes``). The whole float32 model in numpy, then packed, took 1.76× (1148 MB over
-651 MB in float32) before the load streamed.
+the 651 MB of the float32 model) before the load streamed.
 
 Each load runs in a subprocess of its own, so its ``VmHWM`` (peak resident set) measures that load
 alone; the RSS before the load (imports done) is subtracted from it.
@@ -18,7 +18,8 @@ import numpy as np
 import pytest
 
 from pagedkv.errors import InvalidArgumentError
-from pagedkv.model import LlamaModel, load_model, load_pretrained
+from pagedkv.model import DEFAULT_WEIGHT_DTYPE, LlamaModel, load_model, load_pretrained
+from prefill import prefill_logits
 
 LIMIT = 1.2
 
@@ -42,26 +43,14 @@ print(json.dumps({"before": before, "peak": peak, "nbytes": nbytes}))
 """
 
 
-@pytest.mark.parametrize("weight_dtype", ["float32", "bfloat16"])
-def test_loading_smollm2_peaks_within_1_2x_of_the_model_bytes(weight_dtype: str) -> None:
+def test_loading_smollm2_peaks_within_1_2x_of_the_model_bytes() -> None:
+    # The default dtype only: a load takes seconds. float32 measured 1.12×, float16 1.16×.
+    weight_dtype = DEFAULT_WEIGHT_DTYPE
     result = subprocess.run([sys.executable, "-c", SCRIPT, weight_dtype], capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr
     figures = json.loads(result.stdout.strip().splitlines()[-1])
     ratio = (figures["peak"] - figures["before"]) / figures["nbytes"]
     assert ratio <= LIMIT, f"{weight_dtype}: load peak {ratio:.2f}× the model's {figures['nbytes'] / 2**20:.0f} MiB"
-
-
-def _logits(model: LlamaModel, tokens: list[int]) -> np.ndarray:
-    """Prefill logits of one sequence on a fresh cache."""
-    n = len(tokens)
-    blocks = -(-n // 16)
-    cache = model.new_kv_cache(blocks)
-    step = type("Step", (), dict(
-        input_ids=np.array(tokens, np.int64), positions=np.arange(n, dtype=np.int64),
-        slot_mapping=np.arange(n, dtype=np.int64), query_start_loc=np.array([0, n], np.int32),
-        context_lens=np.array([n], np.int32), block_tables=np.arange(blocks, dtype=np.int32)[None],
-        copy_ops=[], logits_indices=np.arange(n, dtype=np.int64)))
-    return model.forward(step, cache)
 
 
 @pytest.mark.parametrize("weight_dtype", ["float32", "bfloat16"])
@@ -72,7 +61,7 @@ def test_a_streamed_model_equals_one_packed_from_all_weights(weight_dtype: str) 
     assert streamed.weight_dtype == whole.weight_dtype == weight_dtype
     assert streamed.nbytes == whole.nbytes
     tokens = [5, 9, 200, 3, 77, 41, 8]
-    np.testing.assert_array_equal(_logits(streamed, tokens), _logits(whole, tokens))
+    np.testing.assert_array_equal(prefill_logits(streamed, tokens), prefill_logits(whole, tokens))
 
 
 def test_from_tensors_refuses_missing_or_unknown_tensors_and_bad_dtypes() -> None:

@@ -72,10 +72,10 @@ from pagedkv.errors import (
 )
 from pagedkv.metrics import EngineMetrics
 from pagedkv.model import LlamaModel, SamplingParams
-from pagedkv.model.llama import DEFAULT_WEIGHT_DTYPE
-from pagedkv.model.pretrained import load_model
 from pagedkv.model.chat import render_chat
 from pagedkv.model.generation_config import default_sampling_params
+from pagedkv.model.llama import DEFAULT_WEIGHT_DTYPE
+from pagedkv.model.pretrained import load_model
 from pagedkv.model.tokenizer import Tokenizer
 
 __all__ = ["Engine", "EngineClosedError", "EngineOverloadedError", "RequestHandle"]

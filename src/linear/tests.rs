@@ -179,7 +179,11 @@ fn avx512_runs_when_the_cpu_has_it_and_matches_portable() {
                 .unwrap();
             for (i, (a, b)) in fast.iter().zip(&portable).enumerate() {
                 // Fused vs unfused multiply-adds: one product's rounding per term, k terms ≤ 1.
-                assert!((a - b).abs() <= 1e-5, "{} m={m} at {i}: {a} vs {b}", dtype.name());
+                assert!(
+                    (a - b).abs() <= 1e-5,
+                    "{} m={m} at {i}: {a} vs {b}",
+                    dtype.name()
+                );
             }
         }
     }

@@ -26,9 +26,9 @@ from threadpoolctl import ThreadpoolController
 
 from pagedkv._core import KVCache, Linear
 from pagedkv.errors import InvalidArgumentError, ShapeError
+from pagedkv.model.config import LlamaConfig
 from pagedkv.model.rope import apply_rope, rope_cos_sin, rope_frequencies
 from pagedkv.model.step import ModelStep
-from pagedkv.model.config import LlamaConfig
 from pagedkv.model.weights import _LAYER_TENSORS, LlamaWeights
 
 __all__ = ["LlamaModel", "rms_norm", "DEFAULT_WEIGHT_DTYPE", "WEIGHT_DTYPES"]
@@ -36,12 +36,14 @@ __all__ = ["LlamaModel", "rms_norm", "DEFAULT_WEIGHT_DTYPE", "WEIGHT_DTYPES"]
 WEIGHT_DTYPES = ("float32", "float16", "bfloat16")
 """The storage types :class:`LlamaModel` packs its projections in."""
 
-# float32 is the default because it is the precision the parity tests hold to (transformers'
-# greedy tokens on SmolLM2-135M, tests/test_parity.py); bfloat16 halves the bytes a decode step
-# streams and is the faster choice for single-request decode (see the measurements in
-# pagedkv.linear's module doc and `python -m pagedkv bench model --weight-dtype bfloat16`), at the
-# cost of logits that differ by the weights' rounding (tests/test_parity.py bounds it).
-DEFAULT_WEIGHT_DTYPE = "float32"
+# float16 is the default, measured on SmolLM2-135M (2-core AVX2 machine, load average 10-12, so
+# the ratios within one run are what count): it halves the bytes a decode step streams as
+# bfloat16 does, and single-request decode ran 1.66-1.72x float32's tokens/s (bfloat16
+# 1.67-1.90x); but its 11-bit mantissa keeps transformers' greedy tokens on every golden prompt
+# (tests/test_parity.py passes on it: logits within 0.034 of float32's), where bfloat16's 8 bits
+# moved logits by up to 0.26 and flipped 3 of 256 teacher-forced tokens (all at top-1 margins
+# below 0.04). A weight beyond float16's range is refused at load (bfloat16 or float32 then).
+DEFAULT_WEIGHT_DTYPE = "float16"
 
 # Hugging Face tensor suffix inside ``model.layers.{i}.`` -> LayerWeights field.
 _LAYER_FIELDS = {suffix: field for field, suffix in _LAYER_TENSORS.items()}
@@ -125,14 +127,13 @@ class LlamaModel:
                 parts = pending.setdefault(int(index), {})
                 parts[_LAYER_FIELDS[suffix]] = array
                 if len(parts) == len(_LAYER_FIELDS):
-                    layers[int(index)] = _fuse(pending.pop(int(index)), weight_dtype)
+                    layers[int(index)] = _fuse(pending.pop(int(index)), weight_dtype, int(index))
             elif name in ("model.embed_tokens.weight", "model.norm.weight"):
                 found[name] = array
             elif name != "lm_head.weight" or c.tie_word_embeddings:
                 raise InvalidArgumentError(f"tensor {name} is not part of this model")
             if name == ("model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"):
-                # `.T` of an `[out, in]` matrix is Fortran-ordered: Linear packs it without a copy.
-                lm_head = Linear(array.T, weight_dtype)
+                lm_head = _linear(array, weight_dtype, name)
             del array  # the loop must not keep the last tensor alive while the next is read
         missing = [f"model.layers.{i}" for i in range(c.num_layers) if i not in layers]
         missing += [n for n in ("model.embed_tokens.weight", "model.norm.weight") if n not in found]
@@ -218,17 +219,31 @@ class _FusedLayer(NamedTuple):
     down: Linear
 
 
-def _fuse(parts: dict[str, np.ndarray], weight_dtype: str) -> _FusedLayer:
-    """One layer's tensors (LayerWeights fields -> arrays) packed: ``[q|k|v]`` and ``[gate|up]``
-    fused, each ``[out, in]`` matrix read through its Fortran-ordered ``.T``."""
+def _fuse(parts: dict[str, np.ndarray], weight_dtype: str, index: int) -> _FusedLayer:
+    """Layer ``index``'s tensors (LayerWeights fields -> arrays) packed, ``[q|k|v]`` and
+    ``[gate|up]`` fused."""
+    layer = f"model.layers.{index}"
     return _FusedLayer(
         input_norm=parts["input_layernorm"],
-        qkv=Linear(np.concatenate((parts["q_proj"], parts["k_proj"], parts["v_proj"])).T, weight_dtype),
-        o=Linear(parts["o_proj"].T, weight_dtype),
+        qkv=_linear(np.concatenate((parts["q_proj"], parts["k_proj"], parts["v_proj"])), weight_dtype, f"{layer}.qkv"),
+        o=_linear(parts["o_proj"], weight_dtype, f"{layer}.o_proj"),
         post_norm=parts["post_attention_layernorm"],
-        gate_up=Linear(np.concatenate((parts["gate_proj"], parts["up_proj"])).T, weight_dtype),
-        down=Linear(parts["down_proj"].T, weight_dtype),
+        gate_up=_linear(np.concatenate((parts["gate_proj"], parts["up_proj"])), weight_dtype, f"{layer}.gate_up"),
+        down=_linear(parts["down_proj"], weight_dtype, f"{layer}.down_proj"),
     )
+
+
+def _linear(out_in: np.ndarray, weight_dtype: str, name: str) -> Linear:
+    """An ``[out, in]`` matrix packed, read through its ``.T`` (Fortran-ordered: no copy). Raises
+    :class:`InvalidArgumentError` if float16 storage would turn a weight into infinity."""
+    linear = Linear(out_in.T, weight_dtype)
+    if linear.dtype == "float16" and float(np.max(np.abs(out_in))) >= _F16_OVERFLOW:
+        raise InvalidArgumentError(f"{name} holds weights beyond float16's range: use bfloat16 or float32 weights")
+    return linear
+
+
+# The smallest magnitude float16 rounds to infinity (65504 is its largest finite value).
+_F16_OVERFLOW = 65520.0
 
 
 def _silu(x: np.ndarray) -> np.ndarray:

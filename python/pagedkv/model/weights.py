@@ -27,7 +27,8 @@ from pagedkv.errors import CheckpointError, InvalidArgumentError
 from pagedkv.model.config import LlamaConfig, generation_eos_token_ids, union_token_ids
 from pagedkv.model.files import CheckpointFile, is_present
 
-__all__ = ["LayerWeights", "LlamaWeights", "load_config", "load_checkpoint", "stream_checkpoint", "save_checkpoint", "CONFIG_FILE", "INDEX_FILE",
+__all__ = ["LayerWeights", "LlamaWeights", "load_config", "load_checkpoint", "stream_checkpoint", "save_checkpoint",
+           "CONFIG_FILE", "INDEX_FILE",
            "GENERATION_CONFIG_FILE"]
 
 PathLike = str | Path
