@@ -1,8 +1,9 @@
 """Streaming loads (``load_model``, ``LlamaModel.from_tensors``), and the load peak of a real
-model: ``Engine.from_pretrained("smollm2-135m")`` streams the GGUF file tensor by tensor into packed ``Linear`` weights, so its peak resident memory, above what the
-interpreter held before the load, stays within 1.2× the bytes the loaded model holds
-(``LlamaModel.nbytes``). The whole float32 model in numpy, then packed, took 1.76× (1148 MB over
-the 651 MB of the float32 model) before the load streamed.
+model: ``Engine.from_pretrained("smollm2-135m")`` streams the GGUF file tensor by tensor into
+packed ``Linear`` weights, so its peak resident memory, above what the interpreter held before
+the load, stays within 1.2× the bytes the loaded model holds (``LlamaModel.nbytes``). The whole
+float32 model in numpy, then packed, peaked at 1.76× (1148 MB over the 651 MB of the float32
+model) before the load streamed.
 
 Each load runs in a subprocess of its own, so its ``VmHWM`` (peak resident set) measures that load
 alone; the RSS before the load (imports done) is subtracted from it.
