@@ -81,3 +81,11 @@ def test_from_tensors_refuses_missing_or_unknown_tensors_and_bad_dtypes() -> Non
         LlamaModel.from_tensors(weights.config, never_read(), weight_dtype="int3")
     with pytest.raises(InvalidArgumentError):
         load_model("tiny", weight_dtype="int3")
+
+
+def test_a_weight_beyond_float16s_range_is_refused_in_float16_only() -> None:
+    weights, _ = load_pretrained("tiny")
+    weights.layers[1].down_proj[3, 5] = -7e4  # float16 would store -inf
+    with pytest.raises(InvalidArgumentError, match=r"model\.layers\.1\.down_proj.*float16"):
+        LlamaModel(weights, weight_dtype="float16")
+    assert LlamaModel(weights, weight_dtype="bfloat16").weight_dtype == "bfloat16"

@@ -62,7 +62,9 @@ class LlamaModel:
     :class:`~pagedkv._core.Linear` weights of ``weight_dtype`` ("float32", "float16" or
     "bfloat16"), so each layer makes four matrix products, plus the lm_head's. The 16-bit dtypes
     halve the bytes a decode step streams; the embedding table stays float32 (it is gathered,
-    not multiplied).
+    not multiplied). Built here from float32 arrays, the default is float32: the tensors exactly as
+    given (what tests against the dense reference need); the loaders (``load_model``,
+    ``Engine.from_pretrained``, the CLI) default to :data:`DEFAULT_WEIGHT_DTYPE`.
 
     ``blas_threads`` caps numpy's BLAS threads while :meth:`forward` runs (None leaves BLAS as it
     is), for whatever numpy still does there. The default, 1, is deliberate: the Rust workers need
@@ -72,9 +74,7 @@ class LlamaModel:
     so numpy work on other threads during a step runs single-threaded too.
     """
 
-    def __init__(
-        self, weights: LlamaWeights, blas_threads: int | None = 1, weight_dtype: str = DEFAULT_WEIGHT_DTYPE
-    ) -> None:
+    def __init__(self, weights: LlamaWeights, blas_threads: int | None = 1, weight_dtype: str = "float32") -> None:
         self._setup(weights.config, blas_threads)
         self._pack(weights.named_tensors(), weight_dtype)
 
@@ -85,7 +85,7 @@ class LlamaModel:
         tensors: Iterable[tuple[str, np.ndarray]],
         *,
         blas_threads: int | None = 1,
-        weight_dtype: str = DEFAULT_WEIGHT_DTYPE,
+        weight_dtype: str = "float32",
     ) -> LlamaModel:
         """A model from Hugging Face-named float32 tensors of the shapes ``config`` implies
         (``LlamaWeights.named_tensors``' names, in any order), consumed one at a time: a layer is
