@@ -237,7 +237,8 @@ def _linear(out_in: np.ndarray, weight_dtype: str, name: str) -> Linear:
     """An ``[out, in]`` matrix packed, read through its ``.T`` (Fortran-ordered: no copy). Raises
     :class:`InvalidArgumentError` if float16 storage would turn a weight into infinity."""
     linear = Linear(out_in.T, weight_dtype)
-    if linear.dtype == "float16" and float(np.max(np.abs(out_in))) >= _F16_OVERFLOW:
+    # max and -min, not abs(): no temporary the size of the tensor during a streamed load.
+    if linear.dtype == "float16" and max(float(out_in.max()), -float(out_in.min())) >= _F16_OVERFLOW:
         raise InvalidArgumentError(f"{name} holds weights beyond float16's range: use bfloat16 or float32 weights")
     return linear
 
