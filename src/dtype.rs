@@ -1,5 +1,6 @@
-//! Storage element types of the KV cache. K/V are stored as f32, f16 or bf16; every computation
-//! converts to f32 on load and accumulates in f32.
+//! Storage element types of the KV cache and of linear weights. Values are stored as f32, f16 or
+//! bf16; every computation converts to f32 on load ([`KvElement::to_f32`], or [`load8`] on the
+//! AVX2 paths of the attention and linear kernels) and accumulates in f32.
 
 use half::{bf16, f16};
 
@@ -104,6 +105,25 @@ impl KvElement for bf16 {
     }
 }
 
+/// Loads 8 elements at `p` as f32: f16 through F16C, bf16 by shifting into the high half
+/// (exact: bf16 is the top half of an f32).
+///
+/// # Safety
+/// The CPU has AVX2 and F16C; `p` points to 8 readable elements (no alignment needed).
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(crate) unsafe fn load8<T: KvElement>(p: *const T) -> std::arch::x86_64::__m256 {
+    use std::arch::x86_64::*;
+    match T::DTYPE {
+        KvDtype::F32 => _mm256_loadu_ps(p.cast()),
+        KvDtype::F16 => _mm256_cvtph_ps(_mm_loadu_si128(p.cast())),
+        KvDtype::Bf16 => _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(
+            _mm_loadu_si128(p.cast()),
+        ))),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -129,5 +149,28 @@ mod tests {
         check::<f16>();
         check::<bf16>();
         assert_eq!(KvDtype::F32.overflow_threshold(), f32::INFINITY);
+    }
+
+    /// The vector load converts every element as the scalar conversion does.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn load8_equals_the_scalar_conversion() {
+        fn check<T: KvElement>() {
+            let values: Vec<T> = (0..8)
+                .map(|i| T::from_f32((i as f32 - 3.3) * 1.7e3))
+                .collect();
+            let mut out = [0.0f32; 8];
+            // SAFETY: checked features; `values` holds 8 elements, `out` 8 floats.
+            unsafe {
+                std::arch::x86_64::_mm256_storeu_ps(out.as_mut_ptr(), load8(values.as_ptr()))
+            };
+            let expected: Vec<f32> = values.iter().map(|v| v.to_f32()).collect();
+            assert_eq!(out.to_vec(), expected, "{:?}", T::DTYPE);
+        }
+        if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("f16c") {
+            check::<f32>();
+            check::<f16>();
+            check::<bf16>();
+        }
     }
 }

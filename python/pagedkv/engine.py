@@ -72,9 +72,11 @@ from pagedkv.errors import (
     PagedKVError,
 )
 from pagedkv.metrics import EngineMetrics
-from pagedkv.model import LlamaModel, SamplingParams, load_pretrained
+from pagedkv.model import LlamaModel, SamplingParams
 from pagedkv.model.chat import render_chat
 from pagedkv.model.generation_config import default_sampling_params
+from pagedkv.model.llama import DEFAULT_WEIGHT_DTYPE
+from pagedkv.model.pretrained import load_model
 from pagedkv.model.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -245,18 +247,23 @@ class Engine:
         weakref.finalize(self, self._state.close, False)
 
     @classmethod
-    def from_pretrained(cls, path: str | Path = "tiny", *, seed: int = 0, **kwargs) -> Engine:
+    def from_pretrained(
+        cls, path: str | Path = "tiny", *, seed: int = 0, weight_dtype: str = DEFAULT_WEIGHT_DTYPE, **kwargs
+    ) -> Engine:
         """An engine over a model named as :func:`pagedkv.model.load_pretrained` takes it: the
         built-in ``"tiny"`` (seeded random weights), a registry name such as ``"smollm2-135m"``, a
-        ``.gguf`` file, or a Hugging Face Llama checkpoint directory. Keyword arguments go to
-        :class:`EngineConfig` or the engine. A directory's ``generation_config.json``, if any,
-        gives ``default_params`` (unless passed here)."""
+        ``.gguf`` file, or a Hugging Face Llama checkpoint directory, loaded tensor by tensor
+        (:func:`pagedkv.model.load_model`) with its projections stored as ``weight_dtype``
+        ("float32", "float16" or "bfloat16"). Keyword arguments go to :class:`EngineConfig` or the
+        engine. A directory's ``generation_config.json``, if any, gives ``default_params``
+        (unless passed here)."""
         engine_keys = {"max_waiting", "metrics", "default_params", "tracer"}
         engine_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in engine_keys}
-        weights, tokenizer = load_pretrained(path, seed=seed)
+        config = EngineConfig(**kwargs)  # a bad engine argument fails before the model loads
+        model, tokenizer = load_model(path, seed=seed, weight_dtype=weight_dtype)
         if "default_params" not in engine_kwargs and Path(path).is_dir():
             engine_kwargs["default_params"] = default_sampling_params(Path(path))
-        return cls(LlamaModel(weights), tokenizer, EngineConfig(**kwargs), **engine_kwargs)
+        return cls(model, tokenizer, config, **engine_kwargs)
 
     @property
     def core(self) -> EngineCore:

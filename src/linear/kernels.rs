@@ -225,20 +225,7 @@ mod avx2 {
     use std::arch::x86_64::*;
 
     use super::{Ahead, PANEL, UNROLL};
-    use crate::dtype::{KvDtype, KvElement};
-
-    /// Loads 8 elements at `p` as f32: f16 through F16C, bf16 by shifting into the high half.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn load8<T: KvElement>(p: *const T) -> __m256 {
-        match T::DTYPE {
-            KvDtype::F32 => _mm256_loadu_ps(p.cast()),
-            KvDtype::F16 => _mm256_cvtph_ps(_mm_loadu_si128(p.cast())),
-            KvDtype::Bf16 => _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(
-                _mm_loadu_si128(p.cast()),
-            ))),
-        }
-    }
+    use crate::dtype::{load8, KvElement};
 
     /// # Safety
     /// AVX2, FMA and F16C are present; `dst.len() == src.len()`.

@@ -148,3 +148,43 @@ fn bad_shapes_and_kernels_are_typed_errors() {
     assert!("sse".parse::<LinearKernel>().is_err());
     assert_eq!("avx2".parse::<LinearKernel>().unwrap(), LinearKernel::Avx2);
 }
+
+/// The AVX-512 path runs exactly when the CPU has AVX-512F (and the AVX2 set), and then agrees
+/// with the portable kernel on every tile height 1..=9 (each `(rows, panels)` its match lists,
+/// plus a taller M that splits into full and short tiles) and every dtype. On a CPU without
+/// AVX-512F it must be refused with a typed error instead.
+#[cfg(target_arch = "x86_64")]
+#[test]
+fn avx512_runs_when_the_cpu_has_it_and_matches_portable() {
+    let has = is_x86_feature_detected!("avx512f")
+        && is_x86_feature_detected!("avx2")
+        && is_x86_feature_detected!("fma")
+        && is_x86_feature_detected!("f16c");
+    assert_eq!(LinearKernel::Avx512.available(), has);
+    let (k, n) = (67, 16 * 17 + 5);
+    let w = values(k * n, 11);
+    for dtype in DTYPES {
+        let linear = Linear::new(&w, k, n, (n, 1), dtype).unwrap();
+        for m in (1..=9).chain([19]) {
+            let x = values(m * k, 12 + m as u64);
+            let (mut fast, mut portable) = (vec![f32::NAN; m * n], vec![f32::NAN; m * n]);
+            let run = linear.forward_with(LinearKernel::Avx512, &x, m, &mut fast);
+            if !has {
+                assert!(matches!(run, Err(Error::InvalidArgument(_))));
+                continue;
+            }
+            run.unwrap();
+            linear
+                .forward_with(LinearKernel::Portable, &x, m, &mut portable)
+                .unwrap();
+            for (i, (a, b)) in fast.iter().zip(&portable).enumerate() {
+                // Fused vs unfused multiply-adds: one product's rounding per term, k terms ≤ 1.
+                assert!(
+                    (a - b).abs() <= 1e-5,
+                    "{} m={m} at {i}: {a} vs {b}",
+                    dtype.name()
+                );
+            }
+        }
+    }
+}

@@ -35,7 +35,7 @@ import pagedkv
 from pagedkv import _core
 from pagedkv.cli import comma_list, positive_int
 from pagedkv.engine_core import EngineConfig, EngineCore, PagedModelRunner
-from pagedkv.model import LlamaConfig, LlamaModel, SamplingParams, load_pretrained
+from pagedkv.model import DEFAULT_WEIGHT_DTYPE, WEIGHT_DTYPES, LlamaConfig, LlamaModel, SamplingParams, load_model
 from pagedkv.model.pretrained import locate_registered
 
 MODEL = "smollm2-135m"
@@ -50,6 +50,8 @@ MIB = 1 << 20
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON only on stdout (the table goes to stderr)")
+    parser.add_argument("--weight-dtype", default=DEFAULT_WEIGHT_DTYPE, choices=WEIGHT_DTYPES,
+                        help=f"storage of pagedkv's projections (default {DEFAULT_WEIGHT_DTYPE})")
     parser.add_argument("--quick", action="store_true", help="one round, batches 4 and 16 only, no peers unless --peers")
     parser.add_argument("--samples", type=positive_int, default=None, help="rounds (default 3, quick 1)")
     parser.add_argument("--batches", type=comma_list(positive_int), default=None, help="concurrent requests (default 4,16,32)")
@@ -225,10 +227,9 @@ def run(args) -> int:
     table = sys.stderr if args.json else sys.stdout
     threads = pagedkv.get_num_threads()
 
-    weights, _ = load_pretrained(MODEL)
-    model = LlamaModel(weights)
+    model, _ = load_model(MODEL, weight_dtype=args.weight_dtype)
     config = model.config
-    weight_dtype = str(getattr(model, "weight_dtype", "float32"))  # the precision the products read
+    weight_dtype = model.weight_dtype  # the precision the products read
     decode_bytes = weight_bytes_per_token(config, BYTES[weight_dtype])
     prompt_flops = prompt_flops_per_token(config, PROMPT_TOKENS)
     probe = pagedkv.ReadBandwidthProbe(256 * MIB)

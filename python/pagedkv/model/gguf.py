@@ -1,5 +1,6 @@
 """A Llama model from one GGUF file (llama.cpp's format): :func:`load_gguf` gives its float32
-:class:`~pagedkv.model.weights.LlamaWeights` and its tokenizer.
+:class:`~pagedkv.model.weights.LlamaWeights` and its tokenizer; :func:`stream_gguf` gives the
+config, the tokenizer and the tensors one at a time (what a streaming load packs from).
 
 The file's ``llama.*`` metadata becomes the :class:`LlamaConfig` (:func:`config_from_gguf`); its
 tensors are renamed to the Hugging Face names the rest of the package uses, dequantized, and the
@@ -13,8 +14,10 @@ experts) is refused with a :class:`CheckpointError` naming the file, never ignor
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import re
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +28,7 @@ from pagedkv.model.gguf_file import GGUFFile, read_gguf
 from pagedkv.model.tokenizer import HFTokenizer
 from pagedkv.model.weights import LlamaWeights, _expected_names, _expected_shape, _num_expected
 
-__all__ = ["load_gguf", "config_from_gguf", "unpermute_qk"]
+__all__ = ["load_gguf", "stream_gguf", "config_from_gguf", "unpermute_qk"]
 
 PathLike = str | Path
 
@@ -51,6 +54,15 @@ def load_gguf(path: PathLike) -> tuple[LlamaWeights, HFTokenizer]:
     output layer when the file has no ``output.weight``. Raises :class:`CheckpointError`, naming
     the file, for a malformed file, an unsupported architecture, setting or tensor type, or a
     missing or misshapen tensor."""
+    config, tokenizer, tensors = stream_gguf(path)
+    return LlamaWeights.from_named_tensors(config, dict(tensors)), tokenizer
+
+
+def stream_gguf(path: PathLike) -> tuple[LlamaConfig, HFTokenizer, Iterator[tuple[str, np.ndarray]]]:
+    """The config and tokenizer of a Llama GGUF file, and its tensors as ``(Hugging Face name,
+    float32 array)``, each read and dequantized only when the iterator reaches it. Every check
+    of :func:`load_gguf` is made before this returns; reading raises :class:`CheckpointError`
+    only if the file changes meanwhile."""
     gguf = read_gguf(path)
     config = config_from_gguf(gguf)
     tokenizer = HFTokenizer.from_gguf_metadata(gguf.metadata, gguf.file.path)
@@ -71,8 +83,11 @@ def load_gguf(path: PathLike) -> tuple[LlamaWeights, HFTokenizer]:
         layer = _LAYER_NAME.fullmatch(name)
         return unpermute_qk(raw, heads[layer[2]]) if layer and layer[2] in heads else raw
 
-    arrays = gguf.read(list(names), transform=unpermute)
-    return LlamaWeights.from_named_tensors(config, {names[name]: array for name, array in arrays.items()}), tokenizer
+    # The stream keeps only the tensor directory: the metadata (the vocabulary and merges as ~100k
+    # Python strings) is dropped once the tokenizer is built, not held through the whole load.
+    tensor_file = dataclasses.replace(gguf, metadata={})
+    tensors = ((names[name], array) for name, array in tensor_file.stream(list(names), transform=unpermute))
+    return config, tokenizer, tensors
 
 
 def config_from_gguf(gguf: GGUFFile) -> LlamaConfig:

@@ -1,5 +1,6 @@
 """The GGUF file format (llama.cpp's single-file checkpoints): :func:`read_gguf` parses the header
-(metadata and tensor directory) and :meth:`GGUFFile.read` reads tensors dequantized to float32.
+(metadata and tensor directory) and :meth:`GGUFFile.stream` reads tensors dequantized to float32,
+one at a time.
 
 The header is parsed here rather than by ``gguf.GGUFReader``: that reader makes several numpy
 memmap views per string, and SmolLM2's header (49,152 tokens, 48,900 merges) took it 9 to 15 s
@@ -19,7 +20,7 @@ from __future__ import annotations
 import math
 import mmap
 import struct
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -73,14 +74,16 @@ class GGUFFile:
     metadata: Mapping[str, Any]
     tensors: Mapping[str, GGUFTensor]
 
-    def read(self, names: list[str], transform: Callable[[str, np.ndarray], np.ndarray] | None = None) -> dict[str, np.ndarray]:
-        """The named tensors as float32 arrays of their numpy shape, the file opened once.
+    def stream(
+        self, names: list[str], transform: Callable[[str, np.ndarray], np.ndarray] | None = None
+    ) -> Iterator[tuple[str, np.ndarray]]:
+        """The named tensors in turn, each as ``(name, float32 array of its numpy shape)``, the
+        file opened once for the whole iteration.
 
         ``transform(name, raw)`` may reorder the raw rows (a ``[rows, bytes per row]`` uint8
-        array) before they are dequantized; it must keep their shape. Each tensor's bytes are
-        read into a buffer of their own, dropped once decoded, so the peak memory is the float32
-        results plus one tensor's raw bytes and the dequantizer's temporaries."""
-        arrays = {}
+        array) before they are dequantized; it must keep their shape. A tensor's bytes are read
+        only when the consumer asks for it, into a buffer of their own dropped once decoded, so
+        a consumer that keeps nothing holds one tensor's raw bytes and float32 values at a time."""
         with self.file.open() as f:
             for name in names:
                 tensor = self.tensors[name]
@@ -96,8 +99,14 @@ class GGUFFile:
                 if transform is not None:
                     raw = transform(name, raw)
                 # gguf.quants is vectorized over blocks; F32 comes back as a view of raw, uncopied.
-                arrays[name] = quants.dequantize(raw, tensor.type).reshape(tensor.shape)
-        return arrays
+                values = quants.dequantize(raw, tensor.type).reshape(tensor.shape)
+                del raw
+                yield name, values
+                del values
+
+    def read(self, names: list[str], transform: Callable[[str, np.ndarray], np.ndarray] | None = None) -> dict[str, np.ndarray]:
+        """All of :meth:`stream` at once, as a dict."""
+        return dict(self.stream(names, transform))
 
 
 def read_gguf(path: str | Path) -> GGUFFile:

@@ -8,11 +8,17 @@ rotary angles are computed for those positions only (no table over ``max_positio
 Matrix products run on the whole batch in the Rust linear kernel (``pagedkv._core.Linear``: weights
 stored in float32, float16 or bfloat16, activations and sums in float32) on the same worker pool
 as attention, so the two never compete for cores; there is no per-token Python loop.
+
+Construction streams: :meth:`LlamaModel.from_tensors` packs each layer's projections into their
+``Linear`` as soon as the layer's tensors have arrived and then drops the float32 arrays, so a
+loader that yields one tensor at a time (``load_model``) never holds more than the packed model,
+the float32 embedding table and one layer in float32.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable
 from typing import NamedTuple
 
 import numpy as np
@@ -20,11 +26,27 @@ from threadpoolctl import ThreadpoolController
 
 from pagedkv._core import KVCache, Linear
 from pagedkv.errors import InvalidArgumentError, ShapeError
+from pagedkv.model.config import LlamaConfig
 from pagedkv.model.rope import apply_rope, rope_cos_sin, rope_frequencies
 from pagedkv.model.step import ModelStep
-from pagedkv.model.weights import LlamaWeights
+from pagedkv.model.weights import _LAYER_TENSORS, LlamaWeights
 
-__all__ = ["LlamaModel", "rms_norm"]
+__all__ = ["LlamaModel", "rms_norm", "DEFAULT_WEIGHT_DTYPE", "WEIGHT_DTYPES"]
+
+WEIGHT_DTYPES = ("float32", "float16", "bfloat16")
+"""The storage types :class:`LlamaModel` packs its projections in."""
+
+# float16 is the default, measured on SmolLM2-135M (2-core AVX2 machine, load average 10-12, so
+# the ratios within one run are what count): it halves the bytes a decode step streams as
+# bfloat16 does, and single-request decode ran 1.66-1.72x float32's tokens/s (bfloat16
+# 1.67-1.90x); but its 11-bit mantissa keeps transformers' greedy tokens on every golden prompt
+# (tests/test_parity.py passes on it: logits within 0.034 of float32's), where bfloat16's 8 bits
+# moved logits by up to 0.26 and flipped 3 of 256 teacher-forced tokens (all at top-1 margins
+# below 0.04). A weight beyond float16's range is refused at load (bfloat16 or float32 then).
+DEFAULT_WEIGHT_DTYPE = "float16"
+
+# Hugging Face tensor suffix inside ``model.layers.{i}.`` -> LayerWeights field.
+_LAYER_FIELDS = {suffix: field for field, suffix in _LAYER_TENSORS.items()}
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
@@ -40,7 +62,9 @@ class LlamaModel:
     :class:`~pagedkv._core.Linear` weights of ``weight_dtype`` ("float32", "float16" or
     "bfloat16"), so each layer makes four matrix products, plus the lm_head's. The 16-bit dtypes
     halve the bytes a decode step streams; the embedding table stays float32 (it is gathered,
-    not multiplied).
+    not multiplied). Built here from float32 arrays, the default is float32: the tensors exactly as
+    given (what tests against the dense reference need); the loaders (``load_model``,
+    ``Engine.from_pretrained``, the CLI) default to :data:`DEFAULT_WEIGHT_DTYPE`.
 
     ``blas_threads`` caps numpy's BLAS threads while :meth:`forward` runs (None leaves BLAS as it
     is), for whatever numpy still does there. The default, 1, is deliberate: the Rust workers need
@@ -51,32 +75,84 @@ class LlamaModel:
     """
 
     def __init__(self, weights: LlamaWeights, blas_threads: int | None = 1, weight_dtype: str = "float32") -> None:
+        self._setup(weights.config, blas_threads)
+        self._pack(weights.named_tensors(), weight_dtype)
+
+    @classmethod
+    def from_tensors(
+        cls,
+        config: LlamaConfig,
+        tensors: Iterable[tuple[str, np.ndarray]],
+        *,
+        blas_threads: int | None = 1,
+        weight_dtype: str = "float32",
+    ) -> LlamaModel:
+        """A model from Hugging Face-named float32 tensors of the shapes ``config`` implies
+        (``LlamaWeights.named_tensors``' names, in any order), consumed one at a time: a layer is
+        packed once its nine tensors have arrived, and the arrays are not kept. Raises
+        :class:`InvalidArgumentError` when a tensor is missing or unknown."""
+        model = cls.__new__(cls)
+        model._setup(config, blas_threads)
+        model._pack(tensors, weight_dtype)
+        return model
+
+    @staticmethod
+    def check_weight_dtype(weight_dtype: str) -> None:
+        """Raises :class:`InvalidArgumentError` unless ``Linear`` stores ``weight_dtype`` (one of
+        :data:`WEIGHT_DTYPES` or an alias such as "bf16"), so a load can fail before it reads
+        anything. ``Linear`` itself is the one validator: a 1 × 1 weight asks it."""
+        Linear(np.zeros((1, 1), np.float32), weight_dtype)
+
+    def _setup(self, config: LlamaConfig, blas_threads: int | None) -> None:
         if blas_threads is not None and blas_threads < 1:
             raise InvalidArgumentError(f"blas_threads must be ≥ 1 or None, got {blas_threads}")
         self._blas_threads = blas_threads
         self._blas = ThreadpoolController() if blas_threads is not None else None
-        self.config = weights.config
-        c = self.config
+        self.config = c = config
         self._q_dim = c.num_heads * c.head_dim
         self._kv_dim = c.num_kv_heads * c.head_dim
         self._scale = float(c.head_dim) ** -0.5
-        self._embed = weights.embed_tokens
-        # `.T` of an `[out, in]` matrix is Fortran-ordered: Linear packs it without a copy.
-        self._lm_head = Linear(weights.lm_head.T, weight_dtype)
-        self.weight_dtype = self._lm_head.dtype
-        self._final_norm = weights.norm
-        self._layers = [
-            _FusedLayer(
-                input_norm=layer.input_layernorm,
-                qkv=Linear(np.concatenate((layer.q_proj, layer.k_proj, layer.v_proj)).T, weight_dtype),
-                o=Linear(layer.o_proj.T, weight_dtype),
-                post_norm=layer.post_attention_layernorm,
-                gate_up=Linear(np.concatenate((layer.gate_proj, layer.up_proj)).T, weight_dtype),
-                down=Linear(layer.down_proj.T, weight_dtype),
-            )
-            for layer in weights.layers
-        ]
         self._rope_frequencies = rope_frequencies(c)
+
+    def _pack(self, tensors: Iterable[tuple[str, np.ndarray]], weight_dtype: str) -> None:
+        self.check_weight_dtype(weight_dtype)
+        c = self.config
+        pending: dict[int, dict[str, np.ndarray]] = {}
+        layers: dict[int, _FusedLayer] = {}
+        found: dict[str, np.ndarray] = {}
+        lm_head: Linear | None = None
+        for name, array in tensors:
+            index, _, suffix = name.removeprefix("model.layers.").partition(".")
+            if name.startswith("model.layers.") and suffix in _LAYER_FIELDS and index.isdigit() and int(index) < c.num_layers:
+                parts = pending.setdefault(int(index), {})
+                parts[_LAYER_FIELDS[suffix]] = array
+                if len(parts) == len(_LAYER_FIELDS):
+                    layers[int(index)] = _fuse(pending.pop(int(index)), weight_dtype, int(index))
+            elif name in ("model.embed_tokens.weight", "model.norm.weight"):
+                found[name] = array
+            elif name != "lm_head.weight" or c.tie_word_embeddings:
+                raise InvalidArgumentError(f"tensor {name} is not part of this model")
+            if name == ("model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"):
+                lm_head = _linear(array, weight_dtype, name)
+            del array  # the loop must not keep the last tensor alive while the next is read
+        missing = [f"model.layers.{i}" for i in range(c.num_layers) if i not in layers]
+        missing += [n for n in ("model.embed_tokens.weight", "model.norm.weight") if n not in found]
+        if lm_head is None or missing:
+            raise InvalidArgumentError(f"tensors missing: {', '.join(missing or ['lm_head.weight'])}")
+        self._embed = found["model.embed_tokens.weight"]
+        self._final_norm = found["model.norm.weight"]
+        self._lm_head = lm_head
+        self.weight_dtype = lm_head.dtype
+        self._layers = [layers[i] for i in range(c.num_layers)]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every parameter as held: the packed projections and lm_head, the float32
+        embedding table and norms."""
+        arrays = [self._embed, self._final_norm, *(layer.input_norm for layer in self._layers),
+                  *(layer.post_norm for layer in self._layers)]
+        linears = [self._lm_head, *(w for layer in self._layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down))]
+        return sum(a.nbytes for a in arrays) + sum(w.nbytes for w in linears)
 
     def new_kv_cache(self, num_blocks: int, block_size: int = 16, dtype: str = "float32") -> KVCache:
         """A KV cache shaped for this model (one K and V buffer per layer)."""
@@ -141,6 +217,34 @@ class _FusedLayer(NamedTuple):
     post_norm: np.ndarray
     gate_up: Linear
     down: Linear
+
+
+def _fuse(parts: dict[str, np.ndarray], weight_dtype: str, index: int) -> _FusedLayer:
+    """Layer ``index``'s tensors (LayerWeights fields -> arrays) packed, ``[q|k|v]`` and
+    ``[gate|up]`` fused."""
+    layer = f"model.layers.{index}"
+    return _FusedLayer(
+        input_norm=parts["input_layernorm"],
+        qkv=_linear(np.concatenate((parts["q_proj"], parts["k_proj"], parts["v_proj"])), weight_dtype, f"{layer}.qkv"),
+        o=_linear(parts["o_proj"], weight_dtype, f"{layer}.o_proj"),
+        post_norm=parts["post_attention_layernorm"],
+        gate_up=_linear(np.concatenate((parts["gate_proj"], parts["up_proj"])), weight_dtype, f"{layer}.gate_up"),
+        down=_linear(parts["down_proj"], weight_dtype, f"{layer}.down_proj"),
+    )
+
+
+def _linear(out_in: np.ndarray, weight_dtype: str, name: str) -> Linear:
+    """An ``[out, in]`` matrix packed, read through its ``.T`` (Fortran-ordered: no copy). Raises
+    :class:`InvalidArgumentError` if float16 storage would turn a weight into infinity."""
+    linear = Linear(out_in.T, weight_dtype)
+    # max and -min, not abs(): no temporary the size of the tensor during a streamed load.
+    if linear.dtype == "float16" and max(float(out_in.max()), -float(out_in.min())) >= _F16_OVERFLOW:
+        raise InvalidArgumentError(f"{name} holds weights beyond float16's range: use bfloat16 or float32 weights")
+    return linear
+
+
+# The smallest magnitude float16 rounds to infinity (65504 is its largest finite value).
+_F16_OVERFLOW = 65520.0
 
 
 def _silu(x: np.ndarray) -> np.ndarray:

