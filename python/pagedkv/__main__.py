@@ -1,4 +1,4 @@
-"""Command line: ``python -m pagedkv demo`` and ``python -m pagedkv bench <name> [--json]``.
+"""Command line: ``python -m pagedkv demo``, ``python -m pagedkv serve`` and ``python -m pagedkv bench <name> [--json]``.
 
 Wiring only: each subcommand lives in its own module (benchmarks: :data:`pagedkv.bench.BENCHES`)
 exposing ``add_arguments(parser)``, its flags typed with :mod:`pagedkv.cli`, and ``run(args) ->
@@ -20,7 +20,7 @@ from pagedkv.bench import BENCHES
 from pagedkv.errors import CheckpointError, InvalidArgumentError, PagedKVError
 
 # subcommand name -> module implementing it
-COMMANDS = {"demo": "pagedkv.demo"}
+COMMANDS = {"demo": "pagedkv.demo", "serve": "pagedkv.server.launch"}
 
 
 def _add(subparsers: argparse._SubParsersAction, name: str, module_name: str) -> None:

