@@ -21,6 +21,7 @@ from pagedkv.model import SamplingParams
 from pagedkv.model.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from pagedkv.model.gguf_file import read_gguf
 from pagedkv.model.pretrained import locate_registered
+from pagedkv.model.sampling import Samples
 from pagedkv.model.tokenizer import ByteTokenizer, HFTokenizer
 
 BYTES = ByteTokenizer()
@@ -195,7 +196,7 @@ class ScriptedRunner:
         self.scripts = scripts
         self.given: dict[tuple[str, int], int] = {}
 
-    def run(self, step, params, generators) -> np.ndarray:
+    def run(self, step, params, generators, histories) -> Samples:
         tokens = []
         for request_id, index in zip(step.sample_request_ids, step.sample_seq_indices.tolist(), strict=True):
             script = self.scripts[request_id]
@@ -203,7 +204,7 @@ class ScriptedRunner:
             at = self.given.get((request_id, index), 0)
             self.given[(request_id, index)] = at + 1
             tokens.append(script[min(at, len(script) - 1)])
-        return np.array(tokens, dtype=np.int64)
+        return Samples.certain(np.array(tokens, dtype=np.int64), params)
 
 
 def run_core(tokenizer, script: list[int] | tuple[list[int], ...], params: SamplingParams, eos: Sequence[int] = ()):

@@ -21,7 +21,7 @@ from pagedkv._core import (
     set_num_threads,
 )
 from pagedkv.engine import Engine, EngineClosedError, EngineOverloadedError, RequestHandle
-from pagedkv.engine_core import CompletionOutput, EngineConfig, EngineCore, RequestMetrics, RequestOutput, TokenEvent
+from pagedkv.engine_core import CompletionOutput, EngineConfig, EngineCore, RequestMetrics, RequestOutput, TokenEvent, TokenLogprob
 from pagedkv.errors import (
     CheckpointError,
     DuplicateSequenceError,
@@ -72,5 +72,6 @@ __all__ = [
     "CompletionOutput",
     "RequestMetrics",
     "TokenEvent",
+    "TokenLogprob",
     "__version__",
 ]

@@ -25,6 +25,13 @@ Invariants:
   blocks freed). (A sample stopped while others of its request run has its later tokens dropped:
   the scheduler finishes requests, not samples.)
   A tokenizer that raises fails the request alone, like NaN logits.
+- Sampling state is per sample: its generator (seeded by (seed, sample index)) and, only for a
+  request with a penalty on, its :class:`~pagedkv.model.sampling.TokenHistory` (the prompt's,
+  copied for each of the n samples, plus every token appended to its output): a row's draw
+  depends on nothing else in its batch. With ``logprobs`` asked, each token appended to a
+  sample's ``token_ids`` appends its :class:`TokenLogprob` to ``logprobs`` and rides its
+  :class:`TokenEvent`; a token not kept (after a stop string, aborted) leaves neither, so
+  ``len(logprobs) == len(token_ids)`` always.
 - A sample row the model left nothing to draw from (:data:`~pagedkv.model.sampling.NO_TOKEN`: NaN
   logits) fails its request alone: it ends with ``finish_reason == "error"`` and ``error`` set.
   A runner that raises aborts the requests of its step (their blocks freed, the protocol completed)
@@ -46,7 +53,7 @@ import numpy as np
 from pagedkv._core import KVCache, Scheduler, SchedulerOutput
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.model.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from pagedkv.model.sampling import NO_TOKEN, SamplingParams, sample
+from pagedkv.model.sampling import NO_TOKEN, SamplingParams, Samples, TokenHistory, sample_with_logprobs
 from pagedkv.model.simulated import SimulatedModel
 from pagedkv.model.step import ModelStep
 from pagedkv.model.tokenizer import Tokenizer
@@ -61,6 +68,7 @@ __all__ = [
     "EngineConfig",
     "SimulatedRunner",
     "TokenEvent",
+    "TokenLogprob",
     "VirtualClock",
 ]
 
@@ -112,15 +120,29 @@ class RequestMetrics:
         return None if self.finished_time is None else self.finished_time - self.arrival_time
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the model's raw logits (before penalties,
+    temperature and filters), and ``top``: the request's ``top_logprobs`` most likely tokens as
+    ``(token_id, logprob)``, most likely first (empty when it asked for none)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class CompletionOutput:
     """One sample of a request. ``finish_reason``: None while it runs, else "stop", "length",
-    "max_model_len", "abort", or "error" (its request failed: see :attr:`RequestOutput.error`)."""
+    "max_model_len", "abort", or "error" (its request failed: see :attr:`RequestOutput.error`).
+    ``logprobs``: None unless the request asked for them, else one entry per token of
+    ``token_ids``."""
 
     index: int
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     text: str = ""
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -150,13 +172,15 @@ class RequestOutput:
 @dataclass(frozen=True)
 class TokenEvent:
     """One token produced by a step, for streaming; ``text`` is the text it adds to its sample
-    (empty without a tokenizer, and while a character or a possible stop string is incomplete)."""
+    (empty without a tokenizer, and while a character or a possible stop string is incomplete);
+    ``logprob``: the token's, when its request asked for logprobs."""
 
     request_id: str
     index: int
     token_id: int
     finish_reason: str | None
     text: str = ""
+    logprob: TokenLogprob | None = None
 
 
 class ModelRunner(Protocol):
@@ -165,8 +189,16 @@ class ModelRunner(Protocol):
     vocab_size: int
     max_model_len: int
 
-    def run(self, step: ModelStep, params: Sequence[SamplingParams], generators: Sequence[np.random.Generator]) -> np.ndarray:
-        """Tokens (int64) for ``step.logits_indices``, row r drawn under ``params[r]``;
+    def run(
+        self,
+        step: ModelStep,
+        params: Sequence[SamplingParams],
+        generators: Sequence[np.random.Generator],
+        histories: Sequence[TokenHistory | None],
+    ) -> Samples:
+        """The samples of ``step.logits_indices``: row r drawn under ``params[r]`` from
+        ``generators[r]``, penalised by ``histories[r]`` (None: no penalty), with the logprobs
+        ``params[r]`` asks for (:func:`~pagedkv.model.sampling.sample_with_logprobs`);
         :data:`~pagedkv.model.sampling.NO_TOKEN` for a row with nothing to draw from."""
         ...
 
@@ -193,9 +225,15 @@ class PagedModelRunner:
         self.vocab_size = model.config.vocab_size
         self.max_model_len = model.config.max_position_embeddings
 
-    def run(self, step: ModelStep, params: Sequence[SamplingParams], generators: Sequence[np.random.Generator]) -> np.ndarray:
+    def run(
+        self,
+        step: ModelStep,
+        params: Sequence[SamplingParams],
+        generators: Sequence[np.random.Generator],
+        histories: Sequence[TokenHistory | None],
+    ) -> Samples:
         logits = self.model.forward(step, self.kv_cache)
-        return sample(logits, params, generators)
+        return sample_with_logprobs(logits, params, generators, histories)
 
 
 class SimulatedRunner:
@@ -207,9 +245,16 @@ class SimulatedRunner:
         self.vocab_size = model.vocab_size
         self.max_model_len = max_model_len
 
-    def run(self, step: ModelStep, params: Sequence[SamplingParams], generators: Sequence[np.random.Generator]) -> np.ndarray:
+    def run(
+        self,
+        step: ModelStep,
+        params: Sequence[SamplingParams],
+        generators: Sequence[np.random.Generator],
+        histories: Sequence[TokenHistory | None],
+    ) -> Samples:
+        """The simulated model's tokens, each certain (it has no logits: no penalty applies)."""
         self.clock.advance(self.model.step_seconds(step))
-        return self.model.sample(step)
+        return Samples.certain(self.model.sample(step), params)
 
 
 class _SampleText:
@@ -243,6 +288,7 @@ class _Request:
     generators: list[np.random.Generator]
     output: RequestOutput
     texts: list[_SampleText] | None  # per sample; None without a tokenizer
+    histories: list[TokenHistory] | None  # per sample; None without a penalty
 
 
 class EngineCore:
@@ -310,6 +356,10 @@ class EngineCore:
         if params.stop and self.tokenizer is None:
             raise InvalidArgumentError("stop strings need text: this engine core has no tokenizer")
         arrival = self.clock() if arrival_time is None else arrival_time
+        histories = None
+        if params.penalized:  # O(prompt) once, outside the lock; presence/frequency see only the output
+            history = TokenHistory(token_ids, with_prompt=params.repetition_penalty != 1)
+            histories = [history] + [history.copy() for _ in range(params.n - 1)]
         with self._lock:
             self.scheduler.add_request(
                 request_id,
@@ -325,14 +375,14 @@ class EngineCore:
             output = RequestOutput(
                 request_id=request_id,
                 prompt_token_ids=token_ids,
-                outputs=[CompletionOutput(index=i) for i in range(params.n)],
+                outputs=[CompletionOutput(index=i, logprobs=[] if params.logprobs else None) for i in range(params.n)],
                 metrics=RequestMetrics(arrival_time=arrival),
                 prompt=prompt,
             )
             generators = [params.make_generator(i) for i in range(params.n)]
             tokenizer = self.tokenizer
             texts = None if tokenizer is None else [_SampleText(tokenizer, params.stop) for _ in range(params.n)]
-            self._requests[request_id] = _Request(params, generators, output, texts)
+            self._requests[request_id] = _Request(params, generators, output, texts, histories)
         return output
 
     def abort(self, request_id: str) -> RequestOutput:
@@ -359,19 +409,23 @@ class EngineCore:
             requests = [self._requests[rid] for rid in step.sample_request_ids]
         updated = False
         try:
+            samples = None
             if step.num_scheduled_tokens == 0:
                 tokens = np.empty(0, dtype=np.int64)
             else:
+                indices = step.sample_seq_indices.tolist()
                 params = [r.params for r in requests]
-                generators = [r.generators[i] for r, i in zip(requests, step.sample_seq_indices.tolist(), strict=True)]
-                tokens = np.asarray(self.runner.run(step, params, generators), dtype=np.int64)
+                generators = [r.generators[i] for r, i in zip(requests, indices, strict=True)]
+                histories = [None if r.histories is None else r.histories[i] for r, i in zip(requests, indices, strict=True)]
+                samples = self.runner.run(step, params, generators, histories)
+                tokens = np.asarray(samples.tokens, dtype=np.int64)
             now = self.clock()
             with self._lock:
                 failed = self._fail_unsampled(step, tokens)
                 # The failed requests' rows are skipped: any valid id stands in for their tokens.
                 update = self.scheduler.update(step, np.where(tokens == NO_TOKEN, 0, tokens))
                 updated = True
-                events, finished = self._record(update, now)
+                events, finished = self._record(update, now, _logprobs_by_sample(step, requests, samples))
         finally:
             if not updated:
                 self._abandon(step)
@@ -397,8 +451,11 @@ class EngineCore:
             failed.append(request.output)
         return failed
 
-    def _record(self, update, now: float) -> tuple[list[TokenEvent], list[RequestOutput]]:
-        """Appends an update's tokens (and text) to their requests' outputs; pops the finished
+    def _record(
+        self, update, now: float, logprobs: dict[tuple[str, int], TokenLogprob]
+    ) -> tuple[list[TokenEvent], list[RequestOutput]]:
+        """Appends an update's tokens (with their ``logprobs``, by (request id, sample index), and
+        text) to their requests' outputs and histories; pops the finished
         requests: those the scheduler finished, those every sample of which met a stop string
         (aborted in the scheduler here), and those whose tokens the tokenizer could not decode."""
         events = []
@@ -411,6 +468,12 @@ class EngineCore:
             if completion.finish_reason is not None:
                 continue  # stopped at a stop string, or its request failed this step
             completion.token_ids.append(token)
+            logprob = logprobs.get((request_id, index))
+            if completion.logprobs is not None:
+                assert logprob is not None and logprob.token_id == token, "every kept token has its sampled logprob"
+                completion.logprobs.append(logprob)
+            if request.histories is not None:
+                request.histories[index].append(token)
             completion.finish_reason = reason
             metrics = request.output.metrics
             metrics.first_token_time = metrics.first_token_time or now
@@ -430,7 +493,7 @@ class EngineCore:
                     completion.finish_reason = reason = "stop"
                     if all(c.finish_reason is not None for c in request.output.outputs):
                         ended[request_id] = None
-            events.append(TokenEvent(request_id, index, token, reason, delta))
+            events.append(TokenEvent(request_id, index, token, reason, delta, logprob))
         finished_ids = list(update.finished_request_ids)
         for request_id in ended:
             if request_id not in finished_ids:
@@ -459,6 +522,25 @@ class EngineCore:
     def stats(self) -> dict[str, float]:
         """The scheduler's cumulative stats, current (they include every completed step)."""
         return self.scheduler.stats()
+
+
+def _logprobs_by_sample(
+    step: SchedulerOutput, requests: Sequence[_Request], samples: Samples | None
+) -> dict[tuple[str, int], TokenLogprob]:
+    """The :class:`TokenLogprob` of each sample row whose request asked for logprobs, by
+    (request id, sample index): the update that accepts the tokens need not keep the rows' order."""
+    out: dict[tuple[str, int], TokenLogprob] = {}
+    if samples is None:
+        return out
+    for row, (request, request_id, index) in enumerate(
+        zip(requests, step.sample_request_ids, step.sample_seq_indices.tolist(), strict=True)
+    ):
+        k = request.params.top_logprobs
+        if request.params.logprobs:
+            top = zip(samples.top_ids[row, :k].tolist(), samples.top_logprobs[row, :k].tolist(), strict=True)
+            alternatives = tuple((t, lp) for t, lp in top if t >= 0)  # fewer than k: -1 pads the row
+            out[(request_id, index)] = TokenLogprob(int(samples.tokens[row]), float(samples.logprobs[row]), alternatives)
+    return out
 
 
 def _vocabulary_tokens(prompt: Sequence[int], vocab_size: int) -> list[int]:

@@ -165,6 +165,16 @@ class TokenHistory:
             self._size += 1
         self._counts[slot] += 1
 
+    def copy(self) -> TokenHistory:
+        """An independent history with the same tokens and counts (the n samples of a request
+        start from one built once from the prompt)."""
+        twin = TokenHistory.__new__(TokenHistory)
+        twin._size = self._size
+        twin._tokens = self._tokens.copy()
+        twin._counts = self._counts.copy()
+        twin._where = dict(self._where)
+        return twin
+
     @property
     def tokens(self) -> np.ndarray:
         """Each distinct token once (int32 view)."""
@@ -187,6 +197,22 @@ class Samples:
     logprobs: np.ndarray
     top_ids: np.ndarray
     top_logprobs: np.ndarray
+
+    @classmethod
+    def certain(cls, tokens: np.ndarray, params: Sequence[SamplingParams]) -> Samples:
+        """``tokens`` drawn with probability 1, for a runner that picks them without logits (a
+        simulated or scripted model): a row that asked for logprobs gets 0 for its token, and its
+        token as its only alternative."""
+        tokens = np.asarray(tokens, dtype=np.int64)
+        asked = np.array([p.logprobs for p in params], dtype=bool)
+        width = max((p.top_logprobs for p in params), default=0)
+        with_top = np.array([p.top_logprobs > 0 for p in params], dtype=bool)
+        top_ids = np.full((len(tokens), width), -1, dtype=np.int64)
+        top_logprobs = np.full((len(tokens), width), np.nan, dtype=np.float32)
+        if width:
+            top_ids[with_top, 0] = tokens[with_top]
+            top_logprobs[with_top, 0] = 0.0
+        return cls(tokens, np.where(asked, 0.0, np.nan).astype(np.float32), top_ids, top_logprobs)
 
 
 def sample(
