@@ -151,9 +151,18 @@ def completion_logprobs(entries: Sequence[TokenLogprob], text: TokenText, offset
     return {
         "tokens": tokens,
         "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [{text(t): lp for t, lp in e.top} for e in entries],
+        "top_logprobs": [_by_text(e.top, text) for e in entries],
         "text_offset": offsets,
     }
+
+
+def _by_text(top: Sequence[tuple[int, float]], text: TokenText) -> dict[str, float]:
+    """Alternatives keyed by their text, as the legacy format has them; of tokens with the same
+    text (undecodable bytes all read U+FFFD) the most likely stays."""
+    by_text: dict[str, float] = {}
+    for token_id, logprob in top:
+        by_text.setdefault(text(token_id), logprob)
+    return by_text
 
 
 def chat_logprobs(entries: Sequence[TokenLogprob], text: TokenText) -> dict:
