@@ -14,7 +14,7 @@ import pytest
 
 from pagedkv import Engine, TokenLogprob
 from pagedkv.engine_core import EngineConfig, EngineCore
-from pagedkv.model.sampling import SamplingParams, Samples, TokenHistory, sample_with_logprobs
+from pagedkv.model.sampling import Samples, SamplingParams, TokenHistory, sample_with_logprobs
 from pagedkv.model.tokenizer import ByteTokenizer
 
 VOCAB = 259  # ByteTokenizer's

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -26,7 +27,8 @@ import openai
 import pytest
 
 MODEL = "tiny-served"
-TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<assistant>{% endif %}")
 STARTUP_SECONDS = 60
 
 
@@ -43,7 +45,8 @@ class Server:
         command = [sys.executable, "-m", "pagedkv", "serve", "--model", "tiny", "--served-model-name", MODEL,
                    "--port", str(self.port), "--chat-template", str(template), "--num-blocks", "256", *flags]
         with self.log.open("w") as log:
-            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+            env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
         self.url = f"http://127.0.0.1:{self.port}"
         deadline = time.monotonic() + STARTUP_SECONDS
         while True:
@@ -235,7 +238,6 @@ def test_malformed_bodies_are_400s_naming_the_field(client, fields, param):
 def test_values_the_engine_refuses_are_400s(server, client, fields, message):
     with pytest.raises(openai.BadRequestError) as raised:
         client.completions.create(**{"model": MODEL, "prompt": "x", "max_tokens": 2, **fields})
-    import re
     assert re.search(message, error_of(raised)["message"]), error_of(raised)
     assert server.health()["num_waiting"] == 0  # nothing was queued
 
@@ -373,3 +375,18 @@ def test_sigterm_drains_then_aborts_and_every_stream_ends(tmp_path):
     assert finished == 6 and aborted == 6
     with pytest.raises(httpx.TransportError):
         httpx.get(f"{busy.url}/health", timeout=2)  # nothing listens any more
+
+
+def test_a_closed_engine_is_a_503_with_retry_after():
+    """In process: what a request meets between SIGTERM and the listening socket's closing."""
+    from fastapi.testclient import TestClient
+
+    from pagedkv.engine import Engine
+    from pagedkv.server import build_app
+
+    engine = Engine.from_pretrained("tiny", num_blocks=16)
+    engine.shutdown()
+    with TestClient(build_app(engine, MODEL)) as http:
+        response = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+    assert response.status_code == 503 and response.headers["retry-after"] == "1"
+    assert response.json()["error"]["type"] == "ServiceUnavailableError"

@@ -21,7 +21,15 @@ from pagedkv._core import (
     set_num_threads,
 )
 from pagedkv.engine import Engine, EngineClosedError, EngineOverloadedError, RequestHandle
-from pagedkv.engine_core import CompletionOutput, EngineConfig, EngineCore, RequestMetrics, RequestOutput, TokenEvent, TokenLogprob
+from pagedkv.engine_core import (
+    CompletionOutput,
+    EngineConfig,
+    EngineCore,
+    RequestMetrics,
+    RequestOutput,
+    TokenEvent,
+    TokenLogprob,
+)
 from pagedkv.errors import (
     CheckpointError,
     DuplicateSequenceError,

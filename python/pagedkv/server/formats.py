@@ -83,4 +83,5 @@ class ChatFormat(Format):
 
     def chunk_choice(self, index: int, event: TokenEvent, logprobs: bool, offset: int) -> dict:
         lp = chat_logprobs([event.logprob], self.text) if logprobs and event.logprob is not None else None
-        return {"index": index, "delta": {"content": event.text}, "logprobs": lp, "finish_reason": finish_reason(event.finish_reason)}
+        reason = finish_reason(event.finish_reason)
+        return {"index": index, "delta": {"content": event.text}, "logprobs": lp, "finish_reason": reason}

@@ -67,7 +67,8 @@ class _Server(uvicorn.Server):
         self.should_exit = True
         if self._abort_timer is None:
             self.engine.shutdown(drain=True, timeout=0)  # stop accepting; the worker goes on
-            self._abort_timer = threading.Timer(self.shutdown_timeout, self.engine.shutdown, kwargs={"drain": False, "timeout": 0})
+            abort = {"drain": False, "timeout": 0}
+            self._abort_timer = threading.Timer(self.shutdown_timeout, self.engine.shutdown, kwargs=abort)
             self._abort_timer.daemon = True
             self._abort_timer.start()
 
