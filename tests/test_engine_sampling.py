@@ -14,6 +14,7 @@ import pytest
 
 from pagedkv import Engine, TokenLogprob
 from pagedkv.engine_core import EngineConfig, EngineCore
+from pagedkv.model import DenseReference, LlamaModel, load_tokenizer
 from pagedkv.model.sampling import Samples, SamplingParams, TokenHistory, sample_with_logprobs
 from pagedkv.model.tokenizer import ByteTokenizer
 
@@ -189,22 +190,35 @@ def test_a_stop_string_leaves_no_logprob_behind_while_the_sibling_runs():
         assert [e.logprob for e in streamed] == completion.logprobs
 
 
-def test_the_tiny_model_streams_the_logprobs_of_its_final_output():
-    """Through the threaded engine and the real runner: greedy tokens are their own top
-    alternative, a penalty changes them, and the stream equals the final output."""
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=3)
-    with Engine.from_pretrained("tiny", num_blocks=64) as engine:
-        plain = engine.submit([5, 6, 7, 5, 6, 7], params)
-        penalised = engine.submit([5, 6, 7, 5, 6, 7], dataclasses.replace(params, repetition_penalty=50.0))
-        output, other = plain.result(timeout=60), penalised.result(timeout=60)
-        streamed = list(plain)  # ended: the handle replays its events without blocking
+def test_the_tiny_model_penalises_and_streams_logprobs_as_the_sampler_does(weights):
+    """Through the threaded engine and the real runner: a penalised greedy request gives the
+    tokens and logprobs of the sampler run step by step on the float64 reference's logits, an
+    unpenalised one's tokens are their own top alternative, and the stream equals the output."""
+    prompt, plain = [40, 41], SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=True, top_logprobs=3)
+    params = dataclasses.replace(plain, frequency_penalty=1.0, repetition_penalty=1.5)
+    model = LlamaModel(weights)
+    with Engine(model, load_tokenizer(None, model.config.vocab_size), EngineConfig(num_blocks=64)) as engine:
+        handles = [engine.submit(prompt, plain), engine.submit(prompt, params)]
+        unpenalised, output = (handle.result(timeout=60) for handle in handles)
+        streamed = list(handles[1])  # ended: the handle replays its events without blocking
+    dense, history, context = DenseReference(weights), TokenHistory(prompt), list(prompt)
+    want = []
+    for _ in range(12):
+        logits = dense.logits(context)[-1:].astype(np.float32)
+        out = sample_with_logprobs(logits, [params], [params.make_generator()], [history])
+        top = list(zip(out.top_ids[0].tolist(), out.top_logprobs[0].tolist(), strict=True))
+        want.append((int(out.tokens[0]), float(out.logprobs[0]), top))
+        context.append(want[-1][0])
+        history.append(want[-1][0])
     completion = output.outputs[0]
-    assert [e.logprob for e in streamed] == completion.logprobs and len(completion.logprobs) == 8
-    for token, entry in zip(completion.token_ids, completion.logprobs, strict=True):
-        assert entry.top[0] == (token, entry.logprob) and len(entry.top) == 3
-        assert entry.top[0][1] >= entry.top[1][1] >= entry.top[2][1]
-    assert other.token_ids != output.token_ids
-    context = {5, 6, 7}
-    for token in other.token_ids:  # a penalty of 50 keeps every token of the context out
-        assert token not in context
-        context.add(token)
+    assert completion.token_ids == [token for token, _, _ in want]
+    assert len(set(unpenalised.token_ids)) < 12 == len(set(completion.token_ids))  # the penalty bit
+    for entry, (_, logprob, top) in zip(completion.logprobs, want, strict=True):
+        assert entry.logprob == pytest.approx(logprob, abs=1e-4)
+        assert [t for t, _ in entry.top] == [t for t, _ in top]
+        assert [lp for _, lp in entry.top] == pytest.approx([lp for _, lp in top], abs=1e-4)
+    # Logprobs are the raw model's: where the penalty overrode the argmax, the top one is another.
+    assert any(entry.top[0][0] != token for entry, token in zip(completion.logprobs, completion.token_ids, strict=True))
+    for entry, token in zip(unpenalised.outputs[0].logprobs, unpenalised.token_ids, strict=True):
+        assert entry.top[0] == (token, entry.logprob)
+    assert [e.logprob for e in streamed] == completion.logprobs
