@@ -53,7 +53,7 @@ import numpy as np
 from pagedkv._core import KVCache, Scheduler, SchedulerOutput
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.model.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from pagedkv.model.sampling import NO_TOKEN, SamplingParams, Samples, TokenHistory, sample_with_logprobs
+from pagedkv.model.sampling import NO_TOKEN, Samples, SamplingParams, TokenHistory, sample_with_logprobs
 from pagedkv.model.simulated import SimulatedModel
 from pagedkv.model.step import ModelStep
 from pagedkv.model.tokenizer import Tokenizer
