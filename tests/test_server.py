@@ -390,3 +390,11 @@ def test_a_closed_engine_is_a_503_with_retry_after():
         response = http.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
     assert response.status_code == 503 and response.headers["retry-after"] == "1"
     assert response.json()["error"]["type"] == "ServiceUnavailableError"
+
+
+def test_without_the_server_extra_only_serve_is_unavailable():
+    hide = "import sys; sys.modules['fastapi'] = None; from pagedkv.__main__ import main; sys.exit(main(sys.argv[1:]))"
+    serve = subprocess.run([sys.executable, "-c", hide, "serve", "--port", "1"], capture_output=True, text=True, timeout=60)
+    assert serve.returncode == 1 and "needs fastapi" in serve.stderr and "pagedkv[server]" in serve.stderr
+    demo = subprocess.run([sys.executable, "-c", hide, "demo", "--help"], capture_output=True, text=True, timeout=60)
+    assert demo.returncode == 0 and "--num-blocks" in demo.stdout
