@@ -1,5 +1,6 @@
 """``python -m pagedkv serve``: the OpenAI-compatible server (:func:`pagedkv.server.build_app`) on
-uvicorn, over an engine built from the shared engine options.
+uvicorn, over an engine built from the shared engine options (``--otlp-traces-endpoint`` traces
+each request, a child of the HTTP request's ``traceparent``).
 
 Shutdown, on SIGTERM or SIGINT (:class:`_Server`):
 
@@ -24,6 +25,7 @@ from types import FrameType
 
 import uvicorn
 
+from pagedkv import tracing
 from pagedkv.cli import add_engine_arguments, engine_kwargs, existing_file, port, positive_int, seconds
 from pagedkv.engine import Engine
 from pagedkv.metrics import EngineMetrics
@@ -49,7 +51,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a Jinja chat template file, replacing the tokenizer's (needed for a model without one)")
     parser.add_argument("--shutdown-timeout", type=seconds, default=30.0,
                         help="seconds in-flight requests may run after SIGTERM before they are aborted")
-    # --otlp-traces-endpoint (OpenTelemetry export) belongs here once tracing lands.
 
 
 class _Server(uvicorn.Server):
@@ -98,9 +99,15 @@ def serve(engine: Engine, model_name: str, host: str, port: int, *, shutdown_tim
 
 def run(args: argparse.Namespace) -> int:
     name = args.served_model_name or str(args.model)
-    engine = Engine.from_pretrained(args.model, max_waiting=args.max_waiting, metrics=EngineMetrics(name), **engine_kwargs(args))
+    tracer = tracing.configure(otlp_endpoint=args.otlp_traces_endpoint)
+    engine = Engine.from_pretrained(args.model, max_waiting=args.max_waiting, metrics=EngineMetrics(name), tracer=tracer,
+                                    **engine_kwargs(args))
     if args.chat_template is not None:
         engine.tokenizer.chat_template = Path(args.chat_template).read_text()
-    serve(engine, name, args.host, args.port, shutdown_timeout=args.shutdown_timeout,
-          default_max_tokens=args.default_max_tokens)
+    try:
+        serve(engine, name, args.host, args.port, shutdown_timeout=args.shutdown_timeout,
+              default_max_tokens=args.default_max_tokens)
+    finally:
+        if tracer is not None:
+            tracer.shutdown()  # flushes the spans of the requests served
     return 0
