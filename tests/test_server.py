@@ -280,8 +280,10 @@ def test_a_disconnected_whole_request_returns_its_blocks(server):
     server.wait_idle(timeout=2.0)
 
 
-async def _stream(http: httpx.AsyncClient, url: str, body: dict, leave_after: int | None) -> tuple[str, list[dict]]:
-    """Reads one SSE stream: ("done" | "left", its JSON events); leaves after ``leave_after`` events."""
+async def _stream(http: httpx.AsyncClient, url: str, body: dict, leave_after: int | None,
+                  started: asyncio.Event | None = None) -> tuple[str, list[dict]]:
+    """Reads one SSE stream: ("done" | "left", its JSON events); leaves after ``leave_after`` events;
+    sets ``started`` at the first."""
     events: list[dict] = []
     async with http.stream("POST", url, json=body) as response:
         assert response.status_code == 200, await response.aread()
@@ -292,6 +294,8 @@ async def _stream(http: httpx.AsyncClient, url: str, body: dict, leave_after: in
             if line == "data: [DONE]":
                 return "done", events
             events.append(json.loads(line[6:]))
+            if started is not None:
+                started.set()
             if leave_after is not None and len(events) >= leave_after:
                 return "left", events
     return "cut", events
@@ -343,7 +347,7 @@ def test_a_full_queue_is_a_429_with_retry_after(tmp_path):
 
 
 def test_sigterm_drains_then_aborts_and_every_stream_ends(tmp_path):
-    busy = Server(tmp_path, "--max-num-seqs", "8", "--shutdown-timeout", "1.5")
+    busy = Server(tmp_path, "--max-num-seqs", "12", "--shutdown-timeout", "1.5")
     url = f"{busy.url}/v1/completions"
 
     async def load() -> list[tuple[str, list[dict]]]:
@@ -351,9 +355,9 @@ def test_sigterm_drains_then_aborts_and_every_stream_ends(tmp_path):
             # Half finish within the drain timeout, half would run for minutes: they are aborted.
             bodies = [{"model": MODEL, "prompt": f"client {i}", "max_tokens": 8 if i % 2 else 100_000, "stream": True,
                        "ignore_eos": True} for i in range(12)]
-            streams = [asyncio.ensure_future(_stream(http, url, b, None)) for b in bodies]
-            while (health := busy.health())["num_running"] + health["num_waiting"] < 12:  # every one queued
-                await asyncio.sleep(0.02)
+            started = [asyncio.Event() for _ in bodies]
+            streams = [asyncio.ensure_future(_stream(http, url, b, None, s)) for b, s in zip(bodies, started, strict=True)]
+            await asyncio.gather(*(s.wait() for s in started))  # every one admitted (or already done)
             busy.process.send_signal(signal.SIGTERM)
             return await asyncio.gather(*streams)
 
