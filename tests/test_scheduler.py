@@ -463,3 +463,33 @@ def test_stats_track_steps_tokens_and_occupancy():
     assert stats["scheduled_tokens"] == 12 and stats["prefill_tokens"] == 10
     assert stats["generated_tokens"] == 3 and stats["finished_requests"] == 1
     assert stats["kv_usage"] == 0.0 and stats["peak_running"] == 1
+
+
+def test_step_events_report_admissions_with_their_hit_preemptions_and_resumptions():
+    s = Scheduler(num_blocks=4, block_size=4, admission_lookahead_tokens=None)
+    s.add_request("a", [1] * 7, max_tokens=10)
+    s.add_request("b", [2] * 3, max_tokens=10)
+    s.add_request("c", [3] * 3, max_tokens=10)
+    out, _ = step(s)
+    assert out.events == [("a", 0, "admitted", 0), ("b", 0, "admitted", 0), ("c", 0, "admitted", 0)]
+    out, _ = step(s)
+    assert out.events == []
+    out, _ = step(s)
+    assert out.events == [("c", 0, "preempted", 0), ("b", 0, "preempted", 0)]
+    later = []
+    while s.has_unfinished():
+        out, _ = step(s)
+        later += out.events
+        kinds = [kind for _, _, kind, _ in out.events]
+        assert kinds.count("preempted") == out.stats["num_preempted"]
+        assert len(kinds) - kinds.count("preempted") == out.stats["num_admitted"]
+        assert sum(hit for *_, hit in out.events) == out.stats["prefix_hit_tokens"]
+    # a's growth evicted b's and c's cached blocks; c, preempted again by b, finds its first block.
+    assert later == [("b", 0, "resumed", 0), ("c", 0, "resumed", 0), ("c", 0, "preempted", 0), ("c", 0, "resumed", 4)]
+    # A prompt sharing two full blocks with a finished one is admitted with that hit.
+    s = Scheduler(num_blocks=16, block_size=4)
+    s.add_request("x", list(range(10)), max_tokens=2)
+    run_to_end(s)
+    s.add_request("y", list(range(10)) + [99], max_tokens=2)
+    out, _ = step(s)
+    assert out.events == [("y", 0, "admitted", 8)]

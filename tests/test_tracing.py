@@ -103,7 +103,8 @@ def test_traceparent_makes_the_request_a_child_of_the_caller(weights):
     exporter = InMemorySpanExporter()
     trace_id, parent_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
     headers = {"Traceparent": f"00-{trace_id}-{parent_id}-01", "content-type": "application/json"}
-    engine = Engine(LlamaModel(weights), load_tokenizer(None, weights.config.vocab_size), EngineConfig(num_blocks=32), tracer=tracing.configure(exporter=exporter))
+    tokenizer = load_tokenizer(None, weights.config.vocab_size)
+    engine = Engine(LlamaModel(weights), tokenizer, EngineConfig(num_blocks=32), tracer=tracing.configure(exporter=exporter))
     with engine:
         engine.submit([1, 2, 3], SamplingParams(max_tokens=2, **GREEDY), trace_headers=headers).result(timeout=60)
         engine.submit([1, 2, 3], SamplingParams(max_tokens=2, **GREEDY)).result(timeout=60)

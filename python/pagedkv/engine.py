@@ -228,7 +228,8 @@ class Engine:
         tracer: RequestTracer | None = None,
     ) -> None:
         """``default_params``: what a request submitted without parameters samples with (None:
-        ``SamplingParams()``). ``tracer``: traces each request (:func:`pagedkv.tracing.configure`). Raises :class:`InvalidArgumentError` (or ``MemoryError``) for a
+        ``SamplingParams()``). ``tracer``: traces each request (:func:`pagedkv.tracing.configure`).
+        Raises :class:`InvalidArgumentError` (or ``MemoryError``) for a
         configuration the model, the KV cache or the scheduler refuses."""
         if max_waiting < 1:
             raise InvalidArgumentError(f"max_waiting must be ≥ 1, got {max_waiting}")

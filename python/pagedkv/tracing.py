@@ -10,7 +10,7 @@ rows, the times from the engine's clock.
 Invariants:
 
 - Off costs nothing per token: an engine built without a tracer makes one ``is None`` test per
-  step and per request end; OpenTelemetry is imported only by :func:`configure`.
+  step, per request added and per request end; OpenTelemetry is imported only by :func:`configure`.
 - Times are the engine's clock mapped to wall time by one offset taken when the core binds the
   tracer (:meth:`RequestTracer.observe`), so a span's times are ordered as the engine saw them
   (perf_counter drift against the wall clock is far below a step).
