@@ -12,9 +12,9 @@ import dataclasses
 import numpy as np
 import pytest
 
-from pagedkv import Engine, TokenLogprob
-from pagedkv.engine_core import EngineConfig, EngineCore
-from pagedkv.model import DenseReference, LlamaModel, load_tokenizer
+from pagedkv import Engine, InvalidArgumentError, Scheduler, TokenLogprob, UnknownSequenceError
+from pagedkv.engine_core import EngineConfig, EngineCore, SimulatedRunner, VirtualClock
+from pagedkv.model import DenseReference, LlamaModel, SimulatedModel, load_tokenizer
 from pagedkv.model.sampling import Samples, SamplingParams, TokenHistory, sample_with_logprobs
 from pagedkv.model.tokenizer import ByteTokenizer
 
@@ -41,12 +41,14 @@ class LogitsRunner:
 
     def __init__(self) -> None:
         self.batch_sizes: list[int] = []
+        self.rows: list[tuple[str, int]] = []  # (request id, sample index) of every row drawn
 
     def run(self, step, params, generators, histories) -> Samples:
         rows = np.asarray(step.logits_indices)
         positions, inputs = np.asarray(step.positions)[rows], np.asarray(step.input_ids)[rows]
         logits = np.stack([logits_at(int(p), int(t)) for p, t in zip(positions, inputs, strict=True)])
         self.batch_sizes.append(len(rows))
+        self.rows += zip(step.sample_request_ids, step.sample_seq_indices.tolist(), strict=True)
         return sample_with_logprobs(logits, params, generators, histories)
 
 
@@ -163,9 +165,9 @@ def test_a_seeded_penalised_request_draws_the_same_alone_or_in_a_batch():
 
 
 def test_a_stop_string_leaves_no_logprob_behind_while_the_sibling_runs():
-    """n=2: sample 0 meets its stop string first; its later tokens (still drawn until its
-    sibling ends) leave neither a token nor a logprob, and the stream carries what the output
-    holds."""
+    """n=2: sample 0 meets its stop string first and leaves the batch at once (item 5: drawn
+    no more, its blocks freed) while its sibling runs to its end; each output's logprobs match its
+    tokens, and the stream carries what the output holds."""
     tokenizer = ByteTokenizer()
     base = dict(max_tokens=10, temperature=1.0, n=2, ignore_eos=True, logprobs=True, top_logprobs=1)
     for seed in range(50):  # the first seed whose sample 0 has a letter sample 1 lacks, mid-way
@@ -178,11 +180,12 @@ def test_a_stop_string_leaves_no_logprob_behind_while_the_sibling_runs():
     else:
         raise AssertionError("no seed gives a usable stop letter")
     stopped = SamplingParams(seed=seed, stop=texts[0][cut], **base)
-    events, outputs, _ = run_all({"r": (PROMPT, stopped)}, tokenizer)
+    events, outputs, runner = run_all({"r": (PROMPT, stopped)}, tokenizer)
     first, second = outputs["r"].outputs
     assert first.finish_reason == "stop" and first.token_ids == free[0][: cut + 1]
     assert first.text == texts[0][:cut]
     assert second.finish_reason == "length" and second.token_ids == free[1]
+    assert runner.rows.count(("r", 0)) == cut + 1 and runner.rows.count(("r", 1)) == 10
     for index, completion in enumerate((first, second)):
         assert completion.logprobs == reference(PROMPT, stopped, index)[1][: len(completion.token_ids)]
         streamed = [e for e in events["r"] if e.index == index]
@@ -222,3 +225,35 @@ def test_the_tiny_model_penalises_and_streams_logprobs_as_the_sampler_does(weigh
     for entry, token in zip(unpenalised.outputs[0].logprobs, unpenalised.token_ids, strict=True):
         assert entry.top[0] == (token, entry.logprob)
     assert [e.logprob for e in streamed] == completion.logprobs
+
+
+def test_a_simulated_model_reports_its_tokens_as_certain():
+    """The simulated runner has no logits: each token is its own only alternative, at logprob 0."""
+    clock = VirtualClock()
+    core = EngineCore(SimulatedRunner(SimulatedModel(vocab_size=VOCAB), clock), EngineConfig(num_blocks=64), clock=clock)
+    core.add_request("r", [5, 6, 7], SamplingParams(max_tokens=5, ignore_eos=True, logprobs=True, top_logprobs=3, n=2))
+    core.add_request("plain", [5, 6, 7], SamplingParams(max_tokens=5, ignore_eos=True))
+    outputs = {}
+    while core.has_unfinished():
+        outputs.update((o.request_id, o) for o in core.step()[1])
+    for completion in outputs["r"].outputs:
+        assert completion.logprobs == [TokenLogprob(t, 0.0, ((t, 0.0),)) for t in completion.token_ids]
+    assert outputs["plain"].outputs[0].logprobs is None
+
+
+def test_finish_sample_refuses_bad_input_with_typed_errors_changing_nothing():
+    scheduler = Scheduler(num_blocks=16, block_size=4)
+    scheduler.add_request("r", [5, 6, 7], max_tokens=4, n=2)
+    scheduler.update(out := scheduler.schedule(), [8] * out.num_samples)  # forks the two samples
+    with pytest.raises(UnknownSequenceError):
+        scheduler.finish_sample("r", 2)
+    with pytest.raises(UnknownSequenceError):
+        scheduler.finish_sample("nope", 0)
+    with pytest.raises(InvalidArgumentError):
+        scheduler.finish_sample("r", "0")
+    assert scheduler.num_running == 2
+    scheduler.finish_sample("r", 0)
+    with pytest.raises(InvalidArgumentError, match="last"):
+        scheduler.finish_sample("r", 1)
+    scheduler.check_invariants()
+    assert scheduler.num_running == 1

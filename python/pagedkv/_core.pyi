@@ -222,6 +222,9 @@ class Scheduler:
         ``1..max_num_seqs``; nothing changes then. ``n > 1`` forks the computed prompt."""
     def abort(self, request_id: str) -> None:
         """Drop a request in any state, freeing every block (UnknownSequenceError if not live)."""
+    def finish_sample(self, request_id: str, seq_index: int) -> None:
+        """End one sample of a live request before its siblings, freeing its blocks
+        (UnknownSequenceError if not live; InvalidArgumentError for its only live sample)."""
     def schedule(self) -> SchedulerOutput:
         """Build the next step. InvalidArgumentError if the previous step was not updated."""
     def update(self, output: SchedulerOutput, sampled_token_ids: _TokenIds) -> UpdateOutput:

@@ -20,10 +20,10 @@ Invariants:
   concatenate to :attr:`CompletionOutput.text`, and that is ``tokenizer.decode(token_ids)`` unless
   a stop string cut it (or the sample ended without a last token — aborted, failed — when the
   text still held back is dropped, as it was never streamed). A sample whose stop string
-  completes ends with ``finish_reason == "stop"`` in the step that completed it; once every sample
-  of its request has ended so, the request is aborted in the scheduler in that same step (its
-  blocks freed). (A sample stopped while others of its request run has its later tokens dropped:
-  the scheduler finishes requests, not samples.)
+  completes ends with ``finish_reason == "stop"`` in the step that completed it, and leaves the
+  scheduler in that same step (its blocks freed, never sampled again): alone
+  (``Scheduler.finish_sample``) while other samples of its request run, else with its request
+  (aborted).
   A tokenizer that raises fails the request alone, like NaN logits.
 - Sampling state is per sample: its generator (seeded by (seed, sample index)) and, only for a
   request with a penalty on, its :class:`~pagedkv.model.sampling.TokenHistory` (the prompt's,
@@ -482,13 +482,14 @@ class EngineCore:
         (aborted in the scheduler here), and those whose tokens the tokenizer could not decode."""
         events = []
         ended: dict[str, None] = {}  # ended here, not by the scheduler: aborted below
+        stopped: list[tuple[str, int]] = []  # samples ended here by a stop string: finished below
         for request_id, index, token, reason in zip(
             update.request_ids, update.seq_indices.tolist(), update.token_ids.tolist(), update.finish_reasons, strict=True
         ):
             request = self._requests[request_id]
             completion = request.output.outputs[index]
             if completion.finish_reason is not None:
-                continue  # stopped at a stop string, or its request failed this step
+                continue  # its request failed this step
             completion.token_ids.append(token)
             logprob = logprobs.get((request_id, index))
             if completion.logprobs is not None:
@@ -512,11 +513,16 @@ class EngineCore:
                     continue
                 completion.text += delta
                 if request.texts[index].stopped:
+                    if reason is None:  # else the scheduler has finished it already
+                        stopped.append((request_id, index))
                     completion.finish_reason = reason = "stop"
                     if all(c.finish_reason is not None for c in request.output.outputs):
                         ended[request_id] = None
             events.append(TokenEvent(request_id, index, token, reason, delta, logprob))
         finished_ids = list(update.finished_request_ids)
+        for request_id, index in stopped:
+            if request_id not in ended:  # a sibling still runs (it has no finish reason)
+                self.scheduler.finish_sample(request_id, index)
         for request_id in ended:
             if request_id not in finished_ids:
                 self.scheduler.abort(request_id)

@@ -157,6 +157,20 @@ impl PyScheduler {
         self.with(py, |s| s.abort(&request_id))
     }
 
+    /// Ends one sample of a live request before its siblings, freeing its blocks (a step awaiting
+    /// update skips it). Raises UnknownSequenceError for no such live sample, and
+    /// InvalidArgumentError for the request's only live sample (abort the request instead).
+    fn finish_sample(
+        &self,
+        py: Python<'_>,
+        request_id: &Bound<'_, PyAny>,
+        seq_index: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let request_id: String = arg(request_id, "request_id")?;
+        let seq_index = arg(seq_index, "seq_index")?;
+        self.with(py, |s| s.finish_sample(&request_id, seq_index))
+    }
+
     /// Builds the next step (see SchedulerOutput). The previous step must have been updated.
     fn schedule(&self, py: Python<'_>) -> PyResult<PySchedulerOutput> {
         let out = self.with(py, |s| {

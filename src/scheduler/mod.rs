@@ -8,6 +8,8 @@
 //! freed (full ones stay cached, so the recompute is mostly prefix hits) and it waits again under
 //! its original key with its tokens kept. No admission happens in a step that preempted.
 //! `update` then appends one sampled token per sample, finishes sequences and frees their blocks.
+//! `finish_sample` ends one sample of a request early (a stop string its caller matched), freeing
+//! its blocks, while the request's other samples run on; `abort` ends a whole request.
 //!
 //! Invariants (checked by `check_invariants`):
 //! - every live sequence is either waiting (queued, no block table) or running (in `running`,
@@ -17,7 +19,7 @@
 //! - running sequences plus the forks their prompts still owe never exceed `max_num_seqs`;
 //! - `schedule` and `update` alternate, `update` naming by its `StepId` the step it answers (a
 //!   step of another scheduler or an old one is refused); an error from either, or from
-//!   `add_request` / `abort`, leaves every structure as it was.
+//!   `add_request` / `abort` / `finish_sample`, leaves every structure as it was.
 //! - the limits fit the step's arrays: `max_model_len` and `max_num_batched_tokens` an i32,
 //!   `max_num_seqs` a u32 (checked by `SchedulerConfig::validate`).
 //!
@@ -358,31 +360,51 @@ impl Scheduler {
             .remove(request)
             .expect("id map points at live requests");
         for handle in request.seqs {
-            let seq = self
-                .seqs
-                .remove(handle)
-                .expect("requests list live sequences");
-            match seq.status {
-                SeqStatus::Waiting => {
-                    let queued = self.waiting.remove(seq.queue_key, handle);
-                    debug_assert!(queued);
-                }
-                SeqStatus::Running => {
-                    self.blocks
-                        .free(seq.block_seq)
-                        .expect("running sequences have tables");
-                    let at = self
-                        .running
-                        .iter()
-                        .position(|&h| h == handle)
-                        .expect("running sequence listed");
-                    self.running.remove(at);
-                    self.owed_forks -= seq.pending_forks as usize;
-                }
-            }
+            self.drop_sequence(handle);
         }
         self.totals.aborted_requests += 1;
         Ok(())
+    }
+
+    /// Ends sample `seq_index` of a live request before its siblings (the engine met its stop
+    /// string), freeing its blocks; a step awaiting update skips it, and the request goes on with
+    /// the others. Fails, changing nothing: `UnknownSequence` for no such live sample,
+    /// `InvalidArgument` for the request's only live sample (abort the request instead).
+    pub fn finish_sample(&mut self, request_id: &str, seq_index: u32) -> Result<()> {
+        let (request, at) = self.find_sample(request_id, seq_index)?;
+        let seqs = &mut self.requests[request].seqs;
+        ensure(seqs.len() > 1, || {
+            format!("sample {seq_index} is the last of request {request_id:?}: abort it instead")
+        })?;
+        let handle = seqs.remove(at);
+        self.drop_sequence(handle);
+        Ok(())
+    }
+
+    /// Removes a waiting or running sequence (not from its request's list), returning its blocks.
+    fn drop_sequence(&mut self, handle: Handle) {
+        let seq = self
+            .seqs
+            .remove(handle)
+            .expect("requests list live sequences");
+        match seq.status {
+            SeqStatus::Waiting => {
+                let queued = self.waiting.remove(seq.queue_key, handle);
+                debug_assert!(queued);
+            }
+            SeqStatus::Running => {
+                self.blocks
+                    .free(seq.block_seq)
+                    .expect("running sequences have tables");
+                let at = self
+                    .running
+                    .iter()
+                    .position(|&h| h == handle)
+                    .expect("running sequence listed");
+                self.running.remove(at);
+                self.owed_forks -= seq.pending_forks as usize;
+            }
+        }
     }
 
     /// Builds the next step. Fails if the previous step has not been passed to `update`.
@@ -538,16 +560,21 @@ impl Scheduler {
 
     /// Tokens of sample `seq_index` of a live request: its prompt followed by its output so far.
     pub fn sequence_tokens(&self, request_id: &str, seq_index: u32) -> Result<&[TokenId]> {
+        let (request, at) = self.find_sample(request_id, seq_index)?;
+        Ok(&self.seqs[self.requests[request].seqs[at]].tokens)
+    }
+
+    /// The request holding live sample `seq_index` of `request_id`, and where in its `seqs`.
+    fn find_sample(&self, request_id: &str, seq_index: u32) -> Result<(Handle, usize)> {
         let unknown =
             || Error::UnknownSequence(format!("request {request_id:?} sample {seq_index}"));
-        let request = &self.requests[*self.request_ids.get(request_id).ok_or_else(unknown)?];
-        let seq = request
+        let request = *self.request_ids.get(request_id).ok_or_else(unknown)?;
+        let at = self.requests[request]
             .seqs
             .iter()
-            .map(|&h| &self.seqs[h])
-            .find(|s| s.index == seq_index)
+            .position(|&h| self.seqs[h].index == seq_index)
             .ok_or_else(unknown)?;
-        Ok(&seq.tokens)
+        Ok((request, at))
     }
 
     /// Totals and current occupancy.

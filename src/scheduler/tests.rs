@@ -411,6 +411,53 @@ fn parallel_samples_share_the_prompt_until_they_diverge() {
 }
 
 #[test]
+fn a_sample_finished_early_frees_its_blocks_while_its_siblings_run() {
+    let mut s = Scheduler::new(config(16, 4)).unwrap();
+    let params = SamplingParams {
+        max_tokens: 6,
+        n: 3,
+        ..Default::default()
+    };
+    s.add_request("p", vec![5; 6], params, RequestOptions::default())
+        .unwrap();
+    step(&mut s);
+    step(&mut s); // each sample now owns its partial block
+    let used = s.block_manager().stats().used_blocks;
+    s.finish_sample("p", 1).unwrap();
+    s.check_invariants().unwrap();
+    assert_eq!(s.num_running(), 2);
+    assert_eq!(s.block_manager().stats().used_blocks, used - 1);
+    assert!(matches!(
+        s.finish_sample("p", 1),
+        Err(Error::UnknownSequence(_))
+    ));
+    assert!(matches!(
+        s.finish_sample("q", 0),
+        Err(Error::UnknownSequence(_))
+    ));
+
+    // Finished between schedule and update: its sample is dropped, its sibling's goes through.
+    let id = s.schedule().unwrap().id;
+    s.finish_sample("p", 2).unwrap();
+    let produced = s.update(id, &[7, 8]).unwrap();
+    assert_eq!(produced.produced.len(), 1);
+    assert_eq!(
+        (produced.produced[0].seq_index, produced.produced[0].token),
+        (0, 7)
+    );
+    s.check_invariants().unwrap();
+    assert!(matches!(
+        s.finish_sample("p", 0),
+        Err(Error::InvalidArgument(_))
+    ));
+
+    let outputs = run_to_end(&mut s, 10);
+    assert_eq!(outputs.keys().collect::<Vec<_>>(), vec!["p/0"]);
+    assert_eq!(s.block_manager().stats().used_blocks, 0);
+    assert_eq!(s.stats().finished_requests, 1);
+}
+
+#[test]
 fn aging_bounds_how_long_a_low_priority_request_waits() {
     // One sequence at a time; each request runs 1 prefill + 1 decode step, so a new urgent
     // request arriving every step would starve priority 3 forever without aging.
