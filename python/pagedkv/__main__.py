@@ -1,4 +1,4 @@
-"""Command line: ``python -m pagedkv demo`` and ``python -m pagedkv bench <name> [--json]``.
+"""Command line: ``python -m pagedkv demo``, ``python -m pagedkv serve`` and ``python -m pagedkv bench <name> [--json]``.
 
 Wiring only: each subcommand lives in its own module (benchmarks: :data:`pagedkv.bench.BENCHES`)
 exposing ``add_arguments(parser)``, its flags typed with :mod:`pagedkv.cli`, and ``run(args) ->
@@ -20,11 +20,18 @@ from pagedkv.bench import BENCHES
 from pagedkv.errors import CheckpointError, InvalidArgumentError, PagedKVError
 
 # subcommand name -> module implementing it
-COMMANDS = {"demo": "pagedkv.demo"}
+COMMANDS = {"demo": "pagedkv.demo", "serve": "pagedkv.server.launch"}
 
 
 def _add(subparsers: argparse._SubParsersAction, name: str, module_name: str) -> None:
-    module = importlib.import_module(module_name)
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as error:  # its optional extra (``serve``: pagedkv[server]) is not installed
+        # No options (every argument is taken as ignored), so that any command line reaches the message.
+        unavailable = subparsers.add_parser(name, help=f"unavailable: needs {error.name}", add_help=False, prefix_chars="\0")
+        unavailable.add_argument("ignored", nargs=argparse.REMAINDER)
+        unavailable.set_defaults(run=None, usage_parser=unavailable, missing=error)
+        return
     parser = subparsers.add_parser(name, help=(module.__doc__ or "").strip().splitlines()[0])
     module.add_arguments(parser)
     parser.set_defaults(run=module.run, usage_parser=parser)
@@ -45,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     parser: argparse.ArgumentParser = args.usage_parser
+    if args.run is None:
+        parser.exit(1, f"{parser.prog}: error: this command needs {args.missing.name}, which is not installed"
+                       " (pip install 'pagedkv[server]')\n")
     try:
         return int(args.run(args) or 0)
     except (InvalidArgumentError, CheckpointError, OverflowError) as error:

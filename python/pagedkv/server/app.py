@@ -1,0 +1,134 @@
+"""The FastAPI application: OpenAI's completions, chat completions and models endpoints over one
+:class:`~pagedkv.Engine`, plus ``/health``, ``/metrics`` and ``/version``.
+
+FastAPI (on Starlette, served by uvicorn) is what vLLM and SGLang serve with: request bodies
+validated by pydantic models (:mod:`pagedkv.server.protocol`), streaming responses whose generator
+Starlette closes when the client goes away, and an ASGI receive channel on which a disconnect is
+seen while a whole response is still being computed.
+
+Invariants:
+
+- A request names the served model or gets a 404; everything else about it is checked when its
+  submissions are built, in the event loop's thread, before any answer starts: a refused request
+  queues nothing.
+- The client's going away aborts its generation, streaming or not (:func:`_until_disconnect`).
+- The engine is never stepped here: submissions go through :meth:`Engine.submit`, which never
+  blocks (``timeout=0``: a full queue is a 429 at once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from pagedkv import __version__
+from pagedkv.engine import Engine
+from pagedkv.engine_core import RequestOutput
+from pagedkv.server.errors import ModelNotFoundError, install_handlers
+from pagedkv.server.formats import ChatFormat, CompletionFormat, Format
+from pagedkv.server.generation import Generation, Prompt, TokenText
+from pagedkv.server.protocol import ChatCompletionRequest, CompletionRequest, sampling_params
+from pagedkv.server.streaming import stream
+
+__all__ = ["DEFAULT_MAX_TOKENS", "build_app"]
+
+# max_tokens of a request that gives none: the scheduler stops a sample earlier when the model's
+# length runs out, so this caps what a request gets by default (vLLM gives all the room left,
+# which on a 4096-token model is minutes of CPU decoding for a client that forgot the field).
+DEFAULT_MAX_TOKENS = 1024
+
+# The W3C trace-context headers handed to the engine's tracing.
+_TRACE_HEADERS = ("traceparent", "tracestate")
+
+
+def build_app(engine: Engine, model_name: str, *, default_max_tokens: int = DEFAULT_MAX_TOKENS) -> FastAPI:
+    """An app serving ``engine`` as the model ``model_name``."""
+    app = FastAPI(title="pagedkv", version=__version__)
+    install_handlers(app)
+    text = TokenText(engine)
+    completion_format, chat_format = CompletionFormat(model_name, text), ChatFormat(model_name, text)
+
+    async def generate(http: Request, body: CompletionRequest | ChatCompletionRequest, prompts: Sequence[Prompt],
+                       fmt: Format, chat: bool) -> Response:
+        if body.model != model_name:
+            raise ModelNotFoundError(f"the model {body.model!r} does not exist (this server serves {model_name!r})")
+        params = sampling_params(body, engine.default_params, default_max_tokens)
+        trace = {k: v for k in _TRACE_HEADERS if (v := http.headers.get(k)) is not None}
+        generation = Generation.submit(engine, prompts, params, chat=chat, cache_salt=body.cache_salt,
+                                       trace_headers=trace or None, prefix="chatcmpl" if chat else "cmpl")
+        if body.stream:
+            return StreamingResponse(stream(generation, fmt, body.include_usage), media_type="text/event-stream")
+        outputs = await _until_disconnect(http, generation)
+        if outputs is None:
+            return Response(status_code=499)  # nobody is listening; the status is for the access log
+        generation.check_ended(outputs)
+        return JSONResponse(fmt.response(generation, outputs))
+
+    @app.post("/v1/completions")
+    async def completions(http: Request, body: CompletionRequest) -> Response:
+        prompt = body.prompt
+        prompts: list[Prompt] = [prompt] if isinstance(prompt, str) or _is_ids(prompt) else list(prompt)  # type: ignore[arg-type]
+        return await generate(http, body, prompts, completion_format, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(http: Request, body: ChatCompletionRequest) -> Response:
+        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        return await generate(http, body, [messages], chat_format, chat=True)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        card = {"id": model_name, "object": "model", "created": 0, "owned_by": "pagedkv",
+                "max_model_len": engine.core.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health() -> dict:
+        """Liveness, and what the engine holds now: a test reads the block counts here."""
+        scheduler = engine.core.scheduler
+        num_blocks = engine.core.config.num_blocks
+        return {
+            "status": "ok",
+            "num_running": scheduler.num_running,
+            "num_waiting": scheduler.num_waiting,
+            "num_blocks": num_blocks,
+            "blocks_in_use": num_blocks - scheduler.num_free_blocks,
+        }
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(engine.metrics.text(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": __version__}
+
+    return app
+
+
+def _is_ids(prompt: object) -> bool:
+    """Whether a completions prompt is one list of token ids (not a list of prompts)."""
+    return isinstance(prompt, list) and bool(prompt) and isinstance(prompt[0], int)
+
+
+async def _until_disconnect(http: Request, generation: Generation) -> list[RequestOutput] | None:
+    """The generation's outputs, or None (the generation aborted) if the client disconnects
+    first: the body is read, so the next ASGI message is the disconnect."""
+
+    async def disconnected() -> None:
+        while (await http.receive())["type"] != "http.disconnect":
+            pass
+
+    result = asyncio.ensure_future(generation.outputs())
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({result, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not result.done():  # the client left (or this task was cancelled)
+            generation.abort()
+            result.cancel()
+    return None if result.cancelled() or not result.done() else result.result()

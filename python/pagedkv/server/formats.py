@@ -1,0 +1,87 @@
+"""The two response shapes: legacy completions (``text``) and chat (``message`` / ``delta``), whole
+and as stream chunks. One :class:`Format` per endpoint; everything else the server does is shared.
+
+Invariants: a response names the served model and the generation's id and creation time; every
+chunk of a stream carries its choice's ``index``; logprobs appear only when the request asked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pagedkv.engine_core import CompletionOutput, RequestOutput, TokenEvent
+from pagedkv.server.generation import Generation, TokenText, chat_logprobs, completion_logprobs, finish_reason, usage
+
+__all__ = ["ChatFormat", "CompletionFormat", "Format"]
+
+
+class Format:
+    """How one endpoint writes its choices."""
+
+    object = ""
+    chunk_object = ""
+
+    def __init__(self, model: str, text: TokenText) -> None:
+        self.model = model
+        self.text = text
+
+    def response(self, generation: Generation, outputs: Sequence[RequestOutput]) -> dict:
+        choices = [
+            self.choice(generation.n * i + c.index, c, generation.params.logprobs)
+            for i, o in enumerate(outputs)
+            for c in o.outputs
+        ]
+        return {**self._head(generation, self.object), "choices": choices, "usage": usage(outputs)}
+
+    def chunk(self, generation: Generation, choices: list[dict], usage_: dict | None = None) -> dict:
+        body = {**self._head(generation, self.chunk_object), "choices": choices}
+        if usage_ is not None:
+            body["usage"] = usage_
+        return body
+
+    def _head(self, generation: Generation, kind: str) -> dict:
+        return {"id": generation.id, "object": kind, "created": generation.created, "model": self.model}
+
+    def opening(self, index: int) -> dict | None:
+        """The chunk that opens choice ``index`` of a stream, if the format has one."""
+        return None
+
+    def choice(self, index: int, completion: CompletionOutput, logprobs: bool) -> dict:
+        raise NotImplementedError
+
+    def chunk_choice(self, index: int, event: TokenEvent, logprobs: bool, offset: int) -> dict:
+        raise NotImplementedError
+
+
+class CompletionFormat(Format):
+    object = chunk_object = "text_completion"
+
+    def choice(self, index: int, completion: CompletionOutput, logprobs: bool) -> dict:
+        lp = completion_logprobs(completion.logprobs or [], self.text) if logprobs else None
+        return {"index": index, "text": completion.text, "logprobs": lp, "finish_reason": finish_reason(completion.finish_reason)}
+
+    def chunk_choice(self, index: int, event: TokenEvent, logprobs: bool, offset: int) -> dict:
+        lp = completion_logprobs([event.logprob], self.text, offset) if logprobs and event.logprob is not None else None
+        return {"index": index, "text": event.text, "logprobs": lp, "finish_reason": finish_reason(event.finish_reason)}
+
+
+class ChatFormat(Format):
+    object = "chat.completion"
+    chunk_object = "chat.completion.chunk"
+
+    def choice(self, index: int, completion: CompletionOutput, logprobs: bool) -> dict:
+        lp = chat_logprobs(completion.logprobs or [], self.text) if logprobs else None
+        return {
+            "index": index,
+            "message": {"role": "assistant", "content": completion.text},
+            "logprobs": lp,
+            "finish_reason": finish_reason(completion.finish_reason),
+        }
+
+    def opening(self, index: int) -> dict | None:
+        return {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+
+    def chunk_choice(self, index: int, event: TokenEvent, logprobs: bool, offset: int) -> dict:
+        lp = chat_logprobs([event.logprob], self.text) if logprobs and event.logprob is not None else None
+        reason = finish_reason(event.finish_reason)
+        return {"index": index, "delta": {"content": event.text}, "logprobs": lp, "finish_reason": reason}

@@ -1,0 +1,175 @@
+"""One HTTP request's generation: its engine submissions (one per prompt, ``n`` samples each), their
+tokens merged into one stream of choices, and the OpenAI objects built from them.
+
+Invariants:
+
+- Choice ``i * n + j`` is sample ``j`` of prompt ``i`` (OpenAI's order for a list of prompts).
+- :meth:`Generation.submit` either returns a generation whose every submission is queued, or
+  raises having queued nothing (the prompts queued before a refused one are aborted).
+- :meth:`Generation.abort` ends every submission still running (a no-op for the ended ones): the
+  server calls it whenever its client goes away, so no request outlives its connection.
+- The text of a choice is its sample's :attr:`CompletionOutput.text`, which is the concatenation
+  of its events' deltas: a stream and a whole response of the same seed say the same.
+- ``finish_reason`` is OpenAI's: "stop" (EOS, a stop token or a stop string) or "length"
+  (``max_tokens``, or the model's length); a sample the engine aborted or failed has none, and
+  :meth:`Generation.check_ended` raises for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import dataclass
+
+from pagedkv.engine import Engine, EngineClosedError, RequestHandle
+from pagedkv.engine_core import RequestOutput, TokenEvent, TokenLogprob
+from pagedkv.errors import PagedKVError
+from pagedkv.model.sampling import SamplingParams
+
+__all__ = ["Generation", "Prompt", "finish_reason", "usage"]
+
+# A text prompt, token ids, or a conversation.
+Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]
+
+_FINISH = {"stop": "stop", "length": "length", "max_model_len": "length"}
+
+
+def finish_reason(reason: str | None) -> str | None:
+    """OpenAI's name of an engine finish reason (None for one OpenAI has none for: abort, error)."""
+    return _FINISH.get(reason) if reason is not None else None
+
+
+@dataclass
+class Generation:
+    """The submissions of one HTTP request."""
+
+    id: str
+    created: int
+    handles: list[RequestHandle]
+    n: int
+    params: SamplingParams
+
+    @classmethod
+    def submit(cls, engine: Engine, prompts: Sequence[Prompt], params: SamplingParams, *, chat: bool,
+               cache_salt: str | None, trace_headers: Mapping[str, str] | None, prefix: str) -> Generation:
+        """Queues each prompt without waiting (a full queue raises ``EngineOverloadedError`` at
+        once: the client is told to retry rather than held)."""
+        handles: list[RequestHandle] = []
+        try:
+            for prompt in prompts:
+                if chat:
+                    handles.append(engine.submit_chat(prompt, params, cache_salt=cache_salt, timeout=0,  # type: ignore[arg-type]
+                                                      trace_headers=trace_headers))
+                else:
+                    handles.append(engine.submit(prompt, params, cache_salt=cache_salt, timeout=0,  # type: ignore[arg-type]
+                                                 trace_headers=trace_headers))
+        except BaseException:
+            for handle in handles:
+                handle.abort()
+            raise
+        return cls(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), handles, params.n, params)
+
+    def abort(self) -> None:
+        for handle in self.handles:
+            handle.abort()
+
+    async def events(self) -> AsyncIterator[tuple[int, TokenEvent]]:
+        """Every token of every submission as it is produced, with its choice index. Ends when
+        every submission has ended (its error, if any, is for :meth:`outputs` to raise)."""
+        queue: asyncio.Queue[tuple[int, TokenEvent | None]] = asyncio.Queue()
+
+        async def pump(first_choice: int, handle: RequestHandle) -> None:
+            try:
+                with contextlib.suppress(PagedKVError):
+                    async for event in handle:
+                        queue.put_nowait((first_choice + event.index, event))
+            finally:
+                queue.put_nowait((first_choice, None))
+
+        tasks = [asyncio.ensure_future(pump(i * self.n, h)) for i, h in enumerate(self.handles)]
+        try:
+            running = len(tasks)
+            while running:
+                choice, event = await queue.get()
+                if event is None:
+                    running -= 1
+                else:
+                    yield choice, event
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    async def outputs(self) -> list[RequestOutput]:
+        """The final outputs, in prompt order; raises a submission's error."""
+        return [await handle for handle in self.handles]
+
+    @staticmethod
+    def check_ended(outputs: Sequence[RequestOutput]) -> None:
+        """Raises :class:`EngineClosedError` if the engine aborted a sample (it does so only when
+        shutting down past its drain timeout)."""
+        if any(c.finish_reason == "abort" for o in outputs for c in o.outputs):
+            raise EngineClosedError("the server shut down before the request finished")
+
+
+def usage(outputs: Sequence[RequestOutput]) -> dict:
+    """OpenAI's ``usage``: each prompt counted once, every sample's tokens, the prefix-cache hit."""
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    cached = sum(o.num_cached_tokens for o in outputs)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+class TokenText:
+    """Token ids as the text of one token, for logprobs (``decode([id])``, cached)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._decode = engine.tokenizer.decode
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._cache[token_id] = self._decode([token_id])
+        return text
+
+
+def completion_logprobs(entries: Sequence[TokenLogprob], text: TokenText, offset: int = 0) -> dict:
+    """The legacy completions ``logprobs`` object of ``entries`` (``text_offset`` from ``offset``)."""
+    tokens = [text(e.token_id) for e in entries]
+    offsets, position = [], offset
+    for token in tokens:
+        offsets.append(position)
+        position += len(token)
+    return {
+        "tokens": tokens,
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [_by_text(e.top, text) for e in entries],
+        "text_offset": offsets,
+    }
+
+
+def _by_text(top: Sequence[tuple[int, float]], text: TokenText) -> dict[str, float]:
+    """Alternatives keyed by their text, as the legacy format has them; of tokens with the same
+    text (undecodable bytes all read U+FFFD) the most likely stays."""
+    by_text: dict[str, float] = {}
+    for token_id, logprob in top:
+        by_text.setdefault(text(token_id), logprob)
+    return by_text
+
+
+def chat_logprobs(entries: Sequence[TokenLogprob], text: TokenText) -> dict:
+    """The chat ``logprobs`` object of ``entries``."""
+
+    def item(token_id: int, logprob: float) -> dict:
+        token = text(token_id)
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+    return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t, lp) for t, lp in e.top]} for e in entries]}

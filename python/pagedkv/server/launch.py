@@ -1,0 +1,113 @@
+"""``python -m pagedkv serve``: the OpenAI-compatible server (:func:`pagedkv.server.build_app`) on
+uvicorn, over an engine built from the shared engine options (``--otlp-traces-endpoint`` traces
+each request, a child of the HTTP request's ``traceparent``).
+
+Shutdown, on SIGTERM or SIGINT (:class:`_Server`):
+
+1. the engine stops accepting (``Engine.shutdown(drain=True)``: a request arriving now is a 503)
+   and uvicorn closes its listening socket and its idle connections;
+2. in-flight requests go on for up to ``--shutdown-timeout`` seconds;
+3. then the engine aborts the rest: each open stream ends with an error event and ``[DONE]``, each
+   waiting whole response with a 503. uvicorn's own graceful timeout, a little longer, is only a
+   backstop.
+
+The process then exits 0. A second SIGINT forces the exit (uvicorn's behaviour).
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import socket
+import threading
+from pathlib import Path
+from types import FrameType
+
+import uvicorn
+
+from pagedkv import tracing
+from pagedkv.cli import add_engine_arguments, engine_kwargs, existing_file, port, positive_int, seconds
+from pagedkv.engine import Engine
+from pagedkv.metrics import EngineMetrics
+from pagedkv.server.app import DEFAULT_MAX_TOKENS, build_app
+
+__all__ = ["add_arguments", "run", "serve"]
+
+# How much longer than --shutdown-timeout uvicorn waits before cancelling what is still open: the
+# streams aborted at the timeout need a moment to send their last events.
+_BACKSTOP_SECONDS = 5.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_engine_arguments(parser)
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    parser.add_argument("--port", type=port, default=8000, help="port to listen on (0: any free one)")
+    parser.add_argument("--served-model-name", default=None, help="the model's name in the API (default: --model)")
+    parser.add_argument("--max-waiting", type=positive_int, default=1024,
+                        help="requests waiting for admission before new ones get 429")
+    parser.add_argument("--default-max-tokens", type=positive_int, default=DEFAULT_MAX_TOKENS,
+                        help="max_tokens of a request that gives none (the model's length still bounds it)")
+    parser.add_argument("--chat-template", type=existing_file, default=None,
+                        help="a Jinja chat template file, replacing the tokenizer's (needed for a model without one)")
+    parser.add_argument("--shutdown-timeout", type=seconds, default=30.0,
+                        help="seconds in-flight requests may run after SIGTERM before they are aborted")
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, whose exit signal first drains the engine (see the module doc), and
+    which does not re-raise the signal after its graceful exit (so the process exits 0)."""
+
+    def __init__(self, config: uvicorn.Config, engine: Engine, model_name: str, shutdown_timeout: float) -> None:
+        super().__init__(config)
+        self.engine = engine
+        self.model_name = model_name
+        self.shutdown_timeout = shutdown_timeout
+        self._abort_timer: threading.Timer | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        for server in self.servers:  # the bound address (with --port 0, the port the system chose)
+            for listener in server.sockets:
+                host, bound_port = listener.getsockname()[:2]
+                print(f"pagedkv serving {self.model_name!r} on http://{host}:{bound_port}", flush=True)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.should_exit and sig == signal.SIGINT:
+            self.force_exit = True
+        self.should_exit = True
+        if self._abort_timer is None:
+            self.engine.shutdown(drain=True, timeout=0)  # stop accepting; the worker goes on
+            abort = {"drain": False, "timeout": 0}
+            self._abort_timer = threading.Timer(self.shutdown_timeout, self.engine.shutdown, kwargs=abort)
+            self._abort_timer.daemon = True
+            self._abort_timer.start()
+
+
+def serve(engine: Engine, model_name: str, host: str, port: int, *, shutdown_timeout: float = 30.0,
+          default_max_tokens: int = DEFAULT_MAX_TOKENS) -> None:
+    """Serves ``engine`` until SIGTERM / SIGINT, then shuts down as the module doc says (the
+    engine is shut down on return)."""
+    app = build_app(engine, model_name, default_max_tokens=default_max_tokens)
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+                            timeout_graceful_shutdown=shutdown_timeout + _BACKSTOP_SECONDS)
+    server = _Server(config, engine, model_name, shutdown_timeout)
+    try:
+        server.run()
+    finally:
+        engine.shutdown(drain=False)
+
+
+def run(args: argparse.Namespace) -> int:
+    name = args.served_model_name or str(args.model)
+    tracer = tracing.configure(otlp_endpoint=args.otlp_traces_endpoint)
+    engine = Engine.from_pretrained(args.model, max_waiting=args.max_waiting, metrics=EngineMetrics(name), tracer=tracer,
+                                    **engine_kwargs(args))
+    if args.chat_template is not None:
+        engine.tokenizer.chat_template = Path(args.chat_template).read_text()
+    try:
+        serve(engine, name, args.host, args.port, shutdown_timeout=args.shutdown_timeout,
+              default_max_tokens=args.default_max_tokens)
+    finally:
+        if tracer is not None:
+            tracer.shutdown()  # flushes the spans of the requests served
+    return 0

@@ -1,0 +1,135 @@
+"""The OpenAI API's request bodies, as pydantic models (the parts pagedkv serves).
+
+Invariants:
+
+- These models check shape and type only: an unknown field is refused (``extra="forbid"``), and
+  no value is coerced across types (``strict``: "3" is not an int, true is not a number; an int
+  is a float). Ranges (temperature ≥ 0, n ≥ 1, top_p in (0, 1], …) are checked once, by
+  :class:`~pagedkv.model.sampling.SamplingParams` and the scheduler, when the request is built
+  (:func:`sampling_params`), so the server and the library can never disagree.
+- A refused body becomes FastAPI's ``RequestValidationError``, which :mod:`pagedkv.server.errors`
+  answers with OpenAI's 400.
+
+Extensions beyond OpenAI, with vLLM's names: ``top_k``, ``min_p``, ``repetition_penalty``,
+``stop_token_ids``, ``ignore_eos``, ``cache_salt``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pagedkv.errors import InvalidArgumentError
+from pagedkv.model.sampling import SamplingParams
+
+__all__ = ["ChatCompletionRequest", "ChatMessage", "CompletionRequest", "StreamOptions", "sampling_params"]
+
+
+# Empty prompts are refused here: a tokenizer that adds a BOS token would make "" a prompt.
+_Text = Annotated[str, Field(min_length=1)]
+_Ids = Annotated[list[int], Field(min_length=1)]
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class ChatMessage(_Strict):
+    role: str
+    content: str
+    name: str | None = None
+
+
+class _Sampling(_Strict):
+    """Fields both endpoints share."""
+
+    model: str
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    cache_salt: str | None = None
+
+    def _max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a stream ends with a usage chunk."""
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_Sampling):
+    """``POST /v1/completions``: ``prompt`` is a text, a list of texts, token ids, or a list of
+    token-id lists (one choice group of ``n`` per prompt); ``logprobs`` the number of
+    alternatives per token (0: the chosen token's only)."""
+
+    prompt: _Text | Annotated[list[_Text], Field(min_length=1)] | _Ids | Annotated[list[_Ids], Field(min_length=1)]
+    logprobs: int | None = None
+
+    def _logprobs(self) -> tuple[bool, int]:
+        return (False, 0) if self.logprobs is None else (True, self.logprobs)
+
+
+class ChatCompletionRequest(_Sampling):
+    """``POST /v1/chat/completions``: ``max_completion_tokens`` is OpenAI's newer name of
+    ``max_tokens`` (giving both is refused)."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def _logprobs(self) -> tuple[bool, int]:
+        return self.logprobs, self.top_logprobs or 0
+
+    def _max_tokens(self) -> int | None:
+        if self.max_tokens is not None and self.max_completion_tokens is not None:
+            raise InvalidArgumentError("give max_tokens or max_completion_tokens, not both")
+        return self.max_completion_tokens if self.max_tokens is None else self.max_tokens
+
+
+def sampling_params(request: CompletionRequest | ChatCompletionRequest, default: SamplingParams,
+                    default_max_tokens: int) -> SamplingParams:
+    """The engine's parameters for ``request``: its fields where given, else the engine's
+    ``default`` parameters, except ``max_tokens``, which defaults to ``default_max_tokens`` (the
+    scheduler ends a sample earlier if the model's length runs out, so a request without it gets
+    what the model has room for, capped). Raises :class:`InvalidArgumentError` for values
+    :class:`SamplingParams` refuses."""
+    logprobs, top_logprobs = request._logprobs()
+    given = {
+        "max_tokens": request._max_tokens(),
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        "top_k": request.top_k,
+        "min_p": request.min_p,
+        "presence_penalty": request.presence_penalty,
+        "frequency_penalty": request.frequency_penalty,
+        "repetition_penalty": request.repetition_penalty,
+        "seed": request.seed,
+        "stop_token_ids": None if request.stop_token_ids is None else tuple(request.stop_token_ids),
+        "stop": None if request.stop is None else ((request.stop,) if isinstance(request.stop, str) else tuple(request.stop)),
+    }
+    fields = {name: value for name, value in given.items() if value is not None}
+    fields.setdefault("max_tokens", default_max_tokens)
+    fields.update(n=request.n, ignore_eos=request.ignore_eos, logprobs=logprobs, top_logprobs=top_logprobs)
+    return dataclasses.replace(default, **fields)
+
