@@ -24,7 +24,9 @@ server's own cost per token; the target is ≤ 1.10.
 
 Client: httpx's ``AsyncClient`` streaming, SSE split by line and parsed with ``json``. The
 ``openai`` client runs on the same httpx and adds a pydantic object per chunk, client CPU taken
-from the two cores the server uses; the client's CPU seconds per output token are reported.
+from the two cores the server uses; the client's CPU seconds per output token are reported, and
+the server's (from /proc: the whole server process; in process, this process: the engine and its
+consumers), whose HTTP ÷ in-process ratio is the overhead in CPU rather than in time.
 
 The same footing for everyone: the pagedkv server and the in-process engine get the same engine
 options (:func:`pagedkv.cli.add_engine_arguments`), ``--threads`` threads like llama-server;
@@ -68,7 +70,7 @@ REPO = Path(__file__).resolve().parents[3]
 PEERS = ("llama-server",)
 TARGET_OVERHEAD = 1.10
 BLOCK_SIZE = 16  # the engine's block size (EngineConfig's default, which add_engine_arguments keeps)
-QUICK = {"requests": 8, "length_scale": 1 / 16, "concurrency": 4, "rate": 16.0, "max_model_len": 512}
+QUICK = {"requests": 8, "length_scale": 1 / 16, "concurrency": 4, "rate": 16.0, "max_model_len": 256}
 STARTUP_SECONDS = 180.0  # a model load on a loaded 2-core machine
 CHUNK_TIMEOUT_S = 120.0  # longest silence of a stream before the request counts as failed
 
@@ -78,7 +80,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # None: derived from the load (see the module doc); float16 is llama.cpp's default KV type.
     parser.set_defaults(num_blocks=None, max_num_seqs=None, kv_dtype="float16")
     parser.add_argument("--json", action="store_true", help="print JSON only on stdout (the table goes to stderr)")
-    parser.add_argument("--quick", action="store_true", help="a small smoke run: " + ", ".join(f"{k} {v:g}" for k, v in QUICK.items()))
+    quick = ", ".join(f"{k} {v:g}" for k, v in QUICK.items())
+    parser.add_argument("--quick", action="store_true", help=f"a small smoke run ({quick})")
     parser.add_argument(
         "--trace", type=trace_source(list(SHIPPED_TRACES)), default="conv", help="'conv', 'code' or a CSV path"
     )
@@ -232,9 +235,9 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def server_process(name: str, command: list[str], port: int, env: dict[str, str] | None = None) -> Iterator[str]:
+def server_process(name: str, command: list[str], port: int, env: dict[str, str] | None = None) -> Iterator[tuple[str, int]]:
     """Runs ``command`` (a server listening on 127.0.0.1:``port``) until ``GET /health`` answers
-    200, yields its base URL, and always stops it (SIGTERM, then SIGKILL after 10 s). Raises
+    200, yields its base URL and pid, and always stops it (SIGTERM, then SIGKILL after 10 s). Raises
     ``ChildProcessError`` (with the end of its log) if it exits first, ``TimeoutError`` if it
     is not up in :data:`STARTUP_SECONDS`."""
     import httpx
@@ -258,7 +261,7 @@ def server_process(name: str, command: list[str], port: int, env: dict[str, str]
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{name} did not answer /health in {STARTUP_SECONDS:.0f} s\n{tail()}")
                 time.sleep(0.1)
-            yield url
+            yield url, process.pid
         finally:
             process.terminate()
             try:
@@ -302,7 +305,10 @@ def _percentile(values: Sequence[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
 
-def summarize(results: Sequence[Result], wall_s: float, client_cpu_s: float) -> dict[str, object]:
+def summarize(results: Sequence[Result], wall_s: float, *, server_cpu_s: float | None,
+              client_cpu_s: float | None) -> dict[str, object]:
+    """A contender's figures; CPU seconds per output token of the server (or of the in-process
+    engine with its consumers) and of the HTTP client (None in process)."""
     ok = [r for r in results if r.error is None]
     tokens = sum(r.tokens for r in ok)
     ttft = [r.ttft_s for r in ok]
@@ -324,7 +330,8 @@ def summarize(results: Sequence[Result], wall_s: float, client_cpu_s: float) -> 
         "tpot_mean_s": statistics.fmean(tpot) if tpot else None,
         "client_wait_p50_s": _percentile(waits, 50),
         "client_wait_max_s": max(waits) if waits else None,
-        "client_cpu_s_per_output_token": client_cpu_s / tokens if tokens else None,
+        "server_cpu_s_per_output_token": server_cpu_s / tokens if tokens and server_cpu_s is not None else None,
+        "client_cpu_s_per_output_token": client_cpu_s / tokens if tokens and client_cpu_s is not None else None,
         "load_avg": os.getloadavg()[0],
     }
 
@@ -347,13 +354,32 @@ def combine(rounds: Sequence[dict[str, object]]) -> dict[str, object]:
     return out
 
 
-async def measure(send: Send, requests: Sequence[ServingRequest], concurrency: int) -> dict[str, object]:
-    """One warm-up request (pages the weights in, opens a connection), then the replay."""
-    warmup = requests[0]
-    await send(dataclasses.replace(warmup, prompt_token_ids=warmup.prompt_token_ids[:16], max_tokens=4))
-    cpu = time.process_time()
+async def measure(send: Send, requests: Sequence[ServingRequest], concurrency: int,
+                  server: int | None) -> dict[str, object]:
+    """``concurrency`` warm-up requests at once (they page the weights in and open the client's
+    connections, which the replay then reuses; each is the last tokens of a request, so that no
+    prefix cache serves a measured request from it), then the replay. ``server``: the server's
+    pid, whose CPU time is read from /proc; None for the engine in this process."""
+    warmups = [dataclasses.replace(r, prompt_token_ids=r.prompt_token_ids[-16:], max_tokens=4) for r in requests]
+    await asyncio.gather(*(send(r) for r in (warmups * concurrency)[:concurrency]))
+    own, theirs = time.process_time(), _cpu_seconds(server)
     results, wall = await replay(requests, concurrency, send)
-    return summarize(results, wall, time.process_time() - cpu)
+    own = time.process_time() - own
+    if server is None:
+        return summarize(results, wall, server_cpu_s=own, client_cpu_s=None)
+    after = _cpu_seconds(server)
+    return summarize(results, wall, server_cpu_s=None if theirs is None or after is None else after - theirs, client_cpu_s=own)
+
+
+def _cpu_seconds(pid: int | None) -> float | None:
+    """User + system CPU seconds of process ``pid`` so far (None without a Linux /proc)."""
+    if pid is None:
+        return None
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (fields 14, 15)
 
 
 def _workload(args: argparse.Namespace, vocab: tuple[int, int]) -> list[ServingRequest]:
@@ -389,10 +415,12 @@ def run(args: argparse.Namespace) -> int:
     timeout = httpx.Timeout(CHUNK_TIMEOUT_S, connect=10.0)
     limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
 
-    def over_http(base_url: str, model: str) -> Callable[[], dict[str, object]]:
+    def over_http(server: tuple[str, int], model: str) -> Callable[[], dict[str, object]]:
+        base_url, pid = server
+
         async def go() -> dict[str, object]:
             async with httpx.AsyncClient(base_url=base_url, timeout=timeout, limits=limits) as client:
-                return await measure(http_sender(client, model), requests, args.concurrency)
+                return await measure(http_sender(client, model), requests, args.concurrency, pid)
 
         return lambda: asyncio.run(go())
 
@@ -404,16 +432,15 @@ def run(args: argparse.Namespace) -> int:
         requests = _workload(args, vocab=(3, engine.tokenizer.vocab_size))
         port = free_port()
         env = {**os.environ, "PAGEDKV_NUM_THREADS": str(args.threads), "PYTHONUNBUFFERED": "1"}
-        url = stack.enter_context(server_process("pagedkv serve", pagedkv_command(args, port), port, env))
+        served = stack.enter_context(server_process("pagedkv serve", pagedkv_command(args, port), port, env))
         contenders: list[tuple[str, Callable[[], dict[str, object]]]] = [
-            ("pagedkv http", over_http(url, str(args.model))),
-            ("pagedkv in-process", lambda: asyncio.run(measure(engine_sender(engine), requests, args.concurrency))),
+            ("pagedkv http", over_http(served, str(args.model))),
+            ("pagedkv in-process", lambda: asyncio.run(measure(engine_sender(engine), requests, args.concurrency, None))),
         ]
         for peer in args.peer:  # llama-server, the one peer so far
             peer_port = free_port()
             command = llama_server_command(args, peer_port, slot_tokens)
-            peer_url = stack.enter_context(server_process(peer, command, peer_port))
-            contenders.append((peer, over_http(peer_url, str(args.model))))
+            contenders.append((peer, over_http(stack.enter_context(server_process(peer, command, peer_port)), str(args.model))))
 
         rounds: dict[str, list[dict[str, object]]] = {name: [] for name, _ in contenders}
         for index in range(args.rounds):
@@ -442,6 +469,7 @@ def _report(args: argparse.Namespace, requests: Sequence[ServingRequest], slot_t
         "tpot_mean_ratio": _ratio(http["tpot_mean_s"], local["tpot_mean_s"]),
         "tpot_p50_ratio": _ratio(http["tpot_p50_s"], local["tpot_p50_s"]),
         "ttft_p50_ratio": _ratio(http["ttft_p50_s"], local["ttft_p50_s"]),
+        "server_cpu_per_token_ratio": _ratio(http["server_cpu_s_per_output_token"], local["server_cpu_s_per_output_token"]),
         "throughput_ratio": _ratio(http["throughput_output_tokens_per_s"], local["throughput_output_tokens_per_s"]),
         "target_tpot_mean_ratio": TARGET_OVERHEAD,
     }
@@ -480,6 +508,7 @@ _ROWS = (
     ("tpot_p99_s", "TPOT p99 ms", "ms"),
     ("tpot_mean_s", "TPOT mean ms", "ms"),
     ("client_wait_p50_s", "client wait p50 ms", "ms"),
+    ("server_cpu_s_per_output_token", "server CPU µs/token", "us"),
     ("client_cpu_s_per_output_token", "client CPU µs/token", "us"),
     ("errors", "errors", "{}"),
     ("load_avg", "load average", "{:.1f}"),
