@@ -49,6 +49,7 @@ import dataclasses
 import json
 import math
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -238,30 +239,29 @@ def free_port() -> int:
 def server_process(name: str, command: list[str], port: int, env: dict[str, str] | None = None) -> Iterator[tuple[str, int]]:
     """Runs ``command`` (a server listening on 127.0.0.1:``port``) until ``GET /health`` answers
     200, yields its base URL and pid, and always stops it (SIGTERM, then SIGKILL after 10 s). Raises
-    ``ChildProcessError`` (with the end of its log) if it exits first, ``TimeoutError`` if it
-    is not up in :data:`STARTUP_SECONDS`."""
+    ``ChildProcessError`` if it exits first, ``TimeoutError`` if it is not up in
+    :data:`STARTUP_SECONDS`; any error, raised here or in the body, gets the end of its log as a note."""
     import httpx
 
     url = f"http://127.0.0.1:{port}"
     with tempfile.TemporaryFile("w+") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-
-        def tail() -> str:
-            log.seek(0)
-            return log.read()[-2000:]
-
+        failure: BaseException | None = None
         try:
             deadline = time.monotonic() + STARTUP_SECONDS
             while True:
                 if process.poll() is not None:
-                    raise ChildProcessError(f"{name} exited with {process.returncode}: {command}\n{tail()}")
+                    raise ChildProcessError(f"{name} exited with {process.returncode}: {command}")
                 with contextlib.suppress(httpx.TransportError):
                     if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                         break
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"{name} did not answer /health in {STARTUP_SECONDS:.0f} s\n{tail()}")
+                    raise TimeoutError(f"{name} did not answer /health in {STARTUP_SECONDS:.0f} s")
                 time.sleep(0.1)
             yield url, process.pid
+        except BaseException as error:
+            failure = error
+            raise
         finally:
             process.terminate()
             try:
@@ -269,6 +269,9 @@ def server_process(name: str, command: list[str], port: int, env: dict[str, str]
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+            if failure is not None and hasattr(failure, "add_note"):  # Python ≥ 3.11; `python -m pagedkv` prints notes
+                log.seek(0)
+                failure.add_note(f"the end of {name}'s log:\n{log.read()[-2000:]}")
 
 
 def pagedkv_command(args: argparse.Namespace, port: int) -> list[str]:
@@ -361,7 +364,10 @@ async def measure(send: Send, requests: Sequence[ServingRequest], concurrency: i
     prefix cache serves a measured request from it), then the replay. ``server``: the server's
     pid, whose CPU time is read from /proc; None for the engine in this process."""
     warmups = [dataclasses.replace(r, prompt_token_ids=r.prompt_token_ids[-16:], max_tokens=4) for r in requests]
-    await asyncio.gather(*(send(r) for r in (warmups * concurrency)[:concurrency]))
+    try:
+        await asyncio.gather(*(send(r) for r in (warmups * concurrency)[:concurrency]))
+    except RequestFailed as failure:
+        raise ChildProcessError(f"a warm-up request failed: {failure}") from None
     own, theirs = time.process_time(), _cpu_seconds(server)
     results, wall = await replay(requests, concurrency, send)
     own = time.process_time() - own
@@ -425,6 +431,9 @@ def run(args: argparse.Namespace) -> int:
         return lambda: asyncio.run(go())
 
     with contextlib.ExitStack() as stack:
+        # SIGTERM unwinds like an error, so that the servers started here are stopped too.
+        previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+        stack.callback(signal.signal, signal.SIGTERM, previous)
         engine = Engine.from_pretrained(args.model, **engine_kwargs(args))
         stack.callback(engine.shutdown, drain=False)
         if args.max_model_len > engine.core.max_model_len:
@@ -456,6 +465,10 @@ def run(args: argparse.Namespace) -> int:
         json.dump(report, sys.stdout, indent=1)
         print()
     return 0
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _ratio(a: object, b: object) -> float | None:
