@@ -71,6 +71,8 @@ REPO = Path(__file__).resolve().parents[3]
 PEERS = ("llama-server",)
 TARGET_OVERHEAD = 1.10
 BLOCK_SIZE = 16  # the engine's block size (EngineConfig's default, which add_engine_arguments keeps)
+# Defaults of the full run and of --quick, for the flags left unset.
+FULL = {"requests": 128, "length_scale": 0.25, "concurrency": 16, "rate": None, "max_model_len": 2048}
 QUICK = {"requests": 8, "length_scale": 1 / 16, "concurrency": 4, "rate": 16.0, "max_model_len": 256}
 STARTUP_SECONDS = 180.0  # a model load on a loaded 2-core machine
 CHUNK_TIMEOUT_S = 120.0  # longest silence of a stream before the request counts as failed
@@ -81,17 +83,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     # None: derived from the load (see the module doc); float16 is llama.cpp's default KV type.
     parser.set_defaults(num_blocks=None, max_num_seqs=None, kv_dtype="float16")
     parser.add_argument("--json", action="store_true", help="print JSON only on stdout (the table goes to stderr)")
-    quick = ", ".join(f"{k} {v:g}" for k, v in QUICK.items())
-    parser.add_argument("--quick", action="store_true", help=f"a small smoke run ({quick})")
+    parser.add_argument("--quick", action="store_true", help="a small smoke run (the quick defaults below)")
     parser.add_argument(
         "--trace", type=trace_source(list(SHIPPED_TRACES)), default="conv", help="'conv', 'code' or a CSV path"
     )
-    parser.add_argument("--requests", type=positive_int, default=128, help="trace requests to replay (from the start)")
-    parser.add_argument("--length-scale", type=positive_float, default=0.25, help="multiplies prompt and output lengths")
-    parser.add_argument("--rate", type=positive_float, default=None,
-                        help="mean requests/s of the replayed arrivals (default: the trace's own times)")
-    parser.add_argument("--concurrency", type=positive_int, default=16, help="requests in flight at most (and -np)")
-    parser.add_argument("--max-model-len", type=positive_int, default=2048, help="prompt + output tokens at most")
+
+    def add(flag: str, kind: Callable[[str], object], what: str) -> None:
+        key = flag[2:].replace("-", "_")
+        full = "the trace's own times" if FULL[key] is None else f"{FULL[key]:g}"
+        parser.add_argument(flag, type=kind, default=None, help=f"{what} (default {full}; quick {QUICK[key]:g})")
+
+    add("--requests", positive_int, "trace requests to replay, from the start")
+    add("--length-scale", positive_float, "multiplies prompt and output lengths")
+    add("--rate", positive_float, "mean requests/s of the replayed arrivals")
+    add("--concurrency", positive_int, "requests in flight at most (and llama-server's -np)")
+    add("--max-model-len", positive_int, "prompt + output tokens at most")
     parser.add_argument("--threads", type=positive_int, default=2, help="compute threads of every server")
     parser.add_argument("--rounds", type=positive_int, default=1, help="runs of each contender, in rotated order")
     parser.add_argument("--peer", choices=PEERS, action="append", default=[], help="also run this peer's server")
@@ -408,8 +414,8 @@ def run(args: argparse.Namespace) -> int:
     import pagedkv
     from pagedkv.engine import Engine
 
-    if args.quick:
-        for key, value in QUICK.items():
+    for key, value in (QUICK if args.quick else FULL).items():
+        if getattr(args, key) is None:
             setattr(args, key, value)
     pagedkv.set_num_threads(args.threads)
     table = sys.stderr if args.json else sys.stdout
