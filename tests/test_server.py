@@ -352,7 +352,7 @@ def test_sigterm_drains_then_aborts_and_every_stream_ends(tmp_path):
             bodies = [{"model": MODEL, "prompt": f"client {i}", "max_tokens": 8 if i % 2 else 100_000, "stream": True,
                        "ignore_eos": True} for i in range(12)]
             streams = [asyncio.ensure_future(_stream(http, url, b, None)) for b in bodies]
-            while busy.health()["num_running"] < 8:
+            while (health := busy.health())["num_running"] + health["num_waiting"] < 12:  # every one queued
                 await asyncio.sleep(0.02)
             busy.process.send_signal(signal.SIGTERM)
             return await asyncio.gather(*streams)

@@ -10,7 +10,7 @@ raises ``pagedkv.errors.InternalError``, and the object it hit refuses every lat
 """
 
 from collections.abc import Sequence
-from typing import TypeAlias
+from typing import Literal, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
@@ -298,6 +298,11 @@ class SchedulerOutput:
     @property
     def sample_request_ids(self) -> list[str]:
         """[K] request of each sample."""
+    @property
+    def events(self) -> list[tuple[str, int, Literal["admitted", "resumed", "preempted"], int]]:
+        """Admissions and preemptions of this step, in order: ``(request_id, seq_index, kind,
+        prefix_hit_tokens)``; "resumed" is an admission after a preemption, and the hit (prompt
+        tokens found in the prefix cache) is 0 for "preempted"."""
     @property
     def num_seqs(self) -> int: ...
     @property

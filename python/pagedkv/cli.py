@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import math
 import threading
+import urllib.parse
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
@@ -32,6 +33,7 @@ __all__ = [
     "output_dir",
     "comma_list",
     "one_of",
+    "http_url",
     "add_engine_arguments",
     "engine_kwargs",
 ]
@@ -121,6 +123,14 @@ def one_of(choices: Sequence[str]) -> Callable[[str], str]:
     return parse
 
 
+def http_url(text: str) -> str:
+    """An ``http://`` or ``https://`` URL with a host."""
+    parts = urllib.parse.urlsplit(text)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise argparse.ArgumentTypeError(f"expected an http:// or https:// URL, got {text!r}")
+    return text
+
+
 def comma_list(item: Callable[[str], T]) -> Callable[[str], tuple[T, ...]]:
     """A non-empty comma-separated list, each item parsed by ``item``, without repeats."""
 
@@ -134,8 +144,10 @@ def comma_list(item: Callable[[str], T]) -> Callable[[str], tuple[T, ...]]:
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser, *, default_model: str = "smollm2-135m") -> None:
-    """The options of the model and the engine: ``--model``, ``--num-blocks``, ``--max-num-seqs``,
-    ``--max-num-batched-tokens``, ``--kv-dtype``, ``--seed`` (read back by :func:`engine_kwargs`)."""
+    """The flags of every command that runs an engine (``demo``, ``serve``): ``--model``,
+    ``--num-blocks``, ``--max-num-seqs``, ``--max-num-batched-tokens``, ``--kv-dtype``, ``--seed``
+    (read back by :func:`engine_kwargs`) and ``--otlp-traces-endpoint`` (for
+    :func:`pagedkv.tracing.configure`)."""
     parser.add_argument(
         "--model",
         type=model_source,
@@ -148,6 +160,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, default_model: str 
     parser.add_argument("--max-num-batched-tokens", type=positive_int, default=1024)
     parser.add_argument("--kv-dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     parser.add_argument("--seed", type=non_negative_int, default=0)
+    parser.add_argument(
+        "--otlp-traces-endpoint",
+        type=http_url,
+        default=None,
+        help="export a trace of each request over OTLP/HTTP to this URL (e.g. http://localhost:4318/v1/traces)",
+    )
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:

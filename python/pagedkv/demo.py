@@ -28,6 +28,7 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
+from pagedkv import tracing
 from pagedkv.cli import add_engine_arguments, engine_kwargs, port, positive_int, seconds
 from pagedkv.engine import Engine, RequestHandle
 from pagedkv.engine_core import RequestOutput
@@ -150,12 +151,15 @@ class _Feeder(threading.Thread):
 
 def run(args: argparse.Namespace) -> int:
     console = Console()
-    engine = Engine.from_pretrained(args.model, **engine_kwargs(args))
+    tracer = tracing.configure(otlp_endpoint=args.otlp_traces_endpoint)
+    engine = Engine.from_pretrained(args.model, tracer=tracer, **engine_kwargs(args))
     try:
         return _serve(args, engine, console)
     finally:
         engine.shutdown(drain=False)
         engine.metrics.close()
+        if tracer is not None:
+            tracer.shutdown()
 
 
 def _serve(args: argparse.Namespace, engine: Engine, console: Console) -> int:

@@ -52,9 +52,10 @@ import itertools
 import threading
 import time
 import weakref
-from collections.abc import AsyncIterator, Callable, Generator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Generator, Iterator, Mapping, Sequence
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pagedkv.engine_core import (
     EngineConfig,
@@ -75,6 +76,9 @@ from pagedkv.model import LlamaModel, SamplingParams, load_pretrained
 from pagedkv.model.chat import render_chat
 from pagedkv.model.generation_config import default_sampling_params
 from pagedkv.model.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from pagedkv.tracing import RequestTracer
 
 __all__ = ["Engine", "EngineClosedError", "EngineOverloadedError", "RequestHandle"]
 
@@ -221,16 +225,17 @@ class Engine:
         max_waiting: int = 1024,
         metrics: EngineMetrics | None = None,
         default_params: SamplingParams | None = None,
+        tracer: RequestTracer | None = None,
     ) -> None:
         """``default_params``: what a request submitted without parameters samples with (None:
-        ``SamplingParams()``). Raises :class:`InvalidArgumentError` (or ``MemoryError``) for a
+        ``SamplingParams()``). ``tracer``: traces each request (:func:`pagedkv.tracing.configure`). Raises :class:`InvalidArgumentError` (or ``MemoryError``) for a
         configuration the model, the KV cache or the scheduler refuses."""
         if max_waiting < 1:
             raise InvalidArgumentError(f"max_waiting must be ≥ 1, got {max_waiting}")
         if default_params is not None and not isinstance(default_params, SamplingParams):
             raise InvalidArgumentError(f"default_params must be SamplingParams, got {type(default_params).__name__}")
         runner = PagedModelRunner(model, config.num_blocks, config.block_size, config.kv_dtype)
-        core = EngineCore(runner, config, eos_token_ids=model.config.eos_token_ids, tokenizer=tokenizer)
+        core = EngineCore(runner, config, eos_token_ids=model.config.eos_token_ids, tokenizer=tokenizer, tracer=tracer)
         self.tokenizer = tokenizer
         self.model = model
         self.default_params = SamplingParams() if default_params is None else default_params
@@ -245,7 +250,7 @@ class Engine:
         ``.gguf`` file, or a Hugging Face Llama checkpoint directory. Keyword arguments go to
         :class:`EngineConfig` or the engine. A directory's ``generation_config.json``, if any,
         gives ``default_params`` (unless passed here)."""
-        engine_keys = {"max_waiting", "metrics", "default_params"}
+        engine_keys = {"max_waiting", "metrics", "default_params", "tracer"}
         engine_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in engine_keys}
         weights, tokenizer = load_pretrained(path, seed=seed)
         if "default_params" not in engine_kwargs and Path(path).is_dir():
@@ -266,19 +271,21 @@ class Engine:
         priority: int = 0,
         cache_salt: str | None = None,
         timeout: float | None = None,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> RequestHandle:
         """Queues a request from any thread (a text prompt or token ids); returns its handle.
         Blocks while the waiting queue is full (up to ``timeout`` seconds). Raises, changing
         nothing: :class:`InvalidArgumentError` for a bad argument (of any type or value),
         :class:`DuplicateSequenceError` for a ``request_id`` in use, :class:`EngineOverloadedError`,
         :class:`EngineClosedError`. Without ``request_id``, a fresh one is made; without
-        ``params``, the engine's :attr:`default_params` apply."""
+        ``params``, the engine's :attr:`default_params` apply. ``trace_headers`` (e.g. an HTTP
+        request's, with W3C ``traceparent``) make the request's trace span a child of the caller's."""
         token_ids: Sequence[int]
         if isinstance(prompt, str):
             text, token_ids = prompt, self._encode(prompt, add_special_tokens=True)
         else:
             text, token_ids = None, prompt
-        return self._submit(text, token_ids, params, request_id, priority, cache_salt, timeout)
+        return self._submit(text, token_ids, params, request_id, priority, cache_salt, timeout, trace_headers)
 
     def submit_chat(
         self,
@@ -290,6 +297,7 @@ class Engine:
         priority: int = 0,
         cache_salt: str | None = None,
         timeout: float | None = None,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> RequestHandle:
         """Queues the reply to a conversation, as :meth:`submit` queues a prompt: ``messages``
         (a list of ``{"role": ..., "content": ...}`` dicts, string contents) rendered with the
@@ -311,7 +319,7 @@ class Engine:
             source=getattr(tokenizer, "path", "the tokenizer's chat template"),
         )
         token_ids = self._encode(text, add_special_tokens=False)  # the template wrote them
-        return self._submit(text, token_ids, params, request_id, priority, cache_salt, timeout)
+        return self._submit(text, token_ids, params, request_id, priority, cache_salt, timeout, trace_headers)
 
     def chat(
         self,
@@ -333,9 +341,10 @@ class Engine:
             raise
 
     def _submit(self, text: str | None, token_ids: Sequence[int], params: SamplingParams | None,
-                request_id: str | None, priority: int, cache_salt: str | None, timeout: float | None) -> RequestHandle:
+                request_id: str | None, priority: int, cache_salt: str | None, timeout: float | None,
+                trace_headers: Mapping[str, str] | None) -> RequestHandle:
         params = self.default_params if params is None else params
-        return self._state.submit(self, text, token_ids, params, request_id, priority, cache_salt, timeout)
+        return self._state.submit(self, text, token_ids, params, request_id, priority, cache_salt, timeout, trace_headers)
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         try:
@@ -408,6 +417,7 @@ class _EngineState:
         priority: int,
         cache_salt: str | None,
         timeout: float | None,
+        trace_headers: Mapping[str, str] | None,
     ) -> RequestHandle:
         deadline = None if timeout is None else time.monotonic() + timeout
         with self.cond:
@@ -422,7 +432,9 @@ class _EngineState:
                 request_id = self.fresh_id()
             elif isinstance(request_id, str) and request_id in self.handles:  # other types: refused below
                 raise DuplicateSequenceError(f"request id {request_id!r} is in flight")
-            output = self.core.add_request(request_id, prompt, params, prompt=text, priority=priority, cache_salt=cache_salt)
+            output = self.core.add_request(
+                request_id, prompt, params, prompt=text, priority=priority, cache_salt=cache_salt, trace_headers=trace_headers
+            )
             handle = RequestHandle(engine, request_id, text, output.prompt_token_ids)
             self.handles[request_id] = handle
             self.cond.notify_all()

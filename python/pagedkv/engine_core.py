@@ -37,6 +37,9 @@ Invariants:
   A runner that raises aborts the requests of its step (their blocks freed, the protocol completed)
   and the exception propagates; what the step wrote to the KV cache is then undefined, so the
   caller should stop using this core (the threaded engine does).
+- :attr:`RequestOutput.num_cached_tokens` is set from the scheduler's "admitted" event of the
+  step that first admits the request. With a tracer (:mod:`pagedkv.tracing`), it sees each request
+  added, each step (after its update) and each end; without one, each costs one ``is None`` test.
 """
 
 from __future__ import annotations
@@ -44,9 +47,9 @@ from __future__ import annotations
 import operator
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -57,6 +60,9 @@ from pagedkv.model.sampling import NO_TOKEN, Samples, SamplingParams, TokenHisto
 from pagedkv.model.simulated import SimulatedModel
 from pagedkv.model.step import ModelStep
 from pagedkv.model.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from pagedkv.tracing import RequestTracer
 
 __all__ = [
     "CompletionOutput",
@@ -157,6 +163,9 @@ class RequestOutput:
     prompt: str | None = None
     finished: bool = False
     error: str | None = None
+    # Prompt tokens served from the prefix cache at its first admission (OpenAI's
+    # usage.prompt_tokens_details.cached_tokens); 0 until then.
+    num_cached_tokens: int = 0
 
     @property
     def text(self) -> str:
@@ -302,10 +311,12 @@ class EngineCore:
         eos_token_ids: Sequence[int] = (),
         clock: Callable[[], float] = time.perf_counter,
         tokenizer: Tokenizer | None = None,
+        tracer: RequestTracer | None = None,
     ) -> None:
         """Raises :class:`InvalidArgumentError` for a ``max_model_len`` past the model's longest
         position (``runner.max_model_len``), and whatever the scheduler refuses in ``config``.
-        With a ``tokenizer``, outputs carry text and requests may have stop strings."""
+        With a ``tokenizer``, outputs carry text and requests may have stop strings. With a
+        ``tracer`` (:func:`pagedkv.tracing.configure`), each request is traced."""
         self.runner = runner
         self.tokenizer = tokenizer
         self.config = config
@@ -333,6 +344,7 @@ class EngineCore:
         # The scheduler's output of the latest step (its arrays and per-step ``stats``), None
         # before the first: what benchmarks and tracing read about a step.
         self.last_step: SchedulerOutput | None = None
+        self._tracer = None if tracer is None else tracer.observe(clock)
 
     def add_request(
         self,
@@ -344,12 +356,14 @@ class EngineCore:
         arrival_time: float | None = None,
         priority: int = 0,
         cache_salt: str | None = None,
+        trace_headers: Mapping[str, str] | None = None,
     ) -> RequestOutput:
         """Queues a request; returns its (empty) output record. Raises, changing nothing:
         :class:`InvalidArgumentError` for a prompt that is not token ids of the model's vocabulary
         or ``params`` that are not :class:`SamplingParams`, and whatever the scheduler refuses
         (a duplicate id, an empty or too long prompt, out-of-range limits, arguments of the
-        wrong type), and stop strings without a tokenizer."""
+        wrong type), and stop strings without a tokenizer. ``trace_headers`` (W3C ``traceparent``)
+        make the request's trace a child of the caller's."""
         token_ids = _vocabulary_tokens(prompt_token_ids, self.runner.vocab_size)
         if not isinstance(params, SamplingParams):
             raise InvalidArgumentError(f"params must be SamplingParams, got {type(params).__name__}")
@@ -383,6 +397,8 @@ class EngineCore:
             tokenizer = self.tokenizer
             texts = None if tokenizer is None else [_SampleText(tokenizer, params.stop) for _ in range(params.n)]
             self._requests[request_id] = _Request(params, generators, output, texts, histories)
+            if self._tracer is not None:
+                self._tracer.queued(output, params, trace_headers)
         return output
 
     def abort(self, request_id: str) -> RequestOutput:
@@ -403,10 +419,14 @@ class EngineCore:
     def step(self) -> tuple[list[TokenEvent], list[RequestOutput]]:
         """Runs one iteration; returns the tokens produced and the requests that ended (finished,
         or failed: see the module doc). A step with nothing to run still completes the protocol."""
+        started = self.clock()
         with self._lock:
             step = self.scheduler.schedule()
             self.last_step = step
             requests = [self._requests[rid] for rid in step.sample_request_ids]
+            for request_id, _, kind, hit in step.events:
+                if kind == "admitted":
+                    self._requests[request_id].output.num_cached_tokens = hit
         updated = False
         try:
             samples = None
@@ -425,6 +445,8 @@ class EngineCore:
                 # The failed requests' rows are skipped: any valid id stands in for their tokens.
                 update = self.scheduler.update(step, np.where(tokens == NO_TOKEN, 0, tokens))
                 updated = True
+                if self._tracer is not None:
+                    self._tracer.step(step, update.request_ids, started, now)
                 events, finished = self._record(update, now, _logprobs_by_sample(step, requests, samples))
         finally:
             if not updated:
@@ -518,6 +540,8 @@ class EngineCore:
     def _finish(self, output: RequestOutput, now: float | None = None) -> None:
         output.finished = True
         output.metrics.finished_time = self.clock() if now is None else now
+        if self._tracer is not None:
+            self._tracer.finished(output)
 
     def stats(self) -> dict[str, float]:
         """The scheduler's cumulative stats, current (they include every completed step)."""

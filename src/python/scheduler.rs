@@ -15,8 +15,8 @@ use super::args::{arg, invalid, opt, Param};
 use super::sync::{detached, locked};
 use crate::block_manager::DEFAULT_BLOCK_SIZE;
 use crate::scheduler::{
-    FinishReason, Policy, RequestOptions, SamplingParams, Scheduler, SchedulerConfig, StepId,
-    StepOutput, UpdateOutput, DEFAULT_AGING_STEPS,
+    FinishReason, Policy, RequestEvent, RequestOptions, SamplingParams, Scheduler, SchedulerConfig,
+    StepId, StepOutput, UpdateOutput, DEFAULT_AGING_STEPS,
 };
 use crate::TokenId;
 
@@ -311,6 +311,7 @@ pub struct PySchedulerOutput {
     num_samples: usize,
     block_table_width: usize,
     stats: crate::scheduler::StepStats,
+    events: Vec<RequestEvent>,
     /// The step's buffers; each moves into its numpy array the first time it is read, so a
     /// caller pays only for the arrays it uses (and never for a copy).
     data: Mutex<StepOutput>,
@@ -318,8 +319,9 @@ pub struct PySchedulerOutput {
 }
 
 impl PySchedulerOutput {
-    fn new(out: StepOutput) -> Self {
+    fn new(mut out: StepOutput) -> Self {
         PySchedulerOutput {
+            events: std::mem::take(&mut out.events),
             id: out.id,
             num_seqs: out.num_seqs(),
             num_samples: out.num_samples(),
@@ -450,6 +452,24 @@ impl PySchedulerOutput {
     #[getter]
     fn sample_request_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         strings(py, &self.ids(py, |d| &d.sample_request_ids)?)
+    }
+
+    /// Admissions and preemptions of this step, in order, as `(request_id, seq_index, kind,
+    /// prefix_hit_tokens)` tuples: kind "admitted" (first admission), "resumed" (admitted again
+    /// after a preemption) or "preempted" (hit 0); the hit is the prompt tokens found cached.
+    #[getter]
+    fn events<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(
+            py,
+            self.events.iter().map(|e| {
+                (
+                    &*e.request_id,
+                    e.seq_index,
+                    e.kind.as_str(),
+                    e.prefix_hit_tokens,
+                )
+            }),
+        )
     }
 
     /// Step number (from 0) within the scheduler that built it.

@@ -38,7 +38,10 @@ use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-pub use output::{Produced, SchedulerStats, StepId, StepOutput, StepStats, UpdateOutput};
+pub use output::{
+    Produced, RequestEvent, RequestEventKind, SchedulerStats, StepId, StepOutput, StepStats,
+    UpdateOutput,
+};
 pub use queue::{Policy, DEFAULT_AGING_STEPS};
 pub use request::{FinishReason, SamplingParams};
 
@@ -334,6 +337,7 @@ impl Scheduler {
             status: SeqStatus::Waiting,
             queue_key,
             pending_forks,
+            preempted: false,
             victim_rank: (0, 0, 0),
         });
         self.requests[request].seqs.push(seq);
@@ -711,8 +715,15 @@ impl Scheduler {
             .expect("running sequences have tables");
         seq.num_computed = 0;
         seq.status = SeqStatus::Waiting;
+        seq.preempted = true;
         self.owed_forks -= seq.pending_forks as usize;
         self.waiting.push(seq.queue_key, handle);
+        self.output.events.push(RequestEvent {
+            request_id: self.requests[seq.request].id.clone(),
+            seq_index: seq.index,
+            kind: RequestEventKind::Preempted,
+            prefix_hit_tokens: 0,
+        });
     }
 
     /// Tokens a sequence may still append: up to `max_model_len` and its `max_tokens`.
@@ -797,6 +808,16 @@ impl Scheduler {
             stats.prefix_queried_tokens += num_tokens as u64;
             stats.prefix_hit_tokens += cached as u64;
             stats.num_prefill_tokens += len;
+            self.output.events.push(RequestEvent {
+                request_id: request.id.clone(),
+                seq_index: seq.index,
+                kind: if seq.preempted {
+                    RequestEventKind::Resumed
+                } else {
+                    RequestEventKind::Admitted
+                },
+                prefix_hit_tokens: cached,
+            });
             seq.num_computed = cached + len;
             seq.status = SeqStatus::Running;
             let victim_class = match self.config.policy {
@@ -903,6 +924,7 @@ impl Scheduler {
                 status: SeqStatus::Running,
                 queue_key: p.queue_key.for_sequence(index),
                 pending_forks: 0,
+                preempted: false,
                 victim_rank: (p.victim_rank.0, p.victim_rank.1, index),
             };
             let request_id = self.requests[p.request].id.clone();

@@ -12,6 +12,10 @@
 //! - `logits_indices`: `[K]`, the token row (into `T`) whose logits sample each of the `K`
 //!   samples; a row appears several times when a prompt forks into `n` samples.
 //!
+//! - `events`: what happened to requests in this step besides running (admitted, preempted,
+//!   resumed), in the order it happened; the admissions (first or resumed) number
+//!   `stats.num_admitted` and the preemptions `stats.num_preempted`.
+//!
 //! The buffers are reused from step to step: nothing here grows with history.
 
 use std::sync::Arc;
@@ -57,7 +61,40 @@ pub struct StepOutput {
     pub sample_request_ids: Vec<Arc<str>>,
     /// Sample index of each sample's sequence.
     pub sample_seq_indices: Vec<u32>,
+    /// Admissions and preemptions of this step, in order.
+    pub events: Vec<RequestEvent>,
     pub stats: StepStats,
+}
+
+/// What happened to a sequence at a step, besides running.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RequestEventKind {
+    /// Admitted from the waiting queue for the first time.
+    Admitted,
+    /// Admitted again after a preemption (its tokens recomputed, mostly from the prefix cache).
+    Resumed,
+    /// Returned to the waiting queue, its blocks freed.
+    Preempted,
+}
+
+impl RequestEventKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RequestEventKind::Admitted => "admitted",
+            RequestEventKind::Resumed => "resumed",
+            RequestEventKind::Preempted => "preempted",
+        }
+    }
+}
+
+/// One admission or preemption of one sequence (sample `seq_index` of `request_id`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RequestEvent {
+    pub request_id: Arc<str>,
+    pub seq_index: u32,
+    pub kind: RequestEventKind,
+    /// Tokens found in the prefix cache at this admission (0 for a preemption).
+    pub prefix_hit_tokens: usize,
 }
 
 impl StepOutput {
@@ -105,6 +142,7 @@ impl StepOutput {
         self.seq_indices.clear();
         self.sample_request_ids.clear();
         self.sample_seq_indices.clear();
+        self.events.clear();
         self.stats = StepStats::default();
     }
 }

@@ -107,6 +107,8 @@ pub(crate) struct Sequence {
     /// Position in the waiting queue whenever it waits (the request's key, this sample's index).
     pub queue_key: QueueKey,
     pub pending_forks: u32,
+    /// Whether it was ever preempted (its next admission is a resumption).
+    pub preempted: bool,
     /// Order key among running sequences: the back of the running list is the next victim.
     pub victim_rank: (i64, u64, u32),
 }

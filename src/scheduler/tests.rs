@@ -37,7 +37,33 @@ fn step(s: &mut Scheduler) -> (StepOutput, UpdateOutput) {
         .collect();
     let produced = s.update(id, &sampled).unwrap().clone();
     s.check_invariants().unwrap();
+    check_events_match_stats(&out);
     (out, produced)
+}
+
+/// A step's events agree with its figures: one admission event (first or resumed) per admission,
+/// one preemption event per preemption, and the admissions' hits sum to the step's prefix hits.
+fn check_events_match_stats(out: &StepOutput) {
+    let count = |kinds: &[RequestEventKind]| {
+        out.events
+            .iter()
+            .filter(|e| kinds.contains(&e.kind))
+            .count()
+    };
+    use RequestEventKind::*;
+    assert_eq!(count(&[Admitted, Resumed]), out.stats.num_admitted);
+    assert_eq!(count(&[Preempted]), out.stats.num_preempted);
+    let hits: usize = out.events.iter().map(|e| e.prefix_hit_tokens).sum();
+    assert_eq!(hits as u64, out.stats.prefix_hit_tokens);
+}
+
+fn event(id: &str, seq_index: u32, kind: RequestEventKind, hit: usize) -> RequestEvent {
+    RequestEvent {
+        request_id: Arc::from(id),
+        seq_index,
+        kind,
+        prefix_hit_tokens: hit,
+    }
 }
 
 fn run_to_end(s: &mut Scheduler, max_steps: usize) -> HashMap<String, Vec<TokenId>> {
@@ -288,6 +314,66 @@ fn the_victim_is_the_most_recently_admitted_sequence() {
     assert_eq!(out.stats.num_preempted, 2);
     assert_eq!(out.context_lens, vec![9]);
     assert_eq!(s.num_waiting(), 2);
+}
+
+#[test]
+fn admission_events_report_the_prefix_hit() {
+    let mut s = Scheduler::new(config(16, 4)).unwrap();
+    add(&mut s, "a", (0..10).collect(), 2);
+    let (out, _) = step(&mut s);
+    assert_eq!(
+        out.events,
+        vec![event("a", 0, RequestEventKind::Admitted, 0)]
+    );
+    let (out, _) = step(&mut s);
+    assert!(out.events.is_empty(), "a decode step admits nothing");
+    assert!(!s.has_unfinished());
+    // b shares a's 10-token prompt: its two full blocks (8 tokens) are cached.
+    add(&mut s, "b", (0..10).chain([99]).collect(), 2);
+    let (out, _) = step(&mut s);
+    assert_eq!(
+        out.events,
+        vec![event("b", 0, RequestEventKind::Admitted, 8)]
+    );
+}
+
+#[test]
+fn preempted_sequences_are_reported_then_resumed() {
+    let mut cfg = config(4, 4);
+    cfg.admission_lookahead_tokens = None;
+    let mut s = Scheduler::new(cfg).unwrap();
+    add(&mut s, "a", vec![1; 7], 10);
+    add(&mut s, "b", vec![2; 3], 10);
+    add(&mut s, "c", vec![3; 3], 10);
+    let (out, _) = step(&mut s);
+    let admitted = |id| event(id, 0, RequestEventKind::Admitted, 0);
+    assert_eq!(
+        out.events,
+        vec![admitted("a"), admitted("b"), admitted("c")]
+    );
+    step(&mut s);
+    // As in the victim test: c then b are preempted at the third step.
+    let (out, _) = step(&mut s);
+    let preempted = |id| event(id, 0, RequestEventKind::Preempted, 0);
+    assert_eq!(out.events, vec![preempted("c"), preempted("b")]);
+    let mut later = Vec::new();
+    while s.has_unfinished() {
+        later.extend(step(&mut s).0.events);
+    }
+    // Each comes back as a resumption (never a second first admission), b first (FCFS), with no
+    // hit: a, growing to max_model_len (16 tokens, the 4 blocks), evicted their cached blocks.
+    // Then b's growth preempts c again, and c resumes with its first (full) block still cached.
+    use RequestEventKind::*;
+    let expected = [
+        ("b", Resumed, 0),
+        ("c", Resumed, 0),
+        ("c", Preempted, 0),
+        ("c", Resumed, 4),
+    ];
+    assert_eq!(
+        later,
+        expected.map(|(id, kind, hit)| event(id, 0, kind, hit))
+    );
 }
 
 #[test]

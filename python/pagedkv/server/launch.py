@@ -1,5 +1,6 @@
 """``python -m pagedkv serve``: the OpenAI-compatible server (:func:`pagedkv.server.build_app`) on
-uvicorn, over an engine built from the shared engine options.
+uvicorn, over an engine built from the shared engine options (``--otlp-traces-endpoint`` traces
+each request, a child of the HTTP request's ``traceparent``).
 
 Shutdown, on SIGTERM or SIGINT (:class:`_Server`):
 
@@ -17,12 +18,14 @@ from __future__ import annotations
 
 import argparse
 import signal
+import socket
 import threading
 from pathlib import Path
 from types import FrameType
 
 import uvicorn
 
+from pagedkv import tracing
 from pagedkv.cli import add_engine_arguments, engine_kwargs, existing_file, port, positive_int, seconds
 from pagedkv.engine import Engine
 from pagedkv.metrics import EngineMetrics
@@ -48,18 +51,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a Jinja chat template file, replacing the tokenizer's (needed for a model without one)")
     parser.add_argument("--shutdown-timeout", type=seconds, default=30.0,
                         help="seconds in-flight requests may run after SIGTERM before they are aborted")
-    # --otlp-traces-endpoint (OpenTelemetry export) belongs here once tracing lands.
 
 
 class _Server(uvicorn.Server):
     """uvicorn's server, whose exit signal first drains the engine (see the module doc), and
     which does not re-raise the signal after its graceful exit (so the process exits 0)."""
 
-    def __init__(self, config: uvicorn.Config, engine: Engine, shutdown_timeout: float) -> None:
+    def __init__(self, config: uvicorn.Config, engine: Engine, model_name: str, shutdown_timeout: float) -> None:
         super().__init__(config)
         self.engine = engine
+        self.model_name = model_name
         self.shutdown_timeout = shutdown_timeout
         self._abort_timer: threading.Timer | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets)
+        for server in self.servers:  # the bound address (with --port 0, the port the system chose)
+            for listener in server.sockets:
+                host, bound_port = listener.getsockname()[:2]
+                print(f"pagedkv serving {self.model_name!r} on http://{host}:{bound_port}", flush=True)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if self.should_exit and sig == signal.SIGINT:
@@ -80,7 +90,7 @@ def serve(engine: Engine, model_name: str, host: str, port: int, *, shutdown_tim
     app = build_app(engine, model_name, default_max_tokens=default_max_tokens)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
                             timeout_graceful_shutdown=shutdown_timeout + _BACKSTOP_SECONDS)
-    server = _Server(config, engine, shutdown_timeout)
+    server = _Server(config, engine, model_name, shutdown_timeout)
     try:
         server.run()
     finally:
@@ -89,10 +99,15 @@ def serve(engine: Engine, model_name: str, host: str, port: int, *, shutdown_tim
 
 def run(args: argparse.Namespace) -> int:
     name = args.served_model_name or str(args.model)
-    engine = Engine.from_pretrained(args.model, max_waiting=args.max_waiting, metrics=EngineMetrics(name), **engine_kwargs(args))
+    tracer = tracing.configure(otlp_endpoint=args.otlp_traces_endpoint)
+    engine = Engine.from_pretrained(args.model, max_waiting=args.max_waiting, metrics=EngineMetrics(name), tracer=tracer,
+                                    **engine_kwargs(args))
     if args.chat_template is not None:
         engine.tokenizer.chat_template = Path(args.chat_template).read_text()
-    print(f"pagedkv serving {name!r} on http://{args.host}:{args.port}", flush=True)
-    serve(engine, name, args.host, args.port, shutdown_timeout=args.shutdown_timeout,
-          default_max_tokens=args.default_max_tokens)
+    try:
+        serve(engine, name, args.host, args.port, shutdown_timeout=args.shutdown_timeout,
+              default_max_tokens=args.default_max_tokens)
+    finally:
+        if tracer is not None:
+            tracer.shutdown()  # flushes the spans of the requests served
     return 0
