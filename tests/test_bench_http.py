@@ -110,3 +110,25 @@ def test_combine_sums_counts_and_takes_medians() -> None:
     rounds = [{"errors": 1, "error_samples": ["x"], "tpot_mean_s": 1.0, "ttft_p50_s": None},
               {"errors": 0, "error_samples": [], "tpot_mean_s": 3.0, "ttft_p50_s": 2.0}]
     assert combine(rounds) == {"errors": 1, "error_samples": ["x"], "tpot_mean_s": 2.0, "ttft_p50_s": 2.0}
+
+
+def test_llama_server_command_needs_the_built_binary_and_a_gguf(tmp_path) -> None:
+    from pagedkv.__main__ import build_parser
+    from pagedkv.bench.http import llama_server_command
+    from pagedkv.errors import InvalidArgumentError
+
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"")
+    args = build_parser().parse_args(["bench", "http", "--model", str(gguf), "--peer", "llama-server",
+                                      "--peers-dir", str(tmp_path), "--concurrency", "3"])
+    with pytest.raises(FileNotFoundError, match="make peers"):
+        llama_server_command(args, 1234, 64)
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "llama-server").write_text("")
+    command = llama_server_command(args, 1234, 64)
+    flags = dict(zip(command[1::2], command[2::2], strict=False))
+    assert flags["-m"] == str(gguf) and flags["--host"] == "127.0.0.1" and flags["--port"] == "1234"
+    assert flags["-np"] == "3" and flags["-c"] == str(3 * 64) and flags["-t"] == "2"
+    args.model = "tiny"
+    with pytest.raises(InvalidArgumentError, match="GGUF"):
+        llama_server_command(args, 1234, 64)

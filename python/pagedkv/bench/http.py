@@ -29,7 +29,7 @@ the server's (from /proc: the whole server process; in process, this process: th
 consumers), whose HTTP ÷ in-process ratio is the overhead in CPU rather than in time.
 
 The same footing for everyone: the pagedkv server and the in-process engine get the same engine
-options (:func:`pagedkv.cli.add_engine_arguments`), ``--threads`` threads like llama-server;
+options (:func:`pagedkv.cli.add_engine_arguments`, tracing included), ``--threads`` threads like llama-server;
 llama-server gets ``-np`` = the concurrency and ``-c`` = that many slots of the longest request
 (llama-server splits its context evenly between slots), and pagedkv's pool holds as many tokens
 (``--num-blocks`` unset) with a float16 KV cache by default, llama.cpp's default cache type.
@@ -282,9 +282,9 @@ def server_process(name: str, command: list[str], port: int, env: dict[str, str]
 
 def pagedkv_command(args: argparse.Namespace, port: int) -> list[str]:
     """``python -m pagedkv serve`` with the engine options of ``args``."""
-    options = engine_kwargs(args)
-    return [sys.executable, "-m", "pagedkv", "serve", "--model", str(args.model), "--host", "127.0.0.1",
-            "--port", str(port), *(f for key, value in options.items() for f in (f"--{key.replace('_', '-')}", str(value)))]
+    options = engine_kwargs(args) | {"otlp_traces_endpoint": args.otlp_traces_endpoint}
+    return [sys.executable, "-m", "pagedkv", "serve", "--model", str(args.model), "--host", "127.0.0.1", "--port", str(port),
+            *(f for key, value in options.items() if value is not None for f in (f"--{key.replace('_', '-')}", str(value)))]
 
 
 def llama_server_command(args: argparse.Namespace, port: int, slot_tokens: int) -> list[str]:
@@ -412,6 +412,7 @@ def run(args: argparse.Namespace) -> int:
     import httpx
 
     import pagedkv
+    from pagedkv import tracing
     from pagedkv.engine import Engine
 
     for key, value in (QUICK if args.quick else FULL).items():
@@ -440,7 +441,10 @@ def run(args: argparse.Namespace) -> int:
         # SIGTERM unwinds like an error, so that the servers started here are stopped too.
         previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
         stack.callback(signal.signal, signal.SIGTERM, previous)
-        engine = Engine.from_pretrained(args.model, **engine_kwargs(args))
+        tracer = tracing.configure(otlp_endpoint=args.otlp_traces_endpoint)  # as `serve` does
+        if tracer is not None:
+            stack.callback(tracer.shutdown)
+        engine = Engine.from_pretrained(args.model, tracer=tracer, **engine_kwargs(args))
         stack.callback(engine.shutdown, drain=False)
         if args.max_model_len > engine.core.max_model_len:
             raise InvalidArgumentError(f"--max-model-len {args.max_model_len} exceeds the model's {engine.core.max_model_len}")
