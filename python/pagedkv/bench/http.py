@@ -32,7 +32,8 @@ The same footing for everyone: the pagedkv server and the in-process engine get 
 options (:func:`pagedkv.cli.add_engine_arguments`, tracing included), ``--threads`` threads like llama-server;
 llama-server gets ``-np`` = the concurrency and ``-c`` = that many slots of the longest request
 (llama-server splits its context evenly between slots), and pagedkv's pool holds as many tokens
-(``--num-blocks`` unset) with a float16 KV cache by default, llama.cpp's default cache type.
+(``--num-blocks`` unset; ``--max-num-seqs`` unset is the concurrency) with a float16 KV cache
+by default, llama.cpp's default cache type.
 llama-server's host-memory prompt cache is off (``-cram 0``): random prompts share nothing, and
 it would hold up to 8 GiB of a shared machine. Every server this benchmark starts listens on
 127.0.0.1 on a free port and is stopped when it ends, on error too. ``--rounds`` runs each
