@@ -12,5 +12,6 @@ BENCHES = {
     "serve": "pagedkv.bench.serve",
     "model": "pagedkv.bench.model",
     "sampling": "pagedkv.bench.sampling",
+    "http": "pagedkv.bench.http",
     "all": "pagedkv.bench.all",
 }
