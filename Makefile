@@ -52,7 +52,8 @@ bench: $(VENV)/.built
 
 develop: $(VENV)/.built
 
-$(VENV)/.deps:
+# Remade when this file changes, so a venv made before PY_DEPS grew gets the new packages.
+$(VENV)/.deps: Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(PY_DEPS)
