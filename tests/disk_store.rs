@@ -27,7 +27,7 @@ fn block(i: u64) -> (u128, u128, Vec<u32>, Vec<u8>) {
     (1000 + i as u128, i as u128, tokens, data)
 }
 
-fn open(dir: &PathBuf, slots: u64) -> DiskStore {
+fn open(dir: &std::path::Path, slots: u64) -> DiskStore {
     DiskStore::open(dir, ID, SLOT, slots * SLOT as u64, EvictionPolicy::Slru)
         .unwrap()
         .0
