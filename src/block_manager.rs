@@ -11,6 +11,7 @@ use rustc_hash::FxHashMap;
 use crate::block_pool::BlockPool;
 use crate::block_table::BlockTable;
 use crate::error::{ensure, Error, Result};
+use crate::lru::EvictionPolicy;
 use crate::prefix_cache::{block_hashes, chain_hash, root_hash, BlockHash};
 use crate::{BlockId, SeqId, TokenId};
 
@@ -80,10 +81,26 @@ pub const DEFAULT_BLOCK_SIZE: usize = 16;
 pub const MAX_NUM_BLOCKS: usize = i32::MAX as usize;
 
 impl BlockManager {
-    /// A manager of `num_blocks` blocks of `block_size` tokens each. Fails with
+    /// A manager of `num_blocks` blocks of `block_size` tokens each, evicting least recently used
+    /// cached blocks first. Fails with
     /// `InvalidArgument` unless both are positive, `num_blocks <= MAX_NUM_BLOCKS`, and every slot
     /// (`num_blocks * block_size`) fits an i64; with `OutOfMemory` if the pool cannot be allocated.
     pub fn new(num_blocks: usize, block_size: usize, enable_prefix_caching: bool) -> Result<Self> {
+        Self::with_eviction_policy(
+            num_blocks,
+            block_size,
+            enable_prefix_caching,
+            EvictionPolicy::Lru,
+        )
+    }
+
+    /// `new` with the cached blocks evicted under `policy`.
+    pub fn with_eviction_policy(
+        num_blocks: usize,
+        block_size: usize,
+        enable_prefix_caching: bool,
+        policy: EvictionPolicy,
+    ) -> Result<Self> {
         ensure(num_blocks > 0, || "num_blocks must be positive".into())?;
         ensure(num_blocks <= MAX_NUM_BLOCKS, || {
             format!("num_blocks {num_blocks} exceeds {MAX_NUM_BLOCKS}: block tables hold int32 ids")
@@ -96,7 +113,7 @@ impl BlockManager {
             || format!("{num_blocks} blocks x {block_size} tokens overflow int64 slot numbers"),
         )?;
         Ok(BlockManager {
-            pool: BlockPool::new(num_blocks)?,
+            pool: BlockPool::with_policy(num_blocks, policy)?,
             tables: FxHashMap::default(),
             block_size,
             enable_prefix_caching,
@@ -233,7 +250,7 @@ impl BlockManager {
         self.ensure_available(needed)?;
 
         for &block in &found.blocks {
-            self.pool.retain(block);
+            self.pool.retain_hit(block);
         }
         let mut table = BlockTable {
             blocks: found.blocks,
@@ -503,6 +520,34 @@ mod tests {
 
     fn manager(num_blocks: usize) -> BlockManager {
         BlockManager::new(num_blocks, 4, true).unwrap()
+    }
+
+    /// A system prompt hit once, then one-off prompts that need all memory but one block pair:
+    /// under SLRU the hit prompt survives, under LRU it is the oldest and goes first.
+    #[test]
+    fn slru_keeps_a_hit_prefix_that_lru_evicts() {
+        for (policy, survives) in [(EvictionPolicy::Lru, false), (EvictionPolicy::Slru, true)] {
+            let mut m = BlockManager::with_eviction_policy(12, 4, true, policy).unwrap();
+            let system: Vec<u32> = (0..9).collect(); // 2 full blocks + 1
+            m.allocate(1, &system, None).unwrap();
+            m.free(1).unwrap();
+            assert_eq!(m.allocate(2, &system, None).unwrap(), 8);
+            m.free(2).unwrap();
+            for (seq, base) in (3..6).zip([100u32, 200, 300]) {
+                let one_off: Vec<u32> = (base..base + 9).collect();
+                assert_eq!(m.allocate(seq, &one_off, None).unwrap(), 0);
+                m.free(seq).unwrap();
+                m.check_invariants().unwrap();
+            }
+            let big: Vec<u32> = (1000..1036).collect(); // 9 blocks: every block but the system's 2
+            m.allocate(9, &big, None).unwrap();
+            m.check_invariants().unwrap();
+            assert_eq!(
+                m.match_prefix(&system, None).blocks.len() == 2,
+                survives,
+                "{policy:?}"
+            );
+        }
     }
 
     #[test]

@@ -2,17 +2,18 @@
 //!
 //! Every block is in exactly one state:
 //! - free and clean: ref count 0, no hash, on the lock-free free list;
-//! - free and cached: ref count 0, hashed, in the prefix map and on the LRU (evictable);
+//! - free and cached: ref count 0, hashed, in the prefix map and in the evictable set;
 //! - in use: ref count >= 1, held by that many block tables; hashed only if full.
 //!
-//! So `clean + lru.len() + in_use == num_blocks` always (`clean` counts the free list). Allocation takes a clean block
-//! first and evicts the least recently used cached block only when none is clean; a released block
-//! with a hash goes to the back of the LRU, one without goes back to the free list.
+//! So `clean + evictable.len() + in_use == num_blocks` always (`clean` counts the free list). Allocation
+//! takes a clean block first and evicts a cached block (the one the [`EvictionPolicy`] puts first)
+//! only when none is clean; a released block with a hash becomes evictable, one without goes back
+//! to the free list.
 
 use crate::alloc::{try_vec_with, try_zeroed_vec};
 use crate::error::Result as CoreResult;
 use crate::free_list::FreeList;
-use crate::lru::Lru;
+use crate::lru::{Evictable, EvictionPolicy};
 use crate::prefix_cache::{BlockHash, PrefixCache};
 use crate::BlockId;
 
@@ -25,10 +26,10 @@ pub struct PoolCounters {
     pub evictions: u64,
 }
 
-/// Physical blocks with reference counts, a free list, and an LRU of cached blocks.
+/// Physical blocks with reference counts, a free list, and the evictable set of cached blocks.
 pub struct BlockPool {
     free: FreeList,
-    lru: Lru,
+    evictable: Evictable,
     ref_counts: Vec<u32>,
     hashes: Vec<Option<BlockHash>>,
     prefix: PrefixCache,
@@ -38,14 +39,19 @@ pub struct BlockPool {
 }
 
 impl BlockPool {
-    /// A pool of `num_blocks` clean blocks. Fails with `OutOfMemory` if its arrays cannot be
-    /// allocated (the largest first, so a refused size fails before anything is written), or
-    /// `InvalidArgument` if ids would not fit in `u32`.
+    /// A pool of `num_blocks` clean blocks evicting least recently used first.
     pub fn new(num_blocks: usize) -> CoreResult<Self> {
+        Self::with_policy(num_blocks, EvictionPolicy::Lru)
+    }
+
+    /// A pool of `num_blocks` clean blocks evicting under `policy`. Fails with `OutOfMemory` if its
+    /// arrays cannot be allocated (the largest first, so a refused size fails before anything is
+    /// written), or `InvalidArgument` if ids would not fit in `u32`.
+    pub fn with_policy(num_blocks: usize, policy: EvictionPolicy) -> CoreResult<Self> {
         let hashes = try_vec_with(num_blocks, "the block hashes", |_| None)?;
         Ok(BlockPool {
             ref_counts: try_zeroed_vec(num_blocks, "the block ref counts")?,
-            lru: Lru::new(num_blocks)?,
+            evictable: Evictable::new(num_blocks, policy)?,
             free: FreeList::full(num_blocks)?,
             hashes,
             prefix: PrefixCache::default(),
@@ -67,7 +73,7 @@ impl BlockPool {
 
     /// Blocks that are free but still hold a cached prefix.
     pub fn num_cached(&self) -> usize {
-        self.lru.len()
+        self.evictable.len()
     }
 
     /// Blocks that some table holds.
@@ -77,7 +83,7 @@ impl BlockPool {
 
     /// Blocks an allocation can obtain: clean plus evictable.
     pub fn num_available(&self) -> usize {
-        self.clean + self.lru.len()
+        self.clean + self.evictable.len()
     }
 
     /// Reference count of `block`.
@@ -87,7 +93,7 @@ impl BlockPool {
 
     /// Whether `block` is cached and unreferenced (so reviving it uses up one available block).
     pub fn is_evictable(&self, block: BlockId) -> bool {
-        self.lru.contains(block)
+        self.evictable.contains(block)
     }
 
     /// The hash registered for `block`, if it holds a cached full block.
@@ -105,7 +111,12 @@ impl BlockPool {
         self.counters
     }
 
-    /// Takes a block with ref count 1: a clean one if any, else the least recently used cached one.
+    /// The eviction policy of the cached blocks.
+    pub fn eviction_policy(&self) -> EvictionPolicy {
+        self.evictable.policy()
+    }
+
+    /// Takes a block with ref count 1: a clean one if any, else the cached one the policy evicts.
     pub fn allocate(&mut self) -> Option<BlockId> {
         let block = match self.free.pop() {
             Some(block) => {
@@ -113,7 +124,7 @@ impl BlockPool {
                 block
             }
             None => {
-                let block = self.lru.pop_front()?;
+                let block = self.evictable.pop()?;
                 let hash = self.hashes[block as usize]
                     .take()
                     .expect("cached block has a hash");
@@ -128,11 +139,17 @@ impl BlockPool {
         Some(block)
     }
 
-    /// Adds a reference to `block`, reviving it from the LRU if it was cached and unreferenced.
+    /// `retain` of a cached block found by a prefix lookup: also records the hit for eviction.
+    pub fn retain_hit(&mut self, block: BlockId) {
+        self.evictable.mark_hit(block);
+        self.retain(block);
+    }
+
+    /// Adds a reference to `block`, reviving it from the evictable set if it was cached and unreferenced.
     pub fn retain(&mut self, block: BlockId) {
         let count = &mut self.ref_counts[block as usize];
         if *count == 0 {
-            let revived = self.lru.remove(block);
+            let revived = self.evictable.remove(block);
             debug_assert!(revived, "retain of a clean free block {block}");
             self.in_use += 1;
         }
@@ -147,7 +164,7 @@ impl BlockPool {
         if *count == 0 {
             self.in_use -= 1;
             if self.hashes[block as usize].is_some() {
-                self.lru.push_back(block);
+                self.evictable.push(block);
             } else {
                 self.free.push(block);
                 self.clean += 1;
@@ -166,11 +183,11 @@ impl BlockPool {
     /// Checks the state invariants of the module doc; `Err` names the first one broken.
     pub fn check_invariants(&self) -> Result<(), String> {
         let total = self.num_blocks();
-        if self.clean + self.lru.len() + self.in_use != total {
+        if self.clean + self.evictable.len() + self.in_use != total {
             return Err(format!(
                 "free {} + cached {} + in use {} != total {}",
                 self.clean,
-                self.lru.len(),
+                self.evictable.len(),
                 self.in_use,
                 total
             ));
@@ -184,12 +201,12 @@ impl BlockPool {
         }
         for block in 0..total as BlockId {
             let (refs, hash) = (self.ref_counts[block as usize], self.hashes[block as usize]);
-            if refs > 0 && self.lru.contains(block) {
-                return Err(format!("block {block} is referenced and on the LRU"));
+            if refs > 0 && self.evictable.contains(block) {
+                return Err(format!("block {block} is referenced and evictable"));
             }
-            if refs == 0 && self.lru.contains(block) != hash.is_some() {
+            if refs == 0 && self.evictable.contains(block) != hash.is_some() {
                 return Err(format!(
-                    "unreferenced block {block}: on LRU iff hashed is broken"
+                    "unreferenced block {block}: evictable iff hashed is broken"
                 ));
             }
             if let Some(hash) = hash {

@@ -9,6 +9,7 @@ pub mod attention;
 pub mod block_manager;
 pub mod block_pool;
 pub mod block_table;
+pub mod disk;
 pub mod dtype;
 pub mod error;
 pub mod free_list;

@@ -194,6 +194,7 @@ class Scheduler:
         long_prefill_token_threshold: int = 0,
         eos_token_ids: _TokenIds | None = None,
         admission_lookahead_tokens: int | None = 32,
+        eviction_policy: str = "lru",
     ) -> Self:
         """``max_model_len`` defaults to the whole cache and may not exceed it;
         ``long_prefill_token_threshold`` caps one sequence's prompt tokens per step (0: no cap).
@@ -204,7 +205,9 @@ class Scheduler:
         included) compute the rest of its prompt and then grow that many tokens (capped by its
         ``max_tokens`` and ``max_model_len``); an empty batch admits the head whenever its first
         chunk fits. ``None`` keeps no headroom: admission fills memory that running sequences need
-        a step later, and the sequence just admitted is preempted."""
+        a step later, and the sequence just admitted is preempted. ``eviction_policy`` picks the
+        cached block evicted when memory is needed: ``"lru"`` the least recently released,
+        ``"slru"`` (segmented LRU) never-hit blocks before blocks a prefix lookup has hit."""
     def add_request(
         self,
         request_id: str,

@@ -96,6 +96,8 @@ class EngineConfig:
     # finish their prompts and grow this many tokens each; None admits whenever the first chunk
     # fits now (memory fills, and growth then preempts the request just admitted). See Scheduler.
     admission_lookahead_tokens: int | None = 32
+    # "lru" or "slru" (segmented LRU: cached blocks a prefix lookup hit outlive never-hit ones).
+    eviction_policy: str = "lru"
     kv_dtype: str = "float32"
 
 
@@ -335,6 +337,7 @@ class EngineCore:
             long_prefill_token_threshold=config.long_prefill_token_threshold,
             eos_token_ids=list(eos_token_ids),
             admission_lookahead_tokens=config.admission_lookahead_tokens,
+            eviction_policy=config.eviction_policy,
         )
         self.max_model_len: int = self.scheduler.max_model_len  # as the scheduler validated it
         if self.max_model_len > runner.max_model_len:

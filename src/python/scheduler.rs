@@ -14,6 +14,7 @@ use pyo3::types::{PyDict, PyList, PyTuple};
 use super::args::{arg, invalid, opt, Param};
 use super::sync::{detached, locked};
 use crate::block_manager::DEFAULT_BLOCK_SIZE;
+use crate::lru::EvictionPolicy;
 use crate::scheduler::{
     FinishReason, Policy, RequestEvent, RequestOptions, SamplingParams, Scheduler, SchedulerConfig,
     StepId, StepOutput, UpdateOutput, DEFAULT_AGING_STEPS,
@@ -50,12 +51,12 @@ impl PyScheduler {
             max_num_batched_tokens=Param::Absent, max_model_len=None,
             enable_prefix_caching=Param::Absent, policy=Param::Absent, aging_steps=Param::Absent,
             long_prefill_token_threshold=Param::Absent, eos_token_ids=None,
-            admission_lookahead_tokens=Param::Absent,
+            admission_lookahead_tokens=Param::Absent, eviction_policy=Param::Absent,
         ),
         text_signature = "(num_blocks, block_size=16, max_num_seqs=256, \
             max_num_batched_tokens=8192, max_model_len=None, enable_prefix_caching=True, \
             policy='fcfs', aging_steps=100, long_prefill_token_threshold=0, eos_token_ids=None, \
-            admission_lookahead_tokens=32)"
+            admission_lookahead_tokens=32, eviction_policy='lru')"
     )]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -71,6 +72,7 @@ impl PyScheduler {
         long_prefill_token_threshold: Param<'_>,
         eos_token_ids: Option<&Bound<'_, PyAny>>,
         admission_lookahead_tokens: Param<'_>,
+        eviction_policy: Param<'_>,
     ) -> PyResult<Self> {
         let mut c = SchedulerConfig::new(
             arg(num_blocks, "num_blocks")?,
@@ -85,6 +87,7 @@ impl PyScheduler {
         c.enable_prefix_caching =
             enable_prefix_caching.or("enable_prefix_caching", c.enable_prefix_caching)?;
         let policy: String = policy.or("policy", "fcfs".into())?;
+        let eviction_policy: String = eviction_policy.or("eviction_policy", "lru".into())?;
         let aging_steps = aging_steps.or("aging_steps", DEFAULT_AGING_STEPS)?;
         c.long_prefill_token_threshold = long_prefill_token_threshold.or(
             "long_prefill_token_threshold",
@@ -95,6 +98,7 @@ impl PyScheduler {
             .or("admission_lookahead_tokens", c.admission_lookahead_tokens)?;
         let scheduler = detached(py, || {
             c.policy = Policy::from_name(&policy, aging_steps)?;
+            c.eviction_policy = EvictionPolicy::from_name(&eviction_policy)?;
             Scheduler::new(c)
         })?;
         Ok(PyScheduler {

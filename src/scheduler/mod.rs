@@ -49,6 +49,7 @@ pub use request::{FinishReason, SamplingParams};
 
 use crate::block_manager::BlockManager;
 use crate::error::{ensure, Error, Result};
+use crate::lru::EvictionPolicy;
 use crate::prefix_cache::{extend_block_hashes, root_hash};
 use crate::{SeqId, TokenId};
 use queue::{QueueKey, WaitingQueue};
@@ -83,6 +84,8 @@ pub struct SchedulerConfig {
     /// Longest sequence (prompt + output); must fit in the cache.
     pub max_model_len: usize,
     pub enable_prefix_caching: bool,
+    /// Which cached block goes when memory is needed (see `crate::lru::Evictable`).
+    pub eviction_policy: EvictionPolicy,
     pub policy: Policy,
     /// Most prompt tokens one sequence computes in a step (0: only the budget limits it).
     pub long_prefill_token_threshold: usize,
@@ -104,7 +107,7 @@ pub struct SchedulerConfig {
 impl SchedulerConfig {
     /// Defaults for a cache of `num_blocks` blocks of `block_size` tokens: 256 sequences, 8192
     /// tokens per step, `max_model_len` the whole cache (at most `MAX_TOKENS_PER_ARRAY`), prefix
-    /// caching on, FCFS.
+    /// caching on with LRU eviction, FCFS.
     pub fn new(num_blocks: usize, block_size: usize) -> Self {
         SchedulerConfig {
             num_blocks,
@@ -115,6 +118,7 @@ impl SchedulerConfig {
                 .saturating_mul(block_size)
                 .min(MAX_TOKENS_PER_ARRAY),
             enable_prefix_caching: true,
+            eviction_policy: EvictionPolicy::Lru,
             policy: Policy::Fcfs,
             long_prefill_token_threshold: 0,
             eos_token_ids: Vec::new(),
@@ -240,10 +244,11 @@ pub struct Scheduler {
 impl Scheduler {
     pub fn new(config: SchedulerConfig) -> Result<Self> {
         config.validate()?;
-        let blocks = BlockManager::new(
+        let blocks = BlockManager::with_eviction_policy(
             config.num_blocks,
             config.block_size,
             config.enable_prefix_caching,
+            config.eviction_policy,
         )?;
         Ok(Scheduler {
             id: NEXT_SCHEDULER.fetch_add(1, Ordering::Relaxed),

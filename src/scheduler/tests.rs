@@ -668,7 +668,8 @@ fn spec() -> impl Strategy<Value = Spec> {
 proptest! {
     #![proptest_config(ProptestConfig { cases: 256, ..ProptestConfig::default() })]
 
-    /// Random workloads (arrivals, shared prefixes, forks, aborts, tight memory, both policies):
+    /// Random workloads (arrivals, shared prefixes, forks, aborts, tight memory, both scheduling
+    /// policies, both eviction policies):
     /// invariants hold after every call, no block leaks, and every request either finishes with
     /// a valid reason or was aborted, within a bounded number of steps.
     #[test]
@@ -679,6 +680,7 @@ proptest! {
         threshold in 0..20usize,
         max_num_seqs in 3..8usize,
         priority in any::<bool>(),
+        slru in any::<bool>(),
     ) {
         let mut cfg = config(num_blocks, 4);
         cfg.max_num_batched_tokens = budget;
@@ -686,6 +688,7 @@ proptest! {
         cfg.max_num_seqs = max_num_seqs;
         cfg.max_model_len = 64;
         cfg.policy = if priority { Policy::Priority { aging_steps: 3 } } else { Policy::Fcfs };
+        cfg.eviction_policy = if slru { EvictionPolicy::Slru } else { EvictionPolicy::Lru };
         let mut s = Scheduler::new(cfg).unwrap();
         let mut outcome: HashMap<String, &str> = HashMap::new();
         for t in 0..4000usize {

@@ -1,0 +1,25 @@
+//! The disk tier of the KV cache: a data file of fixed-size block slots ([`store`]) and a crash-safe
+//! index of what each slot holds ([`index`], redb).
+//!
+//! Invariant: a block is served only if its index entry exists and its bytes, read back, match the
+//! entry's checksum, tokens and salt; anything else is dropped, counted and reported as a miss.
+
+pub mod index;
+pub mod store;
+
+pub use index::BlockRecord;
+pub use store::{DiskCounters, DiskStore, Opened};
+
+/// What can go wrong on the disk tier (its own type until the engine wires the tier in).
+#[derive(Debug, thiserror::Error)]
+pub enum DiskError {
+    #[error("disk tier I/O: {0}")]
+    Io(#[from] std::io::Error),
+    #[error("disk tier index: {0}")]
+    Index(#[from] redb::Error),
+    #[error("disk tier: {0}")]
+    InvalidArgument(String),
+}
+
+/// Short form of the tier's results.
+pub type DiskResult<T> = std::result::Result<T, DiskError>;
