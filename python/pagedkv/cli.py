@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
+from pagedkv.engine_core import EngineConfig
 from pagedkv.model.llama import DEFAULT_WEIGHT_DTYPE, WEIGHT_DTYPES
 from pagedkv.model.pretrained import REGISTRY
 
@@ -146,7 +147,8 @@ def comma_list(item: Callable[[str], T]) -> Callable[[str], tuple[T, ...]]:
 
 def add_engine_arguments(parser: argparse.ArgumentParser, *, default_model: str = "smollm2-135m") -> None:
     """The flags of every command that runs an engine (``demo``, ``serve``): ``--model``,
-    ``--num-blocks``, ``--max-num-seqs``, ``--max-num-batched-tokens``, ``--kv-dtype``, ``--weight-dtype``, ``--seed``
+    ``--num-blocks``, ``--max-num-seqs``, ``--max-num-batched-tokens``, ``--kv-dtype``, ``--weight-dtype``,
+    ``--eviction-policy``, ``--seed``
     (read back by :func:`engine_kwargs`) and ``--otlp-traces-endpoint`` (for
     :func:`pagedkv.tracing.configure`)."""
     parser.add_argument(
@@ -166,6 +168,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, default_model: str 
         choices=WEIGHT_DTYPES,
         help=f"storage of the projections (default {DEFAULT_WEIGHT_DTYPE}; float32 doubles the bytes read per token)",
     )
+    parser.add_argument(
+        "--eviction-policy",
+        default=EngineConfig.eviction_policy,
+        choices=["lru", "slru"],
+        help="which cached block goes when memory is needed (default slru: blocks that were hit outlive the others)",
+    )
     parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument(
         "--otlp-traces-endpoint",
@@ -184,4 +192,5 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "kv_dtype": args.kv_dtype,
         "weight_dtype": args.weight_dtype,
+        "eviction_policy": args.eviction_policy,
     }
