@@ -4,9 +4,12 @@ evict it under ``"lru"`` (the same scenario as the Rust test, through the schedu
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
 from pagedkv import InvalidArgumentError, Scheduler
+from pagedkv.cli import add_engine_arguments, engine_kwargs
 from pagedkv.engine_core import EngineConfig
 
 
@@ -39,5 +42,8 @@ def test_an_unknown_policy_is_refused() -> None:
         Scheduler(num_blocks=8, eviction_policy="arc")
 
 
-def test_engine_config_defaults_to_lru() -> None:
-    assert EngineConfig().eviction_policy == "lru"
+def test_the_engine_and_its_cli_default_to_slru() -> None:
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    assert EngineConfig().eviction_policy == "slru"
+    assert engine_kwargs(parser.parse_args([]))["eviction_policy"] == "slru"
