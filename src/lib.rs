@@ -14,6 +14,7 @@ pub mod dtype;
 pub mod error;
 pub mod free_list;
 pub mod kv_cache;
+pub mod kv_events;
 pub mod linear;
 pub mod lru;
 mod memory;
@@ -21,6 +22,7 @@ pub mod prefix_cache;
 pub mod sampling;
 pub mod scheduler;
 mod sync;
+pub mod tier;
 
 #[cfg(feature = "python")]
 mod python;

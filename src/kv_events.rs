@@ -1,0 +1,43 @@
+//! KV cache events: what a block manager and its tiers tell the outside (a router) about the
+//! blocks they hold, named as vLLM names them (BlockStored / BlockRemoved / AllBlocksCleared).
+//!
+//! Invariant: replaying a manager's events in order over an empty set of (hash, medium) pairs
+//! gives exactly the blocks it holds findable in each medium. One event per block: a `Stored` when
+//! a full block becomes findable by prefix lookup in that medium, a `Removed` when it stops being
+//! findable there, `Cleared` when a whole medium is emptied (a tier of another model cleared).
+
+use crate::prefix_cache::BlockHash;
+use crate::TokenId;
+
+/// Where a block is held.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Medium {
+    Ram,
+    Disk,
+}
+
+impl Medium {
+    /// The name events carry (vLLM's `medium` field).
+    pub fn name(self) -> &'static str {
+        match self {
+            Medium::Ram => "ram",
+            Medium::Disk => "disk",
+        }
+    }
+}
+
+/// One change to the set of findable blocks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KvEvent {
+    /// The block of prefix `hash` (after `parent`, holding `tokens`) is now findable in `medium`.
+    BlockStored {
+        hash: BlockHash,
+        parent: BlockHash,
+        tokens: Vec<TokenId>,
+        medium: Medium,
+    },
+    /// The block of prefix `hash` is no longer findable in `medium`.
+    BlockRemoved { hash: BlockHash, medium: Medium },
+    /// No block is findable in `medium` any more.
+    AllBlocksCleared { medium: Medium },
+}
