@@ -96,6 +96,8 @@ pub trait KvTier: Send {
     fn flush(&mut self);
     /// What the tier has done.
     fn counters(&self) -> TierCounters;
+    /// Hashes of the blocks whose store has committed: the set its `Disk` events describe.
+    fn stored_hashes(&self) -> Vec<BlockHash>;
     /// Moves the tier's KV events since the last call (medium `Disk`) into `out`, in order.
     fn drain_events(&mut self, out: &mut Vec<KvEvent>);
 }
