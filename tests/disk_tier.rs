@@ -176,7 +176,10 @@ fn offload_then_load_round_trips_every_dtype_exactly() {
                 assert_eq!(bytes_of(&kv, 10 + i), originals[i as usize], "{dtype:?}");
             }
             let c = tier.counters();
-            assert_eq!((c.offloads, c.loads, c.blocks, c.dropped_corrupt), (3, 3, 3, 0));
+            assert_eq!(
+                (c.offloads, c.loads, c.blocks, c.dropped_corrupt),
+                (3, 3, 3, 0)
+            );
             assert_eq!(c.bytes_written, 3 * kv.slot_bytes() as u64);
             assert_eq!(c.bytes_read, 3 * kv.slot_bytes() as u64);
             assert!(tier.completed_loads().is_empty(), "each load reported once");
@@ -326,7 +329,12 @@ fn a_tier_of_another_identity_or_dtype_is_cleared() {
         drop(tier);
         // bf16 blocks are as large as f16 ones: only the layout identity tells them apart.
         let (bf16, bf16_link) = cache(KvDtype::Bf16);
-        let (tier, opened) = open(&dir, config(b"model-b", 8, KvDtype::Bf16), &bf16, &bf16_link);
+        let (tier, opened) = open(
+            &dir,
+            config(b"model-b", 8, KvDtype::Bf16),
+            &bf16,
+            &bf16_link,
+        );
         assert_eq!((opened.recovered, opened.cleared), (0, true));
         drop(tier);
         std::fs::remove_dir_all(&dir).unwrap();
@@ -359,20 +367,25 @@ fn flipped_and_truncated_blocks_are_dropped_and_counted_never_served() {
             tier.load(load_job(8 + i, i));
         }
         tier.load(load_job(12, 99)); // never stored
-        let outcomes: Vec<_> = flushed_loads(&mut tier)
-            .iter()
-            .map(|d| d.outcome)
-            .collect();
+        let outcomes: Vec<_> = flushed_loads(&mut tier).iter().map(|d| d.outcome).collect();
         use LoadOutcome::{Dropped, Loaded};
         assert_eq!(outcomes, [Loaded, Dropped, Dropped, Dropped, Dropped]);
         assert_eq!(bytes_of(&kv, 8), bytes_of(&kv, 0));
         for b in 9..13 {
-            assert_eq!(bytes_of(&kv, b), before[b as usize - 8], "block {b} untouched");
+            assert_eq!(
+                bytes_of(&kv, b),
+                before[b as usize - 8],
+                "block {b} untouched"
+            );
         }
         assert_eq!(tier.counters().dropped_corrupt, 4);
         assert_eq!(tier.counters().blocks, 1);
         let events = check_events(&mut tier, &mut set);
-        assert_eq!(events.len(), 3, "one BlockRemoved per dropped entry: {events:?}");
+        assert_eq!(
+            events.len(),
+            3,
+            "one BlockRemoved per dropped entry: {events:?}"
+        );
         assert_eq!(set, HashSet::from([1000]));
         drop(tier);
         std::fs::remove_dir_all(&dir).unwrap();
@@ -427,9 +440,8 @@ fn jobs_with_bad_block_ids_fail_alone() {
             ..other_link
         };
         // SAFETY: the tier is never opened.
-        let refused = unsafe {
-            DiskTier::open(&dir, config(b"m", 4, KvDtype::F32), other.block_io(), short)
-        };
+        let refused =
+            unsafe { DiskTier::open(&dir, config(b"m", 4, KvDtype::F32), other.block_io(), short) };
         assert!(matches!(refused, Err(pagedkv::Error::InvalidArgument(_))));
         drop(tier);
         std::fs::remove_dir_all(&dir).unwrap();
