@@ -210,7 +210,7 @@ fn free_list_shared_with_the_io_thread_loses_and_duplicates_no_id() {
         let (kv, link) = cache(KvDtype::F16);
         let (mut tier, _) = open(&dir, config(b"m", 6, KvDtype::F16), &kv, &link);
         let mut held: Vec<u32> = (0..SHAPE.num_blocks as u32).collect();
-        let mut is_held = vec![true; SHAPE.num_blocks];
+        let mut is_held = [true; SHAPE.num_blocks];
         let mut clean = 0usize;
         let mut rng = 0x2545_f491_4f6c_dd1du64;
         let mut next = || {
