@@ -500,7 +500,11 @@ mod tests {
         );
         assert_eq!(pool.lookup(11), None);
         assert_eq!(
-            (pool.num_clean(), pool.num_available(), pool.num_offloading()),
+            (
+                pool.num_clean(),
+                pool.num_available(),
+                pool.num_offloading()
+            ),
             (0, 0, 1)
         );
         assert_eq!(pool.allocate(), None, "nothing to take while a is out");

@@ -134,7 +134,10 @@ fn an_io_thread_returns_offloaded_blocks_while_the_scheduler_allocates() {
         });
         pool.release(b);
         let mut held: Vec<u32> = std::iter::from_fn(|| pool.allocate()).collect();
-        assert!(held.contains(&b), "the scheduler's own release is always seen");
+        assert!(
+            held.contains(&b),
+            "the scheduler's own release is always seen"
+        );
         io.join().unwrap();
         held.extend(std::iter::from_fn(|| pool.allocate()));
         held.sort_unstable();
