@@ -241,12 +241,12 @@ impl World {
             let expected =
                 expected_kvs(roots[&**id], s.sequence_tokens(id, index).unwrap(), self.bs);
             let start = step.positions[step.query_start_loc[row] as usize] as usize;
-            for p in 0..start {
+            for (p, &value) in expected[..start].iter().enumerate() {
                 let block = step.block_tables[row * width + p / self.bs];
                 let slot = block as usize * self.bs + p % self.bs;
                 assert_eq!(
                     self.ram[slot],
-                    Some(expected[p]),
+                    Some(value),
                     "{id}/{index} scheduled over block {block} whose position {p} is not its own"
                 );
             }
