@@ -49,6 +49,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -66,6 +67,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CompletionOutput",
+    "DEFAULT_KV_DISK_BYTES",
     "EngineCore",
     "ModelRunner",
     "PagedModelRunner",
@@ -77,6 +79,11 @@ __all__ = [
     "TokenLogprob",
     "VirtualClock",
 ]
+
+
+# The disk tier's capacity when only its directory is given: 1 GiB, 1456 blocks (23k tokens) of
+# SmolLM2-135M in float32 (30 layers x 3 KV heads x 64 dims x K and V x 16 tokens x 4 B = 737 kB).
+DEFAULT_KV_DISK_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -102,6 +109,25 @@ class EngineConfig:
     # 0.244 vs 0.230 and code 0.106 vs 0.087 at 1024 blocks; equal within 0.4 points at 4096).
     eviction_policy: str = "slru"
     kv_dtype: str = "float32"
+    # The disk tier (issue 13): evicted cached blocks are offloaded to a store in this directory
+    # (created if missing) and loaded back on a prefix hit, across restarts. None: RAM only.
+    kv_disk_path: str | Path | None = None
+    # The tier's capacity in bytes of K/V data (None with a path: DEFAULT_KV_DISK_BYTES); a size
+    # without a path is refused.
+    kv_disk_bytes: int | None = None
+
+    def disk_tier(self) -> tuple[Path, int] | None:
+        """The disk tier's directory and capacity, or None without one. Raises
+        :class:`InvalidArgumentError` for a capacity without a directory, or a value of the wrong
+        type (the core checks the size's range and the directory)."""
+        if self.kv_disk_path is None:
+            if self.kv_disk_bytes is not None:
+                raise InvalidArgumentError("kv_disk_bytes needs kv_disk_path (the directory of the disk tier)")
+            return None
+        if not isinstance(self.kv_disk_path, (str, Path)):
+            raise InvalidArgumentError(f"kv_disk_path must be a str or Path, got {type(self.kv_disk_path).__name__}")
+        capacity = DEFAULT_KV_DISK_BYTES if self.kv_disk_bytes is None else self.kv_disk_bytes
+        return Path(self.kv_disk_path), capacity
 
 
 @dataclass
