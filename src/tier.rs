@@ -81,6 +81,8 @@ pub struct TierCounters {
     pub bytes_read: u64,
     /// Blocks the tier holds now.
     pub blocks: u64,
+    /// Offloaded blocks whose copy was lost (an I/O error, a full queue): their ids still returned.
+    pub offloads_lost: u64,
 }
 
 /// A lower KV tier driven by one block manager.
