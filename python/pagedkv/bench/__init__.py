@@ -13,5 +13,6 @@ BENCHES = {
     "model": "pagedkv.bench.model",
     "sampling": "pagedkv.bench.sampling",
     "http": "pagedkv.bench.http",
+    "cluster": "pagedkv.bench.cluster",
     "all": "pagedkv.bench.all",
 }
