@@ -62,6 +62,9 @@ class ClusterSetup:
     replica: ServingSetup = field(default_factory=lambda: ServingSetup(num_blocks=2048, max_num_seqs=64))
     event_delay_s: float = 0.002  # one way, router ↔ replica: KV events, load reports, resyncs
     event_loss: float = 0.0  # probability that a KV event batch or a load report is lost
+    # Batches a replica can replay to the router: fewer than its publisher keeps models a smaller
+    # replay buffer (a longer gap is healed from a snapshot).
+    replay: int = 1024
     mtbf_s: float | None = None  # mean time between failures of each replica; None: never fails
     detect_s: float = 0.5  # failure → the router knows (heartbeat deadline)
     restart_s: float = 2.0  # detection → the replica serves again (empty cache)
@@ -72,6 +75,8 @@ class ClusterSetup:
     def __post_init__(self) -> None:
         if not 1 <= self.replicas <= 1024:
             raise InvalidArgumentError(f"replicas must be in [1, 1024], got {self.replicas!r}")
+        if self.replay < 0:
+            raise InvalidArgumentError(f"replay must be ≥ 0, got {self.replay!r}")
         if not 0 <= self.event_loss < 1:
             raise InvalidArgumentError(f"event_loss must be in [0, 1), got {self.event_loss!r}")
         for name in ("event_delay_s", "detect_s", "restart_s"):
@@ -348,7 +353,7 @@ class _Cluster:
             return
         core = replica.core
         assert core is not None
-        replay = core.kv_events.since(seq)
+        replay = core.kv_events.since(seq) if core.kv_events.last_seq - seq <= self.setup.replay else None
         reply = replay if replay is not None else core.kv_snapshot()
         self.at(self.now + self.setup.event_delay_s, self.resynced, replica, generation, reply)
 
