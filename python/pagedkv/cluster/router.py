@@ -360,10 +360,21 @@ def _run_lengths(hashes: Sequence[int], masks: dict[int, int], also: dict[int, i
         return mask
 
     first = holders(0)
-    runs: dict[int, int] = {}
+    if not first:
+        return {}
     positions = range(len(hashes))
+    # Replicas holding a prompt's first block mostly hold the same run (a tenant's whole system
+    # prompt): two bisections bound every run, [all still hold, none holds]; only when the bounds
+    # differ is each slot bisected, within them.
+    shortest = bisect_left(positions, True, lo=1, key=lambda i: holders(i) & first != first)
+    longest = bisect_left(positions, True, lo=shortest, key=lambda i: not holders(i) & first)
+    runs: dict[int, int] = {}
     while first:
         low = first & -first
         first ^= low
-        runs[low.bit_length() - 1] = bisect_left(positions, True, lo=1, key=lambda i, low=low: not holders(i) & low)
+        slot = low.bit_length() - 1
+        if shortest == longest:
+            runs[slot] = shortest
+        else:
+            runs[slot] = bisect_left(positions, True, lo=shortest, hi=longest, key=lambda i, low=low: not holders(i) & low)
     return runs
