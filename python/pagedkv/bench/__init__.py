@@ -14,5 +14,6 @@ BENCHES = {
     "sampling": "pagedkv.bench.sampling",
     "http": "pagedkv.bench.http",
     "tiers": "pagedkv.bench.tiers",
+    "cluster": "pagedkv.bench.cluster",
     "all": "pagedkv.bench.all",
 }
