@@ -102,6 +102,12 @@ def test_random_workloads_on_a_tiny_pool_and_a_disk_tier_equal_a_huge_pool(
                 assert stats["disk_blocks"] <= disk_blocks
                 assert stats["disk_hits"] == stats["disk_loads"] + stats["disk_loads_dropped"]
             core.scheduler.flush_disk_tier()
+            stats = core.stats()  # nothing in flight; each offload stored, lost, or already on disk
+            assert stats["disk_jobs_in_flight"] == 0
+            assert stats["disk_offloads_issued"] >= stats["disk_offloads"] + stats["disk_offloads_lost"]
+            # What the tier holds is what it stored, less what it evicted and (some of) what it dropped.
+            held = stats["disk_offloads"] - stats["disk_evictions"]
+            assert held - stats["disk_dropped_corrupt"] <= stats["disk_blocks"] <= held, stats
             snapshot = core.kv_snapshot()
             # The events' fold is the engine's truth, per medium (one block may be in both).
             assert core.kv_events.snapshot() == snapshot

@@ -74,6 +74,7 @@ pub fn add_stats(
     dict.set_item("disk_bytes_written", tier.bytes_written)?;
     dict.set_item("disk_bytes_read", tier.bytes_read)?;
     dict.set_item("disk_blocks", tier.blocks)?;
+    dict.set_item("disk_jobs_in_flight", tier.jobs_in_flight)?;
     Ok(())
 }
 
