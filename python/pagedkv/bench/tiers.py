@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -197,21 +198,42 @@ def _speedup(slow: object, fast: object) -> float | None:
 
 
 def _variants(bench: _Bench, sessions: list[Session], directory: Path, progress: Callable[[str], None]) -> dict[str, dict]:
-    """The three variants side by side, each on a fresh core; the disk one leaves its tier in ``directory``."""
-    results = {}
-    for name, config in (
-        ("ram_lru", replace(bench.base, eviction_policy="lru")),
-        ("ram_slru", replace(bench.base, eviction_policy="slru")),
-        ("ram_disk", bench.disk(directory, eviction_policy="slru")),
-    ):
-        progress(name)
-        core = bench.core(config)
-        try:
-            served, seconds = replay(core, sessions, bench.args.concurrency)
-            results[name] = summarize(served, seconds, core.stats())
-        finally:
-            core.close()
-    return results
+    """The three variants side by side, each run on a fresh core once per round, in an order
+    rotated every round (so a drift of the machine's load falls on each alike); each scalar is
+    the median over the rounds. The disk variant's tiers go in subdirectories of ``directory``;
+    the last one is left in ``directory / "tier"`` for the restart."""
+    configs = {
+        "ram_lru": replace(bench.base, eviction_policy="lru"),
+        "ram_slru": replace(bench.base, eviction_policy="slru"),
+        "ram_disk": replace(bench.base, eviction_policy="slru"),  # its directory: per round
+    }
+    names = list(configs)
+    runs: dict[str, list[dict[str, object]]] = {name: [] for name in names}
+    for r in range(bench.args.rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            progress(f"round {r + 1}: {name}")
+            config = configs[name]
+            if name == "ram_disk":
+                tier = directory / "tier"
+                if tier.exists():
+                    shutil.rmtree(tier)  # each round starts cold; the last one stays for the restart
+                config = bench.disk(tier, eviction_policy="slru")
+            core = bench.core(config)
+            try:
+                served, seconds = replay(core, sessions, bench.args.concurrency)
+                runs[name].append(summarize(served, seconds, core.stats()))
+            finally:
+                core.close()
+    return {name: _median(results) for name, results in runs.items()}
+
+
+def _median(results: list[dict[str, object]]) -> dict[str, object]:
+    """The median of each numeric figure over rounds; the rest (the tier's figures) from the last."""
+    out = dict(results[-1])
+    for key, value in out.items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[key] = float(np.median([r[key] for r in results]))  # type: ignore[misc]
+    return out | {"rounds": len(results)}
 
 
 def _restart(bench: _Bench, sessions: list[Session], directory: Path, progress: Callable[[str], None]) -> dict[str, object]:
@@ -294,6 +316,7 @@ QUICK = {
     "length_scale": 0.1,
     "num_blocks": 48,
     "restart_requests": 6,
+    "rounds": 1,
     "crossover_blocks": (1, 4),
     "crossover_repeats": 1,
 }
@@ -304,10 +327,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help=f"a tiny run that checks the benchmark works: {QUICK}")
     parser.add_argument("--model", type=model_source, default="smollm2-135m", help="'smollm2-135m' (real compute) or 'tiny'")
     parser.add_argument("--trace", type=trace_source(list(SHIPPED_TRACES)), default="conv")
-    parser.add_argument("--sessions", type=positive_int, default=48)
+    # Defaults sized for SmolLM2 on 2 cores (~425 prompt tokens/s): 16 sessions of 4 turns growing to
+    # ~1000 tokens, a working set of ~1000 blocks over a 256-block RAM pool; a RAM-only round
+    # prefills ~40k tokens (about 100 s), the whole run takes about 15 minutes.
+    parser.add_argument("--sessions", type=positive_int, default=16)
     parser.add_argument("--turns", type=positive_int, default=4)
-    parser.add_argument("--concurrency", type=positive_int, default=8, help="sessions at once (closed loop)")
-    parser.add_argument("--length-scale", type=positive_float, default=0.5, help="multiplies the trace's lengths")
+    parser.add_argument("--concurrency", type=positive_int, default=4, help="sessions at once (closed loop)")
+    parser.add_argument("--length-scale", type=positive_float, default=0.25, help="multiplies the trace's lengths")
     parser.add_argument("--max-prompt-len", type=positive_int, default=2048)
     parser.add_argument("--num-blocks", type=positive_int, default=256, help="RAM pool (16-token blocks), below the working set")
     parser.add_argument("--kv-disk-bytes", type=byte_size, default=4 << 30, help="disk tier capacity (default 4G)")
@@ -315,6 +341,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     parser.add_argument("--offload-watermark", type=positive_int, default=None,
                         help="clean blocks kept ahead by offloading (default: one step's budget in blocks + concurrency)")
+    parser.add_argument("--rounds", type=positive_int, default=3, help="rounds of the three variants (medians reported)")
     parser.add_argument("--restart-requests", type=positive_int, default=50, help="requests timed after a restart")
     parser.add_argument("--crossover-blocks", type=comma_list(positive_int), default=(1, 4, 16, 64))
     parser.add_argument("--crossover-repeats", type=positive_int, default=3)
@@ -340,7 +367,7 @@ def run(args: argparse.Namespace) -> int:
     working_set = sum(len(s.prompts[-1]) // BLOCK_SIZE for s in sessions)
     with tempfile.TemporaryDirectory(prefix="pagedkv-tier-") as directory:
         variants = _variants(bench, sessions, Path(directory), progress)
-        restart = _restart(bench, sessions, Path(directory), progress)
+        restart = _restart(bench, sessions, Path(directory) / "tier", progress)
     crossover = _crossover(bench, progress)
     best_ram = min(
         (variants[k]["ttft_p50_s"] for k in ("ram_lru", "ram_slru")), key=lambda v: v if isinstance(v, float) else float("inf")
