@@ -643,8 +643,8 @@ class EngineCore:
 
     def close(self) -> None:
         """Flushes and closes the disk tier, if any (its pending writes committed, its files
-        released, so another engine may open the directory); the core takes no step after this.
-        Closing again does nothing."""
+        released, so another engine may open the directory; with KV events, its blocks published
+        as cleared). Steps after this run on RAM alone. Closing again does nothing."""
         with self._lock:
             if self._tier_attached:
                 self._tier_attached = False
