@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from pagedkv.cluster import POLICIES
+from pagedkv.errors import InvalidArgumentError
 from pagedkv.serving.cluster import ClusterSetup, simulate_cluster
 from pagedkv.serving.simulation import ServingSetup
 from pagedkv.serving.workload import SystemPrompts, Workload, build_workload
@@ -74,3 +75,14 @@ def test_prefix_aware_routing_finds_the_cached_prefixes_round_robin_misses():
         assert result.index_in_sync == result.index_live == 4  # nothing lost, nothing behind
         hits[policy] = result.summary()["prefix_hit_rate"]
     assert hits["prefix_aware"] > hits["round_robin"] + 0.1
+
+
+def test_the_many_tenant_trace_draws_tenants_by_a_zipf_law():
+    trace = load_trace("conv", limit=400)
+    skewed = build_workload(trace, max_model_len=8192, system_prompts=SystemPrompts(count=50, skew=1.0), seed=3)
+    counts = [sum(r.system_prompt == k for r in skewed.requests) for k in range(50)]
+    assert counts[0] > 3 * max(counts[25:])  # P(0) / P(k) = k + 1 under skew 1
+    uniform = build_workload(trace, max_model_len=8192, system_prompts=SystemPrompts(count=50), seed=3)
+    assert max(sum(r.system_prompt == k for r in uniform.requests) for k in range(50)) < counts[0]
+    with pytest.raises(InvalidArgumentError):
+        build_workload(trace, max_model_len=8192, system_prompts=SystemPrompts(skew=-1.0))

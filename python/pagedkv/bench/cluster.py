@@ -60,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--target-rates",
         type=comma_list(positive_float),
-        default=(2.0, 2.5, 3.0, 4.0, 5.0, 6.0),
+        default=(2.0, 3.0, 4.0, 5.0, 6.0, 8.0),
         help="per-replica offered rates of the target",
     )
     parser.add_argument("--ttft-slo", type=positive_float, default=2.0, help="TTFT p99 bound of the target (s)")
@@ -127,6 +127,8 @@ def _target(args: argparse.Namespace, rates: tuple[float, ...]) -> dict:
         "prefix_aware_best": pa,
         "throughput_ratio": ratio,
         "prefix_aware_imbalance": pa["load_imbalance"] if pa else None,
+        "prefix_aware_imbalance_whole_run": pa["load_imbalance_whole_run"] if pa else None,
+        "prefix_aware_request_imbalance": pa["request_imbalance"] if pa else None,
         "met": bool(ratio is not None and ratio >= TARGET_THROUGHPUT_RATIO and pa["load_imbalance"] <= TARGET_IMBALANCE),
     }
 
@@ -226,11 +228,12 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print(report: dict) -> None:
-    print(f"{'trace':<12} {'R':>4} {'policy':<13} {'hit':>6} {'req/s':>8} {'TTFT p50':>9} {'p99':>8} {'imbal':>6}")
+    print(f"{'trace':<12} {'R':>4} {'policy':<13} {'hit':>6} {'req/s':>8} {'tok/s':>8} {'TTFT p50':>9} {'p99':>8} {'imbal':>6}")
     for p in report["sweep"]:
         print(
             f"{p['trace']:<12} {p['replicas']:>4} {p['policy']:<13} {p['prefix_hit_rate']:6.3f} "
-            f"{p['throughput_requests_per_s']:8.2f} {p['ttft_p50_s']:9.3f} {p['ttft_p99_s']:8.3f} {p['load_imbalance']:6.2f}"
+            f"{p['throughput_requests_per_s']:8.2f} {p['window_tokens_per_s']:8.0f} {p['ttft_p50_s']:9.3f} "
+            f"{p['ttft_p99_s']:8.3f} {p['load_imbalance']:6.2f}"
         )
     target = report["target"]
     ratio = target["throughput_ratio"]
@@ -269,9 +272,9 @@ def _plots(directory: Path, sweep: list[dict], target: dict) -> list[Path]:
         fig, axes = plt.subplots(1, 4, figsize=(16, 4))
         panels = (
             ("prefix_hit_rate", "prefix hit rate"),
-            ("throughput_requests_per_s", "throughput (requests / s)"),
+            ("window_tokens_per_s", "throughput (tokens / s, arrival window)"),
             ("ttft_p99_s", "TTFT p99 (s)"),
-            ("load_imbalance", "load imbalance (max / mean busy)"),
+            ("load_imbalance", "imbalance (max / mean busy, arrival window)"),
         )
         for ax, (key, label) in zip(axes, panels, strict=True):
             for policy in dict.fromkeys(p["policy"] for p in sweep):

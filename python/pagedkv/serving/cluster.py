@@ -111,8 +111,12 @@ class ClusterResult:
 
     setup: ClusterSetup
     requests: list[ClusterRequest]  # in arrival order
-    busy_s: list[float]  # per replica: modelled step time
-    served: list[int]  # per replica: requests routed to it
+    # Per replica, modelled step time within the arrival window (first to last arrival: the
+    # steady state, without the drain of the last long outputs), and over the whole run.
+    busy_s: list[float]
+    busy_whole_run_s: list[float]
+    served: list[int]  # per replica: requests routed to it (migrations included)
+    window_tokens: int  # tokens streamed to clients within the arrival window
     prefix_queried_tokens: int
     prefix_hit_tokens: int
     failures: int
@@ -136,20 +140,26 @@ class ClusterResult:
         start = min(r.arrival_s for r in self.requests)
         end = max(r.finished_s for r in done)  # type: ignore[type-var]
         ttft = np.array([r.ttft for r in done if r.ttft is not None])
-        busy = np.array(self.busy_s)
+        first, last = self.requests[0].arrival_s, self.requests[-1].arrival_s
         return {
             "policy": self.setup.policy,
             "replicas": self.setup.replicas,
             "requests": len(self.requests),
             "completed": len(done),
             "duration_s": end - start,
+            # Completed requests over first arrival to last finish (includes the drain), and
+            # tokens streamed per second within the arrival window (the steady state).
             "throughput_requests_per_s": len(done) / (end - start),
             "throughput_tokens_per_s": sum(len(r.token_ids) for r in done) / (end - start),
+            "window_tokens_per_s": self.window_tokens / (last - first) if last > first else 0.0,
             "ttft_p50_s": float(np.percentile(ttft, 50)),
             "ttft_p99_s": float(np.percentile(ttft, 99)),
             "prefix_hit_rate": self.prefix_hit_tokens / self.prefix_queried_tokens if self.prefix_queried_tokens else 0.0,
-            # max/mean of each replica's busy time: 1.0 is perfect balance.
-            "load_imbalance": float(busy.max() / busy.mean()) if busy.mean() > 0 else 1.0,
+            # max/mean over replicas (1.0 is perfect balance): of busy time within the arrival
+            # window, over the whole run, and of requests routed.
+            "load_imbalance": _imbalance(self.busy_s),
+            "load_imbalance_whole_run": _imbalance(self.busy_whole_run_s),
+            "request_imbalance": _imbalance(self.served),
             "failures": self.failures,
             "migrations": self.migrations,
             "lost_messages": self.lost_messages,
@@ -198,6 +208,9 @@ class _Cluster:
         self.parked: list[ClusterRequest] = []  # no replica alive
         self.remaining = len(self.requests)
         self.busy_s = [0.0] * setup.replicas
+        self.busy_whole_run_s = [0.0] * setup.replicas
+        self.window = (self.requests[0].arrival_s, self.requests[-1].arrival_s) if self.requests else (0.0, 0.0)
+        self.window_tokens = 0
         self.served = [0] * setup.replicas
         self.prefix = [0, 0]  # queried, hit: of replicas already discarded
         self.failures = self.migrations = self.lost = self.replays = self.snapshots = 0
@@ -238,7 +251,9 @@ class _Cluster:
             self.setup,
             self.requests,
             self.busy_s,
+            self.busy_whole_run_s,
             self.served,
+            self.window_tokens,
             self.prefix[0],
             self.prefix[1],
             self.failures,
@@ -292,6 +307,8 @@ class _Cluster:
             return
         events, finished = replica.ended
         replica.ended = ([], [])
+        if self.window[0] <= self.now <= self.window[1]:
+            self.window_tokens += len(events)
         for event in events:
             request = replica.requests[event.request_id]
             request.token_ids.append(event.token_id)
@@ -310,7 +327,9 @@ class _Cluster:
         if core.has_unfinished():
             replica.clock.now = self.now
             replica.ended = core.step()
-            self.busy_s[replica.index] += replica.clock.now - self.now
+            self.busy_whole_run_s[replica.index] += replica.clock.now - self.now
+            first, last = self.window
+            self.busy_s[replica.index] += max(0.0, min(replica.clock.now, last) - max(self.now, first))
             self.at(replica.clock.now, self.step_end, replica, generation)
         else:
             replica.stepping = False
@@ -415,6 +434,11 @@ class _Cluster:
         self.prefix[1] += int(stats["prefix_hit_tokens"])
         replica.core = None
         replica.ended = ([], [])
+
+
+def _imbalance(values: list[float] | list[int]) -> float:
+    mean = float(np.mean(values))
+    return float(np.max(values)) / mean if mean > 0 else 1.0
 
 
 def _kv_usage(core: EngineCore) -> float:
