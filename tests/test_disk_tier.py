@@ -59,9 +59,9 @@ def delta(after: dict, before: dict, key: str) -> float:
 
 def test_greedy_parity_through_evict_offload_load_hit(tiny, reference, tmp_path: Path) -> None:
     model, identity = tiny
-    # Every cached block offloaded as soon as it is released (the watermark keeps all but one
-    # block clean), so the fillers evict none unsaved.
-    core = tiny_core(model, identity, tmp_path, num_blocks=12, offload_watermark_blocks=11)
+    # Every cached block offloaded as soon as it is released (tiny_core's watermark), so the
+    # fillers evict none unsaved.
+    core = tiny_core(model, identity, tmp_path, num_blocks=12)
     try:
         prompt = SYSTEMS[2] + [9, 8, 7]  # 5 full blocks
         first = greedy(core, [prompt], max_tokens=8, prefix="a")
@@ -92,7 +92,7 @@ def test_random_workloads_on_a_tiny_pool_and_a_disk_tier_equal_a_huge_pool(
     expected = [greedy(huge, [p], n, prefix=f"h{i}-")[0] for i, (p, n) in enumerate(workload)]
     with tempfile.TemporaryDirectory() as directory:
         core = tiny_core(model, identity, Path(directory), ram_blocks, capacity_blocks=disk_blocks, emit_kv_events=True,
-                         offload_watermark_blocks=max(1, round(watermark * ram_blocks)))
+                         offload_watermark_blocks=max(1, round(watermark * ram_blocks)))  # some drop unsaved
         try:
             got: list[list[int]] = []
             for i in range(0, len(workload), 2):  # two at a time: a load overlaps the other's compute

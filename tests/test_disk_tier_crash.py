@@ -79,7 +79,7 @@ def test_sigkill_at_random_points_never_serves_a_corrupt_block(tmp_path: Path) -
             for stream in (child.stdout, child.stderr):
                 if stream is not None:
                     stream.close()
-    print(f"\ncrash test: {kills} SIGKILLs, {mid_write} with tier writes in flight;"
+    print(f"\ncrash test: {kills} SIGKILLs, {mid_write} with tier jobs (writes or loads) in flight;"
           f" {restarts_with_disk_hits} of {KILLS + 1} restarts served blocks from disk")
     assert kills == KILLS and mid_write >= KILLS // 2
     assert restarts_with_disk_hits > 0

@@ -39,10 +39,11 @@ def tiny_core(
     """A core over ``model`` with ``num_blocks`` RAM blocks and, given a ``directory``, a disk tier
     of ``capacity_blocks`` blocks there."""
     disk = {} if directory is None else dict(kv_disk_path=directory, kv_disk_bytes=capacity_blocks * BLOCK_BYTES)
-    # Half the pool kept clean ahead of need: small pools evict many blocks in one step, and an
-    # allocation finding none clean drops cached blocks instead of offloading them.
+    # The whole pool kept clean ahead of need (every cached block offloaded once released): small
+    # pools evict many blocks in one step, and an allocation finding none clean drops a cached
+    # block unsaved, which orphans the blocks after it on disk when it is a prefix's head.
     settings = dict(num_blocks=num_blocks, block_size=BLOCK_SIZE, max_num_seqs=4, max_num_batched_tokens=256,
-                    offload_watermark_blocks=num_blocks // 2) | disk | config
+                    offload_watermark_blocks=num_blocks) | disk | config
     engine_config = EngineConfig(**settings)  # type: ignore[arg-type]
     runner = PagedModelRunner(model, engine_config.num_blocks, BLOCK_SIZE)
     return EngineCore(runner, engine_config, eos_token_ids=model.config.eos_token_ids, model_identity=identity)

@@ -262,9 +262,9 @@ def _crossover(bench: _Bench, progress: Callable[[str], None]) -> dict[str, obje
     for n in bench.args.crossover_blocks:
         progress(f"crossover {n} blocks")
         # Room for one such prompt and a little more, every released block offloaded at once
-        # (the watermark keeps all but one clean): two fillers of its size then leave the
-        # prompt's blocks on disk only.
-        config = replace(bench.disk(Path("")), num_blocks=n + 4, max_num_seqs=1, offload_watermark_blocks=n + 3)
+        # (the watermark is the whole pool): two fillers of its size then leave the prompt's
+        # blocks on disk only.
+        config = replace(bench.disk(Path("")), num_blocks=n + 4, max_num_seqs=1, offload_watermark_blocks=n + 4)
         recompute, loaded, loads = [], [], 0
         with tempfile.TemporaryDirectory(prefix="pagedkv-crossover-") as directory:
             core = bench.core(replace(config, kv_disk_path=directory))
