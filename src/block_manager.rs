@@ -262,6 +262,17 @@ impl BlockManager {
         Ok(())
     }
 
+    /// Gives the tier up (drop it to close it), once no load is in flight: callers `flush_tier`
+    /// and `poll_tier` first. None without a tier, or while a load's RAM block is the tier's. Cached
+    /// blocks stay cached in RAM; evictions drop them from now on.
+    pub fn detach_tier(&mut self) -> Option<Box<dyn KvTier>> {
+        if self.loads.is_empty() {
+            self.tier.take()
+        } else {
+            None
+        }
+    }
+
     /// Whether a tier is attached.
     pub fn has_tier(&self) -> bool {
         self.tier.is_some()

@@ -16,6 +16,7 @@ from pagedkv._core import (
     UpdateOutput,
     __version__,
     available_kernels,
+    block_hashes,
     get_num_threads,
     measure_read_bandwidth,
     set_num_threads,
@@ -35,6 +36,7 @@ from pagedkv.errors import (
     DuplicateSequenceError,
     InternalError,
     InvalidArgumentError,
+    KvTierError,
     ModelError,
     NoChatTemplateError,
     OutOfBlocksError,
@@ -42,6 +44,7 @@ from pagedkv.errors import (
     ShapeError,
     UnknownSequenceError,
 )
+from pagedkv.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEventBatch, KvEventPublisher, KvSnapshot
 from pagedkv.model import LlamaConfig, LlamaModel, SamplingParams, SimulatedModel
 
 __all__ = [
@@ -52,6 +55,7 @@ __all__ = [
     "UpdateOutput",
     "ContiguousKV",
     "available_kernels",
+    "block_hashes",
     "get_num_threads",
     "set_num_threads",
     "measure_read_bandwidth",
@@ -64,6 +68,7 @@ __all__ = [
     "ShapeError",
     "CheckpointError",
     "ModelError",
+    "KvTierError",
     "NoChatTemplateError",
     "InternalError",
     "LlamaConfig",
@@ -81,5 +86,11 @@ __all__ = [
     "RequestMetrics",
     "TokenEvent",
     "TokenLogprob",
+    "KvEventPublisher",
+    "KvEventBatch",
+    "KvSnapshot",
+    "BlockStored",
+    "BlockRemoved",
+    "AllBlocksCleared",
     "__version__",
 ]

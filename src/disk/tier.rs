@@ -273,7 +273,11 @@ impl KvTier for DiskTier {
     }
 
     fn counters(&self) -> TierCounters {
-        self.shared.lock().counters
+        let state = self.shared.lock();
+        TierCounters {
+            jobs_in_flight: state.outstanding as u64,
+            ..state.counters
+        }
     }
 
     fn stored_hashes(&self) -> Vec<BlockHash> {
@@ -473,6 +477,7 @@ impl Worker {
             bytes_read: disk.bytes_read,
             blocks: self.store.len() as u64,
             offloads_lost: self.lost,
+            jobs_in_flight: 0, // `counters()` reads the live count
         };
     }
 }

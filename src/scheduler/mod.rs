@@ -361,6 +361,15 @@ impl Scheduler {
         self.blocks.flush_tier();
     }
 
+    /// Stops using the tier and returns it (drop it to close its files): finishes its queued
+    /// jobs, moves the sequences whose loads ended to the running list, then detaches it. None
+    /// without a tier. Cached RAM blocks stay; evictions drop them from now on.
+    pub fn detach_tier(&mut self) -> Option<Box<dyn KvTier>> {
+        self.blocks.flush_tier();
+        self.complete_loads();
+        self.blocks.detach_tier()
+    }
+
     /// The KV events since the last call (RAM ones, then the tier's), empty unless
     /// `SchedulerConfig::emit_kv_events`.
     pub fn take_kv_events(&mut self) -> Vec<KvEvent> {
