@@ -73,8 +73,8 @@ pub struct TierPolicy {
     /// Fewest consecutive tier-hit blocks worth loading: a shorter run is recomputed instead (at
     /// least 1).
     pub min_load_blocks: usize,
-    /// Clean blocks `poll_tier` keeps ahead of need by offloading the eviction policy's next
-    /// victims. An offloaded block is reusable only once the tier has copied it out, so blocks
+    /// Clean blocks (counting those on their way back from the tier) `poll_tier` keeps ahead of
+    /// need by offloading the eviction policy's next victims. An offloaded block is reusable only once the tier has copied it out, so blocks
     /// are offloaded ahead, while there is time; an allocation that still finds none clean drops a
     /// cached block without offload (counted) rather than stall the step on the tier's I/O.
     pub offload_watermark: usize,
@@ -319,6 +319,11 @@ impl BlockManager {
         out
     }
 
+    /// The RAM block registered for the prefix ending in `hash`, if any.
+    pub fn cached_block(&self, hash: BlockHash) -> Option<BlockId> {
+        self.pool.lookup(hash)
+    }
+
     /// The tier's own counters (zero without a tier).
     pub fn tier_counters(&self) -> TierCounters {
         self.tier.as_ref().map(|t| t.counters()).unwrap_or_default()
@@ -404,12 +409,15 @@ impl BlockManager {
         ended
     }
 
-    /// Offloads the eviction policy's next victims while fewer than the watermark blocks are clean.
+    /// Offloads the eviction policy's next victims while fewer than the watermark blocks are clean
+    /// or on their way back from the tier.
     fn offload_to_watermark(&mut self) {
         let Some(tier) = self.tier.as_mut() else {
             return;
         };
-        while self.pool.num_clean() < self.tier_policy.offload_watermark {
+        while self.pool.num_clean() + self.pool.num_offloading()
+            < self.tier_policy.offload_watermark
+        {
             match self.pool.start_offload() {
                 Some(job) => tier.offload(job),
                 None => break,

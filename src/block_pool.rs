@@ -478,6 +478,71 @@ mod tests {
         pool.check_invariants().unwrap();
     }
 
+    /// A cached block offloaded leaves the prefix map (one Removed event), is neither clean nor
+    /// available until the tier returns it, and once returned is allocated like any clean block.
+    #[test]
+    fn an_offloaded_block_counts_again_once_returned() {
+        let mut pool = BlockPool::new(2).unwrap();
+        pool.keep_content(2).unwrap();
+        pool.record_events();
+        let (a, b) = (pool.allocate().unwrap(), pool.allocate().unwrap());
+        assert!(pool.register(a, 11, 3, &[5, 6]));
+        pool.release(a);
+        let job = pool.start_offload().unwrap();
+        assert_eq!(
+            job,
+            OffloadJob {
+                block: a,
+                hash: 11,
+                parent: 3,
+                tokens: vec![5, 6]
+            }
+        );
+        assert_eq!(pool.lookup(11), None);
+        assert_eq!(
+            (pool.num_clean(), pool.num_available(), pool.num_offloading()),
+            (0, 0, 1)
+        );
+        assert_eq!(pool.allocate(), None, "nothing to take while a is out");
+        pool.check_invariants().unwrap();
+        let link = pool.tier_link();
+        link.free.push(a);
+        link.returned.fetch_add(1, Ordering::Release);
+        assert_eq!((pool.num_clean(), pool.num_offloading()), (1, 0));
+        assert_eq!(pool.allocate(), Some(a));
+        pool.release(a);
+        pool.release(b);
+        pool.check_free_list().unwrap();
+        let mut events = Vec::new();
+        pool.take_events(&mut events);
+        assert_eq!(
+            events,
+            vec![
+                KvEvent::BlockStored {
+                    hash: 11,
+                    parent: 3,
+                    tokens: vec![5, 6],
+                    medium: Medium::Ram
+                },
+                KvEvent::BlockRemoved {
+                    hash: 11,
+                    medium: Medium::Ram
+                }
+            ]
+        );
+        assert_eq!(pool.counters().offloads, 1);
+    }
+
+    #[test]
+    fn the_free_list_check_finds_a_block_held_twice() {
+        let mut pool = BlockPool::new(3).unwrap();
+        let a = pool.allocate().unwrap();
+        pool.check_free_list().unwrap();
+        pool.free.push(a); // a caller bug: `a` is in use and on the list
+        pool.clean += 1;
+        assert!(pool.check_free_list().is_err());
+    }
+
     #[test]
     fn a_second_block_with_the_same_hash_stays_unregistered() {
         let mut pool = BlockPool::new(2).unwrap();

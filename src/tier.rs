@@ -83,6 +83,8 @@ pub struct TierCounters {
     pub blocks: u64,
     /// Offloaded blocks whose copy was lost (an I/O error, a full queue): their ids still returned.
     pub offloads_lost: u64,
+    /// Jobs (offloads and loads) queued and not yet finished, now.
+    pub jobs_in_flight: u64,
 }
 
 /// A lower KV tier driven by one block manager.

@@ -1,5 +1,7 @@
 //! Loom model checks of the lock-free free list: every interleaving of 2–3 threads popping and
-//! pushing ends with each id on the list exactly once and never held twice.
+//! pushing ends with each id on the list exactly once and never held twice; and of the block pool
+//! sharing it with a tier's I/O thread (push, then count in `returned`), where an allocation
+//! guided by the pool's clean count never finds the list empty.
 //! Run with `RUSTFLAGS="--cfg loom" cargo test --release --test loom_free_list`.
 #![cfg(loom)]
 
@@ -105,5 +107,73 @@ fn three_threads_pop_and_push() {
             h.join().unwrap();
         }
         assert_eq!(drain(&list), vec![0, 1]);
+    });
+}
+
+/// The block pool with a tier's I/O thread: while the scheduler thread releases a block (a push)
+/// and allocates, the I/O thread pushes an offloaded block back and then counts it in `returned`.
+/// Every allocation the pool's clean count allows pops a block (`allocate` panics otherwise), and
+/// no id is lost or handed out twice.
+#[test]
+fn an_io_thread_returns_offloaded_blocks_while_the_scheduler_allocates() {
+    use pagedkv::BlockPool;
+    use std::sync::atomic::Ordering;
+
+    loom::model(|| {
+        let mut pool = BlockPool::new(2).unwrap();
+        pool.keep_content(1).unwrap();
+        let a = pool.allocate().unwrap();
+        let b = pool.allocate().unwrap();
+        pool.register(a, 7, 0, &[1]);
+        pool.release(a);
+        let job = pool.start_offload().expect("a is cached");
+        let link = pool.tier_link();
+        let io = loom::thread::spawn(move || {
+            link.free.push(job.block);
+            link.returned.fetch_add(1, Ordering::Release);
+        });
+        pool.release(b);
+        let mut held: Vec<u32> = std::iter::from_fn(|| pool.allocate()).collect();
+        assert!(held.contains(&b), "the scheduler's own release is always seen");
+        io.join().unwrap();
+        held.extend(std::iter::from_fn(|| pool.allocate()));
+        held.sort_unstable();
+        assert_eq!(held, vec![0, 1]);
+        pool.check_invariants().unwrap();
+    });
+}
+
+/// Two blocks come back from the I/O thread, one by one, while the scheduler allocates: each
+/// count the pool reads is covered by blocks already on the list.
+#[test]
+fn returned_counts_never_run_ahead_of_the_list() {
+    use pagedkv::BlockPool;
+    use std::sync::atomic::Ordering;
+
+    let mut builder = loom::model::Builder::new();
+    builder.preemption_bound = Some(3);
+    builder.check(|| {
+        let mut pool = BlockPool::new(2).unwrap();
+        pool.keep_content(1).unwrap();
+        for hash in [1, 2] {
+            let block = pool.allocate().unwrap();
+            pool.register(block, hash, 0, &[hash as u32]);
+        }
+        pool.release(0);
+        pool.release(1);
+        let jobs = [pool.start_offload().unwrap(), pool.start_offload().unwrap()];
+        let link = pool.tier_link();
+        let io = loom::thread::spawn(move || {
+            for job in jobs {
+                link.free.push(job.block);
+                link.returned.fetch_add(1, Ordering::Release);
+            }
+        });
+        let mut held: Vec<u32> = std::iter::from_fn(|| pool.allocate()).collect();
+        io.join().unwrap();
+        held.extend(std::iter::from_fn(|| pool.allocate()));
+        held.sort_unstable();
+        assert_eq!(held, vec![0, 1]);
+        pool.check_invariants().unwrap();
     });
 }

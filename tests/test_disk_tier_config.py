@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pagedkv import InvalidArgumentError
+from pagedkv import InvalidArgumentError, KVCache, Scheduler
 from pagedkv.__main__ import main
 from pagedkv.cli import add_engine_arguments, byte_size, engine_kwargs
 from pagedkv.engine import Engine
@@ -112,10 +112,11 @@ def test_a_tier_directory_that_cannot_be_made_is_a_tier_error(tmp_path: Path, ca
     [
         (dict(kv_disk_bytes=1 << 20), "kv_disk_bytes needs kv_disk_path"),
         (dict(kv_disk_path=3), "kv_disk_path must be a str or Path"),
-        (dict(kv_disk_path="DIR", kv_disk_bytes=0), "kv_disk_bytes"),
-        (dict(kv_disk_path="DIR", kv_disk_bytes=-1), "kv_disk_bytes"),
-        (dict(kv_disk_path="DIR", kv_disk_bytes=True), "kv_disk_bytes"),
-        (dict(kv_disk_path="DIR", kv_disk_bytes=1.5), "kv_disk_bytes"),
+        (dict(kv_disk_path="DIR", kv_disk_bytes=0), "hold no slot"),  # the core's check
+        (dict(kv_disk_path="DIR", kv_disk_bytes=1000), "hold no slot"),  # less than one block
+        (dict(kv_disk_path="DIR", kv_disk_bytes=-1), "capacity_bytes"),  # the binding's conversion
+        (dict(kv_disk_path="DIR", kv_disk_bytes=True), "capacity_bytes"),
+        (dict(kv_disk_path="DIR", kv_disk_bytes=1.5), "capacity_bytes"),
     ],
 )
 def test_bad_tier_options_are_typed_and_make_nothing(config: dict, match: str, tmp_path: Path) -> None:
@@ -131,3 +132,55 @@ def test_an_engine_built_from_a_model_needs_its_digest_for_a_tier(tmp_path: Path
     with pytest.raises(InvalidArgumentError, match="weights_digest"):
         Engine(model, load_tokenizer(None, 512), EngineConfig(kv_disk_path=tmp_path / "tier"))
     assert not (tmp_path / "tier").exists()
+
+
+def scheduler(**options: object) -> Scheduler:
+    return Scheduler(num_blocks=16, block_size=16, **options)  # type: ignore[arg-type]
+
+
+def cache(num_blocks: int = 16, block_size: int = 16) -> KVCache:
+    return KVCache(2, num_blocks, block_size, 2, 8)
+
+
+@pytest.mark.parametrize(
+    ("args", "match"),
+    [
+        (lambda d: ("not a cache", d, 1 << 20, b"id"), "kv_cache must be a KVCache"),
+        (lambda d: (cache(num_blocks=8), d, 1 << 20, b"id"), "free list holds 16 blocks"),
+        (lambda d: (cache(block_size=8), d, 1 << 20, b"id"), "blocks of 8 tokens"),
+        (lambda d: (cache(), str(d).encode(), 1 << 20, b"id"), "path must be a str or os.PathLike"),
+        (lambda d: (cache(), d, -5, b"id"), "capacity_bytes"),
+        (lambda d: (cache(), d, 1 << 20, "id"), "identity must be bytes"),
+    ],
+)
+def test_scheduler_attach_refusals_are_typed_and_attach_nothing(args, match: str, tmp_path: Path) -> None:
+    s = scheduler()
+    with pytest.raises(InvalidArgumentError, match=match):
+        s.attach_disk_tier(*args(tmp_path / "tier"))
+    assert "disk_blocks" not in s.stats() and s.detach_disk_tier() == []
+    assert s.attach_disk_tier(cache(), tmp_path / "ok", 1 << 20, b"id") == {"recovered": 0, "cleared": False}
+
+
+def test_a_tier_attaches_once_and_only_to_a_fresh_scheduler(tmp_path: Path) -> None:
+    s = scheduler()
+    s.attach_disk_tier(cache(), tmp_path / "a", 1 << 20, b"id")
+    with pytest.raises(InvalidArgumentError, match="attached already"):
+        s.attach_disk_tier(cache(), tmp_path / "b", 1 << 20, b"id")
+    used = scheduler()
+    used.add_request("r", list(range(40)), max_tokens=1)
+    step = used.schedule()
+    used.update(step, [5])
+    with pytest.raises(InvalidArgumentError, match="before any sequence or cached block"):
+        used.attach_disk_tier(cache(), tmp_path / "c", 1 << 20, b"id")
+    assert "disk_blocks" not in used.stats()
+    assert s.detach_disk_tier() == [] and "disk_blocks" in s.stats()  # no events asked; the figures stay
+    assert s.take_kv_events() == [] and s.kv_blocks() == []
+
+
+def test_an_identity_change_clears_the_tier_and_says_so(tmp_path: Path) -> None:
+    s = scheduler(emit_kv_events=True)
+    assert s.attach_disk_tier(cache(), tmp_path, 1 << 20, b"model A") == {"recovered": 0, "cleared": False}
+    assert s.detach_disk_tier() == [("cleared", "disk")]
+    s = scheduler(emit_kv_events=True)
+    assert s.attach_disk_tier(cache(), tmp_path, 1 << 20, b"model B")["cleared"] is True
+    assert s.take_kv_events() == [("cleared", "disk")]

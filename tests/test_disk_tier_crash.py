@@ -61,7 +61,7 @@ def test_sigkill_at_random_points_never_serves_a_corrupt_block(tmp_path: Path) -
                 break
             # Serve a while, then kill: at a random step, or (every other round) at the first step
             # after that which reports writes in flight.
-            deadline = time.monotonic() + rng.uniform(0.02, 0.4)
+            deadline = time.monotonic() + rng.uniform(0.02, 0.25)
             want_write = round_ % 2 == 1
             inflight = 0
             while True:

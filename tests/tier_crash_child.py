@@ -4,8 +4,9 @@ It reopens the disk tier in DIR (after the previous child was SIGKILLed), serves
 and prints one JSON line: what opening the tier reported, their greedy tokens and the engine's
 stats. Then it serves random traffic (system prompts shared, a RAM pool far too small, so blocks
 are offloaded, evicted from disk and loaded back all the time) until it is killed, printing after
-every step one JSON line with the tier writes in flight (offloads handed to the tier and not yet
-committed), so the parent knows whether its kill landed mid-write.
+every step one JSON line with the tier's jobs in flight (offloads and loads queued or under way,
+the former being copied out, written and committed), so the parent knows whether its kill landed
+while the tier was writing.
 """
 
 from __future__ import annotations
@@ -32,8 +33,7 @@ def main() -> None:
             core.add_request(f"r{n}-{core.scheduler.num_unfinished_requests}", random_prompt(rng), params)
         core.step()
         stats = core.stats()
-        print(json.dumps({"inflight": stats["disk_offloads_issued"] - stats["disk_offloads"] - stats["disk_offloads_failed"]}),
-              flush=True)
+        print(json.dumps({"inflight": stats["disk_jobs_in_flight"]}), flush=True)
 
 
 if __name__ == "__main__":

@@ -285,7 +285,8 @@ class Scheduler:
         detached since): disk_hits / disk_hit_tokens (blocks admission found only on disk),
         disk_loads (loaded, verified), disk_loads_dropped (recomputed instead), disk_dropped_corrupt,
         disk_offloads_issued, disk_offloads (stored), disk_offloads_lost, disk_evictions_without_offload,
-        disk_evictions, disk_bytes_written, disk_bytes_read, disk_blocks (held now)."""
+        disk_evictions, disk_bytes_written, disk_bytes_read, disk_blocks (held now),
+        disk_jobs_in_flight (offloads and loads queued or under way now)."""
     def check_invariants(self) -> None:
         """Raise AssertionError naming the first broken invariant."""
     @property

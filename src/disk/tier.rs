@@ -46,9 +46,9 @@ use crate::prefix_cache::BlockHash;
 use crate::tier::{KvTier, LoadDone, LoadJob, LoadOutcome, OffloadJob, TierCounters, TierLink};
 use crate::BlockId;
 
-/// Most bytes of copied-out blocks waiting for their store. Past it an offload returns its block
-/// without a copy (counted lost): a disk slower than the eviction rate costs cache hits, not
-/// unbounded memory. 64 MiB is 182 blocks of SmolLM2-135M in float16.
+/// Most bytes of copied-out blocks waiting for their store (one block always fits). Past it an
+/// offload returns its block without a copy (counted lost): a disk slower than the eviction rate
+/// costs cache hits, not unbounded memory. 64 MiB is 182 blocks of SmolLM2-135M in float16.
 pub const MAX_QUEUED_BYTES: usize = 64 << 20;
 
 /// What a disk tier is opened with.
@@ -273,7 +273,11 @@ impl KvTier for DiskTier {
     }
 
     fn counters(&self) -> TierCounters {
-        self.shared.lock().counters
+        let state = self.shared.lock();
+        TierCounters {
+            jobs_in_flight: state.outstanding as u64,
+            ..state.counters
+        }
     }
 
     fn stored_hashes(&self) -> Vec<BlockHash> {
@@ -364,7 +368,8 @@ impl Worker {
             Job::Offload(job) => job,
         };
         let size = self.kv.slot_bytes();
-        let copied = (self.queued_bytes + size <= MAX_QUEUED_BYTES)
+        let room = self.queued_bytes == 0 || self.queued_bytes + size <= MAX_QUEUED_BYTES;
+        let copied = room
             .then(|| {
                 catch_unwind(AssertUnwindSafe(|| {
                     let mut data = vec![0; size];
@@ -472,6 +477,7 @@ impl Worker {
             bytes_read: disk.bytes_read,
             blocks: self.store.len() as u64,
             offloads_lost: self.lost,
+            jobs_in_flight: 0, // `counters()` reads the live count
         };
     }
 }

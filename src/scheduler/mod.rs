@@ -46,6 +46,8 @@ mod request;
 mod slab;
 #[cfg(test)]
 mod tests;
+#[cfg(test)]
+mod tier_tests;
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};

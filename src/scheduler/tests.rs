@@ -19,7 +19,7 @@ fn add(s: &mut Scheduler, id: &str, prompt: Vec<TokenId>, max_tokens: usize) {
 
 /// A deterministic "model": the token sampled after a sequence depends only on its last token
 /// and its length, so a recomputed sequence produces the same continuation.
-fn next_token(last: i64, position: i64) -> TokenId {
+pub(super) fn next_token(last: i64, position: i64) -> TokenId {
     ((last * 31 + position * 7) % 997) as TokenId + 3
 }
 
@@ -57,7 +57,7 @@ fn check_events_match_stats(out: &StepOutput) {
     assert_eq!(hits as u64, out.stats.prefix_hit_tokens);
 }
 
-fn event(id: &str, seq_index: u32, kind: RequestEventKind, hit: usize) -> RequestEvent {
+pub(super) fn event(id: &str, seq_index: u32, kind: RequestEventKind, hit: usize) -> RequestEvent {
     RequestEvent {
         request_id: Arc::from(id),
         seq_index,
