@@ -96,6 +96,7 @@ class ReplicaStatus:
     deaths: int = 0
     resyncs: int = 0
     served: int = 0  # streams started on it
+    streams: int = 0  # streams open on it now
     down_since: float | None = None  # time.monotonic() of its latest death, until it rejoined
     recoveries: list[float] = field(default_factory=list)  # seconds from each death to its rejoining
 
@@ -148,6 +149,7 @@ class _Leg:
     indices: list[int]
     ended: bool = False  # its Ended arrived, or it was cancelled
     closed: bool = False
+    counted: bool = False  # in its replica's ``streams``
 
 
 class _ClusterHandle(RequestHandle):
@@ -267,6 +269,14 @@ class Cluster:
 
     def actor(self, replica_id: str) -> Any:
         return next(r.actor for r in self._replicas if r.status.id == replica_id)
+
+    def indexed_blocks(self, replica_id: str) -> frozenset[tuple[int, str]]:
+        """What the router's index holds for a replica now (read in the cluster's loop)."""
+
+        async def read() -> frozenset[tuple[int, str]]:
+            return self.router.blocks_of(replica_id)
+
+        return self._call(read())
 
     # ---- in the cluster's loop ---------------------------------------------------------------
 
@@ -442,6 +452,8 @@ class Cluster:
                 self._close(leg)
                 raise
             replica.status.served += 1
+            replica.status.streams += 1
+            leg.counted = True
             return leg
 
     async def _stream(self, flight: _Flight, leg: _Leg) -> None:
@@ -482,6 +494,7 @@ class Cluster:
         if leg.closed:
             return
         leg.closed = True
+        leg.replica.status.streams -= leg.counted
         if not leg.ended:
             leg.ended = True
             with contextlib.suppress(RayError, ValueError):

@@ -3,8 +3,11 @@ elsewhere, given its address) or starts a local one on loopback only.
 
 Invariants:
 
-- A local instance binds 127.0.0.1 (``_node_ip_address``; left to its defaults, Ray binds the
-  machine's outward address), runs no dashboard, and keeps its files in a temporary directory of
+- A local instance is a one-node cluster on 127.0.0.1: every Ray process is told that address
+  (and its gRPC peers dial it). ``_node_ip_address="127.0.0.1"`` alone does not do it: on Linux
+  Ray "resolves" a loopback node address to the machine's outward one unless its multi-node mode
+  is off (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, read at import: so set here for the processes it
+  starts, and on its constant for this one). It runs no dashboard, and keeps its files in a temporary directory of
   its own (short: Ray's socket paths must fit 107 bytes).
 - Leaving :func:`connect` disconnects; for a local instance that also stops every process it
   started (``ray.shutdown`` stops those of the node this driver started, by their handles, never
@@ -14,6 +17,7 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import os
 import shutil
 import tempfile
 import time
@@ -37,6 +41,8 @@ def connect(address: str | None = None, *, num_cpus: int | None = None) -> Itera
         finally:
             ray.shutdown()
         return
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    ray._private.ray_constants.ENABLE_RAY_CLUSTER = False
     temp_dir = tempfile.mkdtemp(prefix="pkv-ray-", dir="/tmp")
     try:
         ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, _temp_dir=temp_dir, num_cpus=num_cpus,
