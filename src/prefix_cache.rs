@@ -12,6 +12,7 @@
 
 use rustc_hash::FxHashMap;
 
+use crate::error::{ensure, Result};
 use crate::{BlockId, TokenId};
 
 /// 128-bit content hash of a whole prefix ending at a block boundary.
@@ -39,6 +40,18 @@ pub fn block_hashes(root: BlockHash, tokens: &[TokenId], block_size: usize) -> V
     let mut hashes = Vec::with_capacity(tokens.len() / block_size);
     extend_block_hashes(root, &mut hashes, tokens, block_size);
     hashes
+}
+
+/// Hashes of every full block of `tokens` under cache salt `salt`, exactly as the block manager
+/// computes them (a router hashes prompts with this to find the replica holding them). Fails with
+/// `InvalidArgument` unless `block_size` is positive.
+pub fn salted_block_hashes(
+    tokens: &[TokenId],
+    block_size: usize,
+    salt: Option<&[u8]>,
+) -> Result<Vec<BlockHash>> {
+    ensure(block_size > 0, || "block_size must be positive".into())?;
+    Ok(block_hashes(root_hash(salt), tokens, block_size))
 }
 
 /// Extends `hashes`, the hashes of the leading full blocks of `tokens`, to every full block of

@@ -39,6 +39,7 @@ __all__ = [
     "sample_rows",
     "SAMPLING_COLUMNS",
     "NO_TOKEN",
+    "block_hashes",
 ]
 
 __version__: str
@@ -364,6 +365,11 @@ class ContiguousKV:
     ) -> npt.NDArray[np.float32]:
         """Attention over the first ``context_lens[i]`` rows of each sequence, in tiles of
         ``block_size`` rows; same semantics and errors as ``KVCache.attention``."""
+
+def block_hashes(token_ids: _TokenIds, block_size: int, cache_salt: str | None = None) -> list[int]:
+    """128-bit prefix-cache chain hashes (``0..2**128``) of every full block of ``token_ids``, salted by
+    ``cache_salt``: exactly the hashes the block manager, the scheduler and KV events use, so a
+    router hashes prompts with it. ``InvalidArgumentError`` unless ``block_size`` is positive."""
 
 def set_num_threads(threads: int) -> None:
     """Sets the attention thread count, 1 to 1024 (default: ``PAGEDKV_NUM_THREADS`` when within

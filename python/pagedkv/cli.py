@@ -19,7 +19,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
-from pagedkv.engine_core import EngineConfig
+from pagedkv.engine_core import DEFAULT_KV_DISK_BYTES, EngineConfig
 from pagedkv.model.llama import DEFAULT_WEIGHT_DTYPE, WEIGHT_DTYPES
 from pagedkv.model.pretrained import REGISTRY
 
@@ -36,6 +36,7 @@ __all__ = [
     "comma_list",
     "one_of",
     "http_url",
+    "byte_size",
     "add_engine_arguments",
     "engine_kwargs",
 ]
@@ -133,6 +134,23 @@ def http_url(text: str) -> str:
     return text
 
 
+_BYTE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def byte_size(text: str) -> int:
+    """A positive number of bytes: an integer, or one with a binary unit suffix K, M, G or T
+    (optionally followed by ``iB`` or ``B``): ``4G`` is 4 * 2**30."""
+    body = text.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = body[-1:] if body[-1:] in _BYTE_UNITS else ""
+    try:
+        value = int(body[: len(body) - len(unit)]) * _BYTE_UNITS[unit]
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a size in bytes ≥ 1 (an integer, or with K, M, G or T), got {text!r}")
+    return value
+
+
 def comma_list(item: Callable[[str], T]) -> Callable[[str], tuple[T, ...]]:
     """A non-empty comma-separated list, each item parsed by ``item``, without repeats."""
 
@@ -148,7 +166,7 @@ def comma_list(item: Callable[[str], T]) -> Callable[[str], tuple[T, ...]]:
 def add_engine_arguments(parser: argparse.ArgumentParser, *, default_model: str = "smollm2-135m") -> None:
     """The flags of every command that runs an engine (``demo``, ``serve``): ``--model``,
     ``--num-blocks``, ``--max-num-seqs``, ``--max-num-batched-tokens``, ``--kv-dtype``, ``--weight-dtype``,
-    ``--eviction-policy``, ``--seed``
+    ``--eviction-policy``, ``--kv-disk-path``, ``--kv-disk-bytes``, ``--seed``
     (read back by :func:`engine_kwargs`) and ``--otlp-traces-endpoint`` (for
     :func:`pagedkv.tracing.configure`)."""
     parser.add_argument(
@@ -174,6 +192,18 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, default_model: str 
         choices=["lru", "slru"],
         help="which cached block goes when memory is needed (default slru: blocks that were hit outlive the others)",
     )
+    parser.add_argument(
+        "--kv-disk-path",
+        type=output_dir,
+        default=None,
+        help="offload evicted KV blocks to a disk tier in this directory (created if missing), kept across restarts",
+    )
+    parser.add_argument(
+        "--kv-disk-bytes",
+        type=byte_size,
+        default=None,
+        help=f"capacity of the disk tier, e.g. 4G (default {DEFAULT_KV_DISK_BYTES >> 30}G; needs --kv-disk-path)",
+    )
     parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument(
         "--otlp-traces-endpoint",
@@ -193,4 +223,6 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "kv_dtype": args.kv_dtype,
         "weight_dtype": args.weight_dtype,
         "eviction_policy": args.eviction_policy,
+        "kv_disk_path": args.kv_disk_path,
+        "kv_disk_bytes": args.kv_disk_bytes,
     }

@@ -70,9 +70,11 @@ from pagedkv.errors import (
     ModelError,
     PagedKVError,
 )
+from pagedkv.kv_events import KvEventPublisher, KvSnapshot
 from pagedkv.metrics import EngineMetrics
 from pagedkv.model import LlamaModel, SamplingParams
 from pagedkv.model.generation_config import default_sampling_params
+from pagedkv.model.identity import WeightsDigest, kv_identity
 from pagedkv.model.llama import DEFAULT_WEIGHT_DTYPE
 from pagedkv.model.pretrained import load_model
 from pagedkv.model.prompt import encode_chat, encode_text
@@ -227,17 +229,29 @@ class Engine:
         metrics: EngineMetrics | None = None,
         default_params: SamplingParams | None = None,
         tracer: RequestTracer | None = None,
+        weights_digest: str | None = None,
     ) -> None:
         """``default_params``: what a request submitted without parameters samples with (None:
         ``SamplingParams()``). ``tracer``: traces each request (:func:`pagedkv.tracing.configure`).
-        Raises :class:`InvalidArgumentError` (or ``MemoryError``) for a
-        configuration the model, the KV cache or the scheduler refuses."""
+        ``weights_digest``: the :class:`~pagedkv.model.identity.WeightsDigest` of the model's
+        tensors as loaded, which a disk tier (``config.kv_disk_path``) needs to record whose
+        blocks it holds (:meth:`from_pretrained` computes it). Raises
+        :class:`InvalidArgumentError` (or ``MemoryError``) for a configuration the model, the KV
+        cache, the scheduler or the disk tier refuses, and :class:`~pagedkv.errors.KvTierError`
+        for a disk tier that cannot be opened."""
         if max_waiting < 1:
             raise InvalidArgumentError(f"max_waiting must be ≥ 1, got {max_waiting}")
         if default_params is not None and not isinstance(default_params, SamplingParams):
             raise InvalidArgumentError(f"default_params must be SamplingParams, got {type(default_params).__name__}")
+        identity = None
+        if config.disk_tier() is not None:
+            if weights_digest is None:
+                raise InvalidArgumentError("a disk tier needs the model's weights_digest (Engine.from_pretrained computes it)")
+            identity = kv_identity(model.config, weights_digest, model.weight_dtype, config.kv_dtype, config.block_size)
         runner = PagedModelRunner(model, config.num_blocks, config.block_size, config.kv_dtype)
-        core = EngineCore(runner, config, eos_token_ids=model.config.eos_token_ids, tokenizer=tokenizer, tracer=tracer)
+        core = EngineCore(
+            runner, config, eos_token_ids=model.config.eos_token_ids, tokenizer=tokenizer, tracer=tracer, model_identity=identity
+        )
         self.tokenizer = tokenizer
         self.model = model
         self.default_params = SamplingParams() if default_params is None else default_params
@@ -254,15 +268,19 @@ class Engine:
         ``.gguf`` file, or a Hugging Face Llama checkpoint directory, loaded tensor by tensor
         (:func:`pagedkv.model.load_model`) with its projections stored as ``weight_dtype``
         ("float32", "float16" or "bfloat16"). Keyword arguments go to :class:`EngineConfig` or the
-        engine. A directory's ``generation_config.json``, if any, gives ``default_params``
+        engine: ``kv_disk_path=DIR, kv_disk_bytes=N`` add a disk tier for this model (its
+        identity: the config, a digest of the tensors as loaded, the weight and KV dtypes and the
+        block size; a tier written for another is cleared). A directory's ``generation_config.json``, if any, gives ``default_params``
         (unless passed here)."""
         engine_keys = {"max_waiting", "metrics", "default_params", "tracer"}
         engine_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in engine_keys}
         config = EngineConfig(**kwargs)  # a bad engine argument fails before the model loads
-        model, tokenizer = load_model(path, seed=seed, weight_dtype=weight_dtype)
+        digest = None if config.disk_tier() is None else WeightsDigest()  # hashing costs a pass: only for a tier
+        model, tokenizer = load_model(path, seed=seed, weight_dtype=weight_dtype, digest=digest)
         if "default_params" not in engine_kwargs and Path(path).is_dir():
             engine_kwargs["default_params"] = default_sampling_params(Path(path))
-        return cls(model, tokenizer, config, **engine_kwargs)
+        weights_digest = None if digest is None else digest.hexdigest()
+        return cls(model, tokenizer, config, weights_digest=weights_digest, **engine_kwargs)
 
     @property
     def core(self) -> EngineCore:
@@ -354,9 +372,13 @@ class Engine:
         self._state.abort_id(request_id)
 
     def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
-        """Stops the worker: ``drain`` finishes submitted requests first, else aborts them."""
+        """Stops the worker: ``drain`` finishes submitted requests first, else aborts them. Once
+        the worker has stopped (within ``timeout``), the disk tier, if any, is flushed and closed:
+        its directory may then be opened by another engine (a warm restart)."""
         self._state.close(drain)
         self._state.thread.join(timeout)
+        if not self._state.thread.is_alive():
+            self._state.core.close()
 
     def __enter__(self) -> Engine:
         return self
@@ -366,8 +388,19 @@ class Engine:
 
     def stats(self) -> dict[str, float]:
         """The scheduler's cumulative figures, current: once a handle has ended, they include
-        the step that ended it."""
+        the step that ended it. With a disk tier, its figures too (``disk_*`` keys)."""
         return self.core.stats()
+
+    @property
+    def kv_events(self) -> KvEventPublisher:
+        """The publisher of this engine's KV events (subscribe, ``since``); it publishes only
+        when the engine was made with ``emit_kv_events=True``."""
+        return self._state.core.kv_events
+
+    def kv_snapshot(self) -> KvSnapshot:
+        """The blocks this engine holds findable now, consistent with :attr:`kv_events`'
+        numbering (:meth:`EngineCore.kv_snapshot`): what a router resynchronises from after a gap."""
+        return self._state.core.kv_snapshot()
 
 
 def _closed_error(cause: BaseException) -> EngineClosedError:

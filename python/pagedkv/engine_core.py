@@ -49,12 +49,14 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
 from pagedkv._core import KVCache, Scheduler, SchedulerOutput
 from pagedkv.errors import InvalidArgumentError
+from pagedkv.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, KvEventPublisher, KvSnapshot
 from pagedkv.model.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from pagedkv.model.sampling import NO_TOKEN, Samples, SamplingParams, TokenHistory, sample_with_logprobs
 from pagedkv.model.simulated import SimulatedModel
@@ -66,6 +68,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CompletionOutput",
+    "DEFAULT_KV_DISK_BYTES",
     "EngineCore",
     "ModelRunner",
     "PagedModelRunner",
@@ -77,6 +80,11 @@ __all__ = [
     "TokenLogprob",
     "VirtualClock",
 ]
+
+
+# The disk tier's capacity when only its directory is given: 1 GiB, 1456 blocks (23k tokens) of
+# SmolLM2-135M in float32 (30 layers x 3 KV heads x 64 dims x K and V x 16 tokens x 4 B = 737 kB).
+DEFAULT_KV_DISK_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -102,6 +110,28 @@ class EngineConfig:
     # 0.244 vs 0.230 and code 0.106 vs 0.087 at 1024 blocks; equal within 0.4 points at 4096).
     eviction_policy: str = "slru"
     kv_dtype: str = "float32"
+    # The disk tier (issue 13): evicted cached blocks are offloaded to a store in this directory
+    # (created if missing) and loaded back on a prefix hit, across restarts. None: RAM only.
+    kv_disk_path: str | Path | None = None
+    # The tier's capacity in bytes of K/V data (None with a path: DEFAULT_KV_DISK_BYTES); a size
+    # without a path is refused.
+    kv_disk_bytes: int | None = None
+    # Record KV events (BlockStored / BlockRemoved / AllBlocksCleared, per medium) for a router:
+    # EngineCore.kv_events publishes them after every step. Off: nothing is recorded.
+    emit_kv_events: bool = False
+
+    def disk_tier(self) -> tuple[Path, int] | None:
+        """The disk tier's directory and capacity, or None without one. Raises
+        :class:`InvalidArgumentError` for a capacity without a directory, or a value of the wrong
+        type (the core checks the size's range and the directory)."""
+        if self.kv_disk_path is None:
+            if self.kv_disk_bytes is not None:
+                raise InvalidArgumentError("kv_disk_bytes needs kv_disk_path (the directory of the disk tier)")
+            return None
+        if not isinstance(self.kv_disk_path, (str, Path)):
+            raise InvalidArgumentError(f"kv_disk_path must be a str or Path, got {type(self.kv_disk_path).__name__}")
+        capacity = DEFAULT_KV_DISK_BYTES if self.kv_disk_bytes is None else self.kv_disk_bytes
+        return Path(self.kv_disk_path), capacity
 
 
 @dataclass
@@ -317,11 +347,15 @@ class EngineCore:
         clock: Callable[[], float] = time.perf_counter,
         tokenizer: Tokenizer | None = None,
         tracer: RequestTracer | None = None,
+        model_identity: bytes | None = None,
     ) -> None:
         """Raises :class:`InvalidArgumentError` for a ``max_model_len`` past the model's longest
         position (``runner.max_model_len``), and whatever the scheduler refuses in ``config``.
         With a ``tokenizer``, outputs carry text and requests may have stop strings. With a
-        ``tracer`` (:func:`pagedkv.tracing.configure`), each request is traced."""
+        ``tracer`` (:func:`pagedkv.tracing.configure`), each request is traced. A disk tier
+        (``config.kv_disk_path``) needs a runner with a KV cache and the ``model_identity``
+        (:func:`pagedkv.model.identity.kv_identity`) it records; one that cannot be opened raises
+        :class:`~pagedkv.errors.KvTierError`."""
         self.runner = runner
         self.tokenizer = tokenizer
         self.config = config
@@ -341,10 +375,26 @@ class EngineCore:
             eos_token_ids=list(eos_token_ids),
             admission_lookahead_tokens=config.admission_lookahead_tokens,
             eviction_policy=config.eviction_policy,
+            emit_kv_events=config.emit_kv_events,
         )
         self.max_model_len: int = self.scheduler.max_model_len  # as the scheduler validated it
         if self.max_model_len > runner.max_model_len:
             raise InvalidArgumentError(f"max_model_len {self.max_model_len} exceeds the model's {runner.max_model_len} positions")
+        # KV events (for a router): the scheduler records them only when asked, the core publishes
+        # them after every step, under its lock (so kv_snapshot is consistent with their numbers).
+        self.kv_events = KvEventPublisher(clock=clock)
+        self._emit_kv_events = config.emit_kv_events
+        # What attaching the disk tier reported (blocks recovered, whether a foreign tier was
+        # cleared); None without a tier.
+        self.disk_tier: dict[str, int | bool] | None = None
+        tier = config.disk_tier()
+        if tier is not None:
+            kv_cache = getattr(runner, "kv_cache", None)
+            if not isinstance(kv_cache, KVCache) or model_identity is None:
+                raise InvalidArgumentError("a disk tier needs a model runner with a KV cache and the model's identity")
+            directory, capacity = tier
+            self.disk_tier = self.scheduler.attach_disk_tier(kv_cache, str(directory), capacity, model_identity)
+        self._tier_attached = self.disk_tier is not None  # until close()
         self._lock = threading.Lock()  # guards _requests with the scheduler's request set
         self._requests: dict[str, _Request] = {}
         # The scheduler's output of the latest step (its arrays and per-step ``stats``), None
@@ -454,6 +504,7 @@ class EngineCore:
                 if self._tracer is not None:
                     self._tracer.step(step, update.request_ids, started, now)
                 events, finished = self._record(update, now, _logprobs_by_sample(step, requests, samples))
+                self._publish_kv_events()
         finally:
             if not updated:
                 self._abandon(step)
@@ -556,8 +607,32 @@ class EngineCore:
             self._tracer.finished(output)
 
     def stats(self) -> dict[str, float]:
-        """The scheduler's cumulative stats, current (they include every completed step)."""
+        """The scheduler's cumulative stats, current (they include every completed step), with
+        the disk tier's (``disk_*``) when it has one."""
         return self.scheduler.stats()
+
+    def _publish_kv_events(self) -> None:
+        """Publishes the KV events the scheduler recorded since the last call (under the lock)."""
+        if self._emit_kv_events:
+            self.kv_events.publish([_kv_event(raw) for raw in self.scheduler.take_kv_events()])
+
+    def kv_snapshot(self) -> KvSnapshot:
+        """The blocks findable now, as ``(block_hash, medium)`` pairs, tagged with the number of
+        the last event batch they include: a router that applied batches up to ``seq`` and then
+        every later one holds the engine's blocks. Taken under the lock that publishes events,
+        after publishing those pending."""
+        with self._lock:
+            self._publish_kv_events()
+            return KvSnapshot(self.kv_events.last_seq, frozenset(self.scheduler.kv_blocks()))
+
+    def close(self) -> None:
+        """Flushes and closes the disk tier, if any (its pending writes committed, its files
+        released, so another engine may open the directory); the core takes no step after this.
+        Closing again does nothing."""
+        with self._lock:
+            if self._tier_attached:
+                self._tier_attached = False
+                self.scheduler.detach_disk_tier()
 
 
 def _logprobs_by_sample(
@@ -577,6 +652,17 @@ def _logprobs_by_sample(
             alternatives = tuple((t, lp) for t, lp in top if t >= 0)  # fewer than k: -1 pads the row
             out[(request_id, index)] = TokenLogprob(int(samples.tokens[row]), float(samples.logprobs[row]), alternatives)
     return out
+
+
+def _kv_event(raw: tuple) -> KvEvent:
+    """A :meth:`Scheduler.take_kv_events` tuple as the event of :mod:`pagedkv.kv_events`."""
+    kind = raw[0]
+    if kind == "stored":
+        _, block_hash, parent, token_ids, medium = raw
+        return BlockStored(block_hash, parent, tuple(token_ids), medium)
+    if kind == "removed":
+        return BlockRemoved(raw[1], raw[2])
+    return AllBlocksCleared(raw[1])
 
 
 def _vocabulary_tokens(prompt: Sequence[int], vocab_size: int) -> list[int]:

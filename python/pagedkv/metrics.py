@@ -56,6 +56,21 @@ class EngineMetrics:
         self.e2e_request_latency_seconds = histogram(
             "e2e_request_latency_seconds", "Time from arrival to the last token.", _LATENCY_BUCKETS
         )
+        # The disk tier's figures (``Scheduler.stats()``'s ``disk_*`` keys), counted only when the
+        # engine has a tier (the keys are absent otherwise).
+        self.kv_disk_blocks = gauge("kv_disk_blocks", "KV blocks held by the disk tier.")
+        self._disk_counters = {
+            key: counter(f"kv_{key}", doc)
+            for key, doc in (
+                ("disk_hits", "Prompt blocks found only on the disk tier by admission (loaded, or dropped if corrupt)."),
+                ("disk_loads", "KV blocks loaded from the disk tier and verified."),
+                ("disk_offloads", "KV blocks written to the disk tier on eviction from RAM."),
+                ("disk_evictions", "KV blocks evicted from the disk tier to make room."),
+                ("disk_bytes_written", "Bytes of K/V written to the disk tier."),
+                ("disk_bytes_read", "Bytes of K/V read from the disk tier."),
+                ("disk_dropped_corrupt", "Disk-tier blocks that failed verification: dropped and recomputed, never served."),
+            )
+        }
         self._last_totals: dict[str, int] = {}
         self._servers: list[MetricsServer] = []
 
@@ -70,10 +85,13 @@ class EngineMetrics:
             ("preemptions", self.num_preemptions),
             ("prefill_tokens", self.prompt_tokens),
             ("generated_tokens", self.generation_tokens),
+            *(self._disk_counters.items() if "disk_blocks" in stats else ()),
         ):
             total = int(stats[key])
             counter.inc(total - self._last_totals.get(key, 0))
             self._last_totals[key] = total
+        if "disk_blocks" in stats:
+            self.kv_disk_blocks.set(stats["disk_blocks"])
 
     def record_finished(self, ttft_s: float | None, tpot_s: float | None, e2e_s: float) -> None:
         """Records one finished request's latencies (TTFT/TPOT are None when it produced no token,

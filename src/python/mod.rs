@@ -9,6 +9,7 @@ mod attention;
 mod attention_call;
 mod block_manager;
 mod errors;
+mod hashing;
 mod kv_cache;
 mod linear;
 mod sampling;
@@ -27,6 +28,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<scheduler::PySchedulerOutput>()?;
     m.add_class::<scheduler::PyUpdateOutput>()?;
     attention::register(m)?;
+    hashing::register(m)?;
     linear::register(m)?;
     sampling::register(m)?;
     Ok(())

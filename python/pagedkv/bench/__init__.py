@@ -13,5 +13,7 @@ BENCHES = {
     "model": "pagedkv.bench.model",
     "sampling": "pagedkv.bench.sampling",
     "http": "pagedkv.bench.http",
+    "tiers": "pagedkv.bench.tiers",
+    "cluster": "pagedkv.bench.cluster",
     "all": "pagedkv.bench.all",
 }

@@ -23,6 +23,7 @@ import numpy as np
 
 from pagedkv.errors import CheckpointError
 from pagedkv.model.config import LlamaConfig
+from pagedkv.model.identity import WeightsDigest
 from pagedkv.model.llama import DEFAULT_WEIGHT_DTYPE, LlamaModel
 from pagedkv.model.tokenizer import Tokenizer, load_tokenizer
 from pagedkv.model.weights import LlamaWeights, stream_checkpoint
@@ -88,15 +89,22 @@ def load_pretrained(name_or_path: PathLike = "tiny", *, seed: int = 0) -> tuple[
 
 
 def load_model(
-    name_or_path: PathLike = "tiny", *, seed: int = 0, weight_dtype: str = DEFAULT_WEIGHT_DTYPE
+    name_or_path: PathLike = "tiny",
+    *,
+    seed: int = 0,
+    weight_dtype: str = DEFAULT_WEIGHT_DTYPE,
+    digest: WeightsDigest | None = None,
 ) -> tuple[LlamaModel, Tokenizer]:
     """The model :func:`load_pretrained` names, packed as a :class:`LlamaModel` with its
     projections stored in ``weight_dtype`` ("float32", "float16" or "bfloat16"), streamed tensor
-    by tensor (see the module doc), and its tokenizer. Raises :class:`CheckpointError` as
-    :func:`load_pretrained` does, :class:`InvalidArgumentError` for an unknown ``weight_dtype``
-    (before any tensor is read)."""
+    by tensor (see the module doc), and its tokenizer. With a ``digest``, every tensor is hashed
+    into it as it streams past (the model's identity, :mod:`pagedkv.model.identity`). Raises
+    :class:`CheckpointError` as :func:`load_pretrained` does, :class:`InvalidArgumentError` for an
+    unknown ``weight_dtype`` (before any tensor is read)."""
     LlamaModel.check_weight_dtype(weight_dtype)
     config, tokenizer, tensors = _stream(name_or_path, seed)
+    if digest is not None:
+        tensors = digest.wrap(tensors)
     return LlamaModel.from_tensors(config, tensors, weight_dtype=weight_dtype), tokenizer
 
 

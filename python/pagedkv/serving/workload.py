@@ -40,11 +40,14 @@ class ServingRequest:
 @dataclass(frozen=True)
 class SystemPrompts:
     """How the prefix-caching variant shares prompts: ``count`` system prompts with lengths drawn
-    uniformly from ``[min_len, max_len]``, one (uniformly chosen) prepended to every request."""
+    uniformly from ``[min_len, max_len]``, one prepended to every request: chosen uniformly, or
+    with ``skew`` > 0 by a Zipf law (prompt k with probability ∝ 1 / (k + 1) ** skew: a few
+    popular tenants and a long tail, as a many-tenant service sees)."""
 
     count: int = 8
     min_len: int = 200
     max_len: int = 600
+    skew: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -101,7 +104,13 @@ def build_workload(
         return max(1, round(n * length_scale))
 
     shared: list[np.ndarray] = []
+    popularity = None
     if system_prompts is not None:
+        if not 0 <= system_prompts.skew < float("inf"):
+            raise InvalidArgumentError(f"SystemPrompts.skew must be finite and ≥ 0, got {system_prompts.skew!r}")
+        if system_prompts.skew > 0:
+            weights = 1.0 / np.arange(1, system_prompts.count + 1) ** system_prompts.skew
+            popularity = weights / weights.sum()
         lengths = prompt_rng.integers(system_prompts.min_len, system_prompts.max_len + 1, size=system_prompts.count)
         shared = [prompt_rng.integers(low, high, size=scaled(int(n)), dtype=np.int64) for n in lengths]
 
@@ -110,7 +119,9 @@ def build_workload(
     for i, (entry, arrival) in enumerate(zip(trace, arrivals, strict=True)):
         request_rng = np.random.default_rng([seed, i])
         max_tokens = min(scaled(entry.output_tokens), max_model_len // 2)
-        prefix_index = int(request_rng.integers(len(shared))) if shared else None
+        prefix_index = None
+        if shared:
+            prefix_index = int(request_rng.integers(len(shared)) if popularity is None else request_rng.choice(len(shared), p=popularity))
         prefix = shared[prefix_index] if prefix_index is not None else np.empty(0, dtype=np.int64)
         own = request_rng.integers(low, high, size=scaled(entry.prompt_tokens), dtype=np.int64)
         prompt = np.concatenate([prefix, own])

@@ -1,0 +1,112 @@
+"""The KV event publisher: sequence numbers without gaps, the replay buffer behind ``since``,
+snapshots equal to the fold of every batch, and subscriptions."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from pagedkv.errors import InvalidArgumentError
+from pagedkv.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEventBatch, KvEventPublisher
+
+
+def stored(h: int, medium: str = "ram") -> BlockStored:
+    return BlockStored(block_hash=h, parent_block_hash=h - 1, token_ids=(1, 2), medium=medium)
+
+
+def test_batches_are_numbered_from_one_and_empty_publishes_consume_no_number():
+    clock = iter([10.0, 11.0])
+    publisher = KvEventPublisher(clock=lambda: next(clock))
+    assert publisher.last_seq == 0
+    assert publisher.publish([]) is None
+    first = publisher.publish([stored(1)])
+    assert publisher.publish(()) is None
+    second = publisher.publish([stored(2), BlockRemoved(1, "ram")])
+    assert (first.seq, first.timestamp, second.seq, second.timestamp) == (1, 10.0, 2, 11.0)
+    assert second.events == (stored(2), BlockRemoved(1, "ram"))
+    assert publisher.last_seq == 2
+
+
+def test_since_replays_until_the_buffer_no_longer_reaches():
+    publisher = KvEventPublisher(replay=3)
+    for h in range(1, 6):
+        publisher.publish([stored(h)])
+    assert [b.seq for b in publisher.since(2)] == [3, 4, 5]
+    assert [b.seq for b in publisher.since(4)] == [5]
+    assert publisher.since(5) == []
+    assert publisher.since(9) == []
+    assert publisher.since(1) is None  # batch 2 has left the buffer
+    assert KvEventPublisher(replay=0).since(0) == []
+    with pytest.raises(InvalidArgumentError):
+        publisher.since(-1)
+
+
+def test_snapshot_is_the_fold_of_every_batch():
+    rng = random.Random(7)
+    publisher = KvEventPublisher(replay=2)
+    truth: set[tuple[int, str]] = set()
+    for _ in range(200):
+        events = []
+        for _ in range(rng.randrange(1, 4)):
+            medium = rng.choice(["ram", "disk"])
+            kind = rng.random()
+            if kind < 0.6:
+                h = rng.randrange(20)
+                events.append(stored(h, medium))
+                truth.add((h, medium))
+            elif kind < 0.95:
+                h = rng.randrange(20)
+                events.append(BlockRemoved(h, medium))
+                truth.discard((h, medium))
+            else:
+                events.append(AllBlocksCleared(medium))
+                truth = {b for b in truth if b[1] != medium}
+        publisher.publish(events)
+        snapshot = publisher.snapshot()
+        assert snapshot.seq == publisher.last_seq
+        assert snapshot.blocks == truth
+
+
+def test_subscribers_get_each_batch_in_order_until_they_unsubscribe():
+    publisher = KvEventPublisher()
+    seen: list[int] = []
+    other: list[int] = []
+    unsubscribe = publisher.subscribe(lambda b: seen.append(b.seq))
+    publisher.subscribe(lambda b: other.append(b.seq))
+    publisher.publish([stored(1)])
+    publisher.publish([stored(2)])
+    unsubscribe()
+    unsubscribe()  # a second call does nothing
+    publisher.publish([stored(3)])
+    assert seen == [1, 2]
+    assert other == [1, 2, 3]
+
+
+def test_a_failing_subscriber_neither_stops_publishing_nor_the_others(caplog):
+    publisher = KvEventPublisher()
+    seen: list[int] = []
+
+    def broken(batch: KvEventBatch) -> None:
+        raise RuntimeError("subscriber bug")
+
+    publisher.subscribe(broken)
+    publisher.subscribe(lambda b: seen.append(b.seq))
+    assert publisher.publish([stored(1)]).seq == 1
+    assert seen == [1]
+    assert "subscriber bug" in caplog.text
+
+
+def test_bad_input_is_refused_and_changes_nothing():
+    publisher = KvEventPublisher()
+    publisher.publish([stored(1)])
+    with pytest.raises(InvalidArgumentError):
+        publisher.publish([stored(2), "not an event"])  # type: ignore[list-item]
+    assert publisher.last_seq == 1
+    assert publisher.snapshot().blocks == {(1, "ram")}
+    with pytest.raises(InvalidArgumentError):
+        BlockRemoved(1, "gpu")
+    with pytest.raises(InvalidArgumentError):
+        KvEventPublisher(replay=-1)
+    with pytest.raises(InvalidArgumentError):
+        publisher.subscribe(42)  # type: ignore[arg-type]
