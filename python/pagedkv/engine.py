@@ -270,8 +270,8 @@ class Engine:
         ("float32", "float16" or "bfloat16"). Keyword arguments go to :class:`EngineConfig` or the
         engine: ``kv_disk_path=DIR, kv_disk_bytes=N`` add a disk tier for this model (its
         identity: the config, a digest of the tensors as loaded, the weight and KV dtypes and the
-        block size; a tier written for another is cleared). A directory's ``generation_config.json``, if any, gives ``default_params``
-        (unless passed here)."""
+        block size; a tier written for another is cleared). A directory's
+        ``generation_config.json``, if any, gives ``default_params`` (unless passed here)."""
         engine_keys = {"max_waiting", "metrics", "default_params", "tracer"}
         engine_kwargs = {k: kwargs.pop(k) for k in list(kwargs) if k in engine_keys}
         config = EngineConfig(**kwargs)  # a bad engine argument fails before the model loads

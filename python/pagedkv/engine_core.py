@@ -375,7 +375,8 @@ class EngineCore:
             eos_token_ids=list(eos_token_ids),
             admission_lookahead_tokens=config.admission_lookahead_tokens,
             eviction_policy=config.eviction_policy,
-            emit_kv_events=config.emit_kv_events,
+            # TEMPORARY until the core's events land: passed only when asked.
+            **({"emit_kv_events": True} if config.emit_kv_events else {}),
         )
         self.max_model_len: int = self.scheduler.max_model_len  # as the scheduler validated it
         if self.max_model_len > runner.max_model_len:

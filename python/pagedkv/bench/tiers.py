@@ -104,7 +104,9 @@ class Served:
     output: RequestOutput
 
 
-def replay(core: EngineCore, sessions: Sequence[Session], concurrency: int, limit: int | None = None) -> tuple[list[Served], float]:
+def replay(
+    core: EngineCore, sessions: Sequence[Session], concurrency: int, limit: int | None = None
+) -> tuple[list[Served], float]:
     """Runs the sessions' turns in a closed loop, ``concurrency`` sessions at once (in order), each
     turn queued when its session's previous one ends; stops after ``limit`` requests (None: all).
     Returns the requests in the order they were queued, and the wall seconds taken."""
@@ -368,9 +370,11 @@ def _print(report: dict) -> None:
     print(f"\n{report['command']}\n{report['workload']}")
     print(f"{'variant':<10} {'hit rate':>8} {'TTFT p50 ms':>12} {'p99 ms':>9} {'tok/s':>8}")
     for name, r in report["variants"].items():
-        print(f"{name:<10} {r['prefix_hit_rate']:8.3f} {ms(r['ttft_p50_s']):>12} {ms(r['ttft_p99_s'])} {r['output_tokens_per_s']:8.1f}")
+        row = f"{r['prefix_hit_rate']:8.3f} {ms(r['ttft_p50_s']):>12} {ms(r['ttft_p99_s'])} {r['output_tokens_per_s']:8.1f}"
+        print(f"{name:<10} {row}")
     for name, r in report["restart"].items():
-        print(f"restart {name:<5}: TTFT mean {ms(r['ttft_mean_s'])} ms, p50 {ms(r['ttft_p50_s'])} ms, hit rate {r['prefix_hit_rate']:.3f}")
+        ttft = f"TTFT mean {ms(r['ttft_mean_s'])} ms, p50 {ms(r['ttft_p50_s'])} ms"
+        print(f"restart {name:<5}: {ttft}, hit rate {r['prefix_hit_rate']:.3f}")
     for row in report["crossover"]:
         print(
             f"crossover {row['blocks']:4d} blocks: recompute {row['recompute_ms_per_block']:.2f} ms/block,"
