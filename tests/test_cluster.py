@@ -147,9 +147,9 @@ def test_lost_events_are_detected_and_the_index_resynced(cluster_of, actors):
     router = LossyRouter("round_robin", BLOCK)
     cluster = cluster_of(router=router)
 
-    async def load() -> None:
-        await asyncio.gather(*(generate(cluster, f"loss {i} " * (8 + i), SamplingParams(max_tokens=4, temperature=0))
-                               for i in range(12)))
+    async def load() -> None:  # one after another: a batch of events each
+        for i in range(12):
+            await generate(cluster, f"loss {i} " * (8 + i), SamplingParams(max_tokens=4, temperature=0))
 
     run(load())
 

@@ -11,9 +11,10 @@ wake their consumers as an engine's do (they are :class:`RequestHandle`\\ s).
 Invariants:
 
 - The router's index is fed by each replica's KV events and by nothing else: one watcher per
-  replica long-polls :meth:`Replica.poll` (heartbeat, events and load in one call, answered within
-  ``poll_wait`` s), applies each batch in order, and on a gap (the router refuses a batch, or the
-  replica's buffer no longer holds the next one) resynchronises from the replica's snapshot.
+  replica long-polls :meth:`Replica.poll` from the router's ``applied_seq`` (heartbeat, events and
+  load in one call, answered within ``poll_wait`` s) and applies each batch in order. A gap (a
+  batch lost on the way or refused, so the index stops short of the reply's ``last_seq``; or the
+  replica's buffer no longer holds the next batch) resynchronises it from the replica's snapshot.
 - Health: a replica is routable from its first answered poll (after a resync) until a poll fails
   (Ray reports the actor dead or restarting) or misses its deadline (``poll_wait +
   heartbeat_timeout``); then it leaves the router, and every stream on it migrates. Ray restarts the
@@ -89,7 +90,7 @@ class ReplicaStatus:
     alive: bool = False
     pid: int | None = None
     incarnation: str | None = None
-    seq: int | None = None  # the last event batch the router applied (or the snapshot's)
+    seq: int | None = None  # the router's index of it is at this event batch (None: not routable)
     num_waiting: int = 0
     num_running: int = 0
     kv_usage: float = 0.0
@@ -133,6 +134,7 @@ class _Flight:
     metrics: RequestMetrics
     num_cached_tokens: int = 0
     error: BaseException | None = None
+    stopped_here: bool = False  # a stop string ended a sample its replica still runs (it straddled a migration)
     task: asyncio.Task | None = None
 
     def unfinished(self, indices: Sequence[int]) -> list[int]:
@@ -299,29 +301,30 @@ class Cluster:
         deadline = self._poll_wait + self._heartbeat_timeout
         while True:
             try:
-                after = status.seq if status.alive else None
+                after = self.router.applied_seq(status.id) if status.alive else None
                 reply: PollReply = await asyncio.wait_for(_await(replica.actor.poll.remote(after, self._poll_wait)), deadline)
                 if status.alive and reply.incarnation != status.incarnation:
                     self._down(replica)  # it restarted between two polls: what ran there is gone
                     continue
-                for batch in reply.batches or ():
-                    if not self.router.apply(status.id, batch):  # a gap: resync
+                snapshot = reply.snapshot
+                if reply.batches is not None:
+                    for batch in reply.batches:
+                        if not self.router.apply(status.id, batch):
+                            break
+                    if self.router.applied_seq(status.id) < reply.last_seq:  # a batch lost or refused: a gap
                         snapshot = await asyncio.wait_for(_await(replica.actor.kv_snapshot.remote()), deadline)
-                        reply = dataclasses.replace(reply, snapshot=snapshot)
-                        break
-                    status.seq = batch.seq
             except (RayError, asyncio.TimeoutError):
                 self._down(replica)
                 await asyncio.sleep(REJOIN_RETRY)
                 continue
-            if reply.snapshot is not None:
+            if snapshot is not None:
                 if not status.alive:
                     self.router.add_replica(status.id)
-                self.router.resync(status.id, reply.snapshot)
-                status.seq = reply.snapshot.seq
+                self.router.resync(status.id, snapshot)
                 status.resyncs += status.alive
                 if not status.alive:
                     self._up(replica, reply)
+            status.seq = self.router.applied_seq(status.id)
             load = reply.load
             self.router.update_load(status.id, load)
             status.num_waiting, status.num_running, status.kv_usage = load.num_waiting, load.num_running, load.kv_usage
@@ -457,9 +460,9 @@ class Cluster:
             return leg
 
     async def _stream(self, flight: _Flight, leg: _Leg) -> None:
-        """Delivers the leg's tokens until it ends (or every sample it serves has: a stop string
-        straddling a migration is seen only here)."""
-        while flight.unfinished(leg.indices):
+        """Delivers the leg's tokens until it ends (or every sample it serves has, one by a stop
+        string only the front end saw: the replica is then cancelled)."""
+        while flight.unfinished(leg.indices) or not flight.stopped_here:
             item = await self._next(leg)
             if isinstance(item, Ended):
                 leg.ended = True
@@ -515,6 +518,7 @@ class Cluster:
         except Exception as error:  # noqa: BLE001 - whatever the tokenizer raises fails this request only
             raise ModelError(f"request {flight.handle.request_id!r}: its tokens cannot be decoded: {error!r}") from None
         if sample.text.stopped:
+            flight.stopped_here = flight.stopped_here or reason is None
             reason = "stop"
         completion.token_ids.append(token_id)
         if completion.logprobs is not None and logprob is not None:

@@ -69,13 +69,15 @@ class ReplicaInfo:
 @dataclass(frozen=True)
 class PollReply:
     """One heartbeat: who answered (``pid``, ``incarnation``), its load, and its KV events since
-    the seq asked (``batches``) or, when they are gone, a ``snapshot``."""
+    the seq asked (``batches``) or, when they are gone, a ``snapshot``; ``last_seq``: the batch
+    the reply brings the receiver to (a receiver short of it lost one)."""
 
     incarnation: str
     pid: int
     load: ReplicaLoad
     batches: list[KvEventBatch] | None
     snapshot: KvSnapshot | None
+    last_seq: int
 
 
 class Replica:
@@ -83,7 +85,8 @@ class Replica:
 
     def __init__(self, model: str, engine_kwargs: dict, otlp_endpoint: str | None = None) -> None:
         tracer = tracing.configure(otlp_endpoint=otlp_endpoint)
-        self.engine = Engine.from_pretrained(model, tracer=tracer, **engine_kwargs)
+        # Its KV events are what the front end's router knows of its cache: always on here.
+        self.engine = Engine.from_pretrained(model, tracer=tracer, **{**engine_kwargs, "emit_kv_events": True})
         self.incarnation = uuid.uuid4().hex
         self._news: asyncio.Event | None = None  # set when an event batch is published
         self._unsubscribe = None
@@ -144,8 +147,11 @@ class Replica:
             except asyncio.TimeoutError:
                 pass
         batches = None if after_seq is None else publisher.since(after_seq)
-        snapshot = self.engine.kv_snapshot() if batches is None else None
-        return PollReply(self.incarnation, os.getpid(), self.load(), batches, snapshot)
+        if batches is None:
+            snapshot = self.engine.kv_snapshot()
+            return PollReply(self.incarnation, os.getpid(), self.load(), None, snapshot, snapshot.seq)
+        last_seq = batches[-1].seq if batches else after_seq
+        return PollReply(self.incarnation, os.getpid(), self.load(), batches, None, last_seq)
 
     def kv_snapshot(self) -> KvSnapshot:
         return self.engine.kv_snapshot()
