@@ -5,7 +5,7 @@ front end, on one local Ray instance (127.0.0.1 only) shared by the module and s
   measured), where round robin misses those hits;
 - chaos: one replica SIGKILLed mid-load (100 requests, 16 at once): every request completes, the
   greedy outputs equal an uninterrupted run, the streams resume within the target, the replica
-  restarts and serves again;
+  restarts and serves again; one SIGSTOPped (alive to Ray): its heartbeat deadline finds it out;
 - event loss: dropped event batches are detected and the router resyncs to the replicas' truth;
 - 503 only once no replica is alive; `pagedkv serve --replicas 2 --ray-address` end to end; the
   streaming overhead per token against the in-process engine.
@@ -27,15 +27,14 @@ from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
+import ray
 
-ray = pytest.importorskip("ray")
-
-from pagedkv.cluster import ray_runtime  # noqa: E402
-from pagedkv.cluster.frontend import Cluster, spawn_replicas  # noqa: E402
-from pagedkv.cluster.router import Router  # noqa: E402
-from pagedkv.engine import Engine, EngineClosedError  # noqa: E402
-from pagedkv.kv_events import KvEventBatch  # noqa: E402
-from pagedkv.model.sampling import SamplingParams  # noqa: E402
+from pagedkv.cluster import ray_runtime
+from pagedkv.cluster.frontend import HEARTBEAT_TIMEOUT, POLL_WAIT, Cluster, spawn_replicas
+from pagedkv.cluster.router import Router
+from pagedkv.engine import Engine, EngineClosedError
+from pagedkv.kv_events import KvEventBatch
+from pagedkv.model.sampling import SamplingParams
 
 ENGINE = {"num_blocks": 256, "max_num_seqs": 16, "max_num_batched_tokens": 512}
 BLOCK = 16
@@ -215,6 +214,50 @@ def test_chaos_sigkill_one_replica_mid_load(cluster_of):
     until(lambda: all(r.num_running == r.num_waiting == 0 for r in cluster.replicas()), 5, "the loads reported idle")
     run(after())  # least loaded: two each
     assert next(r for r in cluster.replicas() if r.id == victim_id).served > served  # it serves again
+
+
+def test_a_hung_replica_misses_its_heartbeat_deadline_and_rejoins(cluster_of):
+    """SIGSTOP: Ray still sees the actor alive; only the heartbeat's deadline finds it out."""
+    prompts = [f"hung request {i}: once upon a time" for i in range(32)]
+    with Engine.from_pretrained("tiny", **ENGINE) as engine:
+        reference = [o.token_ids for o in engine.generate(prompts, GREEDY)]
+    cluster = cluster_of("least_loaded")
+    done: list[int] = []
+    stopped: dict[str, tuple[int, float]] = {}
+
+    async def one(i: int, seats: asyncio.Semaphore):
+        async with seats:
+            output, _ = await generate(cluster, prompts[i])
+            done.append(i)
+            return output
+
+    async def hang() -> None:
+        while len(done) < 8:
+            await asyncio.sleep(0.01)
+        victim = max(cluster.replicas(), key=lambda r: r.streams)
+        os.kill(victim.pid, signal.SIGSTOP)
+        stopped[victim.id] = (victim.pid, time.monotonic())
+        try:
+            await asyncio.to_thread(until, lambda: not next(r for r in cluster.replicas() if r.id == victim.id).alive,
+                                    10, "the hung replica declared dead")
+        finally:
+            os.kill(victim.pid, signal.SIGCONT)
+
+    async def load():
+        seats = asyncio.Semaphore(16)
+        return await asyncio.gather(*(one(i, seats) for i in range(32)), hang())
+
+    outputs = run(load(), timeout=90)[:32]
+    (victim_id, (pid, stopped_at)), = stopped.items()
+    assert [o.token_ids for o in outputs] == reference
+    resumed = [resumed_at - stopped_at for lost_at, resumed_at in cluster.migration_log if lost_at >= stopped_at]
+    assert resumed, "the hang interrupted no stream"
+    until(lambda: next(r for r in cluster.replicas() if r.id == victim_id).alive, 10, "the replica back")
+    victim = next(r for r in cluster.replicas() if r.id == victim_id)
+    print(f"\nhung replica: {len(resumed)} streams resumed within {max(resumed):.2f} s of the SIGSTOP "
+          f"(deadline {POLL_WAIT + HEARTBEAT_TIMEOUT:.2f} s); it rejoined, same process")
+    assert victim.pid == pid and victim.deaths >= 1
+    assert max(resumed) < 2.0  # the target, as for a death
 
 
 def test_only_no_replica_alive_is_a_503(actors):
