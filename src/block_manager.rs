@@ -1,18 +1,31 @@
-//! The block manager of one model: a block pool, the prefix cache, and a block table per sequence.
+//! The block manager of one model: a block pool, the prefix cache, a block table per sequence, and
+//! the driving of an optional lower tier ([`KvTier`], the protocol of [`crate::tier`]).
 //!
 //! Every public method either succeeds or returns an error having changed nothing: capacity is
 //! checked (counting evictable prefix hits as used capacity) before any block moves. After every
-//! call, for each block, its ref count equals the number of tables that hold it, and no table holds
-//! a block twice (`check_invariants` verifies both plus the pool's own invariants). Construction
-//! bounds the sizes so every block id fits the int32 block tables and every slot an i64.
+//! call, for each block, its ref count equals the number of tables that hold it plus one if a load
+//! whose sequence was freed still targets it (a *pending free*), and no table holds a block twice
+//! (`check_invariants` verifies both plus the pool's own invariants). Construction bounds the sizes
+//! so every block id fits the int32 block tables and every slot an i64.
+//!
+//! With a tier attached:
+//! - a prefix lookup continues past the RAM hits through the blocks the tier holds; admitting such
+//!   a match gives each of those blocks a fresh RAM block and a load, and the sequence is *loading*
+//!   (it may not grow) until `poll_tier` reports all its loads ended. Every block under a load in
+//!   flight is in `loads`, unhashed; it is registered in the prefix map only once Loaded;
+//! - eviction offloads: `poll_tier` hands the eviction policy's next victims to the tier while
+//!   fewer than the watermark blocks are clean, and an allocation that finds no clean block drops
+//!   a cached one without offload rather than wait for the tier (see [`TierPolicy`]).
 
 use rustc_hash::FxHashMap;
 
 use crate::block_pool::BlockPool;
 use crate::block_table::BlockTable;
 use crate::error::{ensure, Error, Result};
+use crate::kv_events::{KvEvent, Medium};
 use crate::lru::EvictionPolicy;
 use crate::prefix_cache::{block_hashes, chain_hash, root_hash, BlockHash};
+use crate::tier::{KvTier, LoadJob, LoadOutcome, TierCounters, TierLink};
 use crate::{BlockId, SeqId, TokenId};
 
 /// A K/V copy the model runner must perform before the next attention call: the whole block `src`
@@ -32,15 +45,75 @@ pub struct PrefixMatch {
     pub hashes: Vec<BlockHash>,
     /// The cached blocks, in order.
     pub blocks: Vec<BlockId>,
+    /// Hashes of the full blocks right after `blocks` that the tier holds (to be loaded), when
+    /// there are at least `TierPolicy::min_load_blocks` of them; else empty.
+    pub tier_hashes: Vec<BlockHash>,
     /// Tokens the lookup covered (the whole prompt).
     pub num_queried_tokens: usize,
 }
 
 impl PrefixMatch {
-    /// Tokens the cached blocks cover.
+    /// Tokens the cached (RAM) blocks cover.
     pub fn num_cached_tokens(&self, block_size: usize) -> usize {
         self.blocks.len() * block_size
     }
+
+    /// Tokens the RAM hits and the tier hits cover together.
+    pub fn num_hit_tokens(&self, block_size: usize) -> usize {
+        (self.blocks.len() + self.tier_hashes.len()) * block_size
+    }
+}
+
+/// Fewest tier-hit blocks worth loading by default (`TierPolicy::min_load_blocks`).
+pub const DEFAULT_MIN_LOAD_BLOCKS: usize = 1;
+
+/// How the manager uses an attached tier.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TierPolicy {
+    /// Fewest consecutive tier-hit blocks worth loading: a shorter run is recomputed instead (at
+    /// least 1).
+    pub min_load_blocks: usize,
+    /// Clean blocks `poll_tier` keeps ahead of need by offloading the eviction policy's next
+    /// victims. An offloaded block is reusable only once the tier has copied it out, so blocks
+    /// are offloaded ahead, while there is time; an allocation that still finds none clean drops a
+    /// cached block without offload (counted) rather than stall the step on the tier's I/O.
+    pub offload_watermark: usize,
+}
+
+impl Default for TierPolicy {
+    fn default() -> Self {
+        TierPolicy {
+            min_load_blocks: DEFAULT_MIN_LOAD_BLOCKS,
+            offload_watermark: 1,
+        }
+    }
+}
+
+/// A sequence whose loads have all ended (`poll_tier`): its table now covers `num_tokens` tokens,
+/// the prefix up to the first block whose load was dropped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LoadsEnded {
+    pub seq: SeqId,
+    pub num_tokens: usize,
+}
+
+/// A load in flight into one RAM block.
+struct Load {
+    /// The loading sequence, or `None` once it was freed (the block is released when the load ends).
+    seq: Option<SeqId>,
+    /// Position of the block in that sequence's table.
+    index: usize,
+    hash: BlockHash,
+    parent: BlockHash,
+    tokens: Vec<TokenId>,
+}
+
+/// The loads of one loading sequence.
+#[derive(Debug, Default, Clone, Copy)]
+struct SeqLoads {
+    in_flight: usize,
+    /// Smallest table position whose load was dropped.
+    first_dropped: Option<usize>,
 }
 
 /// Occupancy and activity figures of a block manager.
@@ -57,8 +130,20 @@ pub struct BlockStats {
     /// Of those, tokens found cached.
     pub prefix_hit_tokens: u64,
     pub allocations: u64,
+    /// Cached blocks dropped (not offloaded) to satisfy an allocation.
     pub evictions: u64,
     pub cow_copies: u64,
+    /// Blocks handed to the tier and not yet returned to the free list.
+    pub offloading_blocks: usize,
+    /// RAM blocks under a load in flight.
+    pub loading_blocks: usize,
+    /// Loads issued: one per tier-hit block an admission found.
+    pub loads_issued: u64,
+    /// Loads that ended `Dropped` (their tokens recomputed).
+    pub loads_dropped: u64,
+    pub offloads_issued: u64,
+    /// Evictions since a tier was attached: cached blocks dropped because none was clean.
+    pub evictions_without_offload: u64,
 }
 
 /// Block pool + prefix cache + block tables.
@@ -71,6 +156,16 @@ pub struct BlockManager {
     prefix_queried_tokens: u64,
     prefix_hit_tokens: u64,
     cow_copies: u64,
+    tier: Option<Box<dyn KvTier>>,
+    tier_policy: TierPolicy,
+    /// Loads in flight, by target block.
+    loads: FxHashMap<BlockId, Load>,
+    /// Loading sequences (those with a load in flight).
+    seq_loads: FxHashMap<SeqId, SeqLoads>,
+    emit_kv_events: bool,
+    loads_issued: u64,
+    loads_dropped: u64,
+    evictions_at_attach: u64,
 }
 
 /// Tokens per block when a configuration does not say.
@@ -120,7 +215,206 @@ impl BlockManager {
             prefix_queried_tokens: 0,
             prefix_hit_tokens: 0,
             cow_copies: 0,
+            tier: None,
+            tier_policy: TierPolicy::default(),
+            loads: FxHashMap::default(),
+            seq_loads: FxHashMap::default(),
+            emit_kv_events: false,
+            loads_issued: 0,
+            loads_dropped: 0,
+            evictions_at_attach: 0,
         })
+    }
+
+    /// What a tier needs of this manager's pool (its shared free list and returned count): build
+    /// the tier from it, then `attach_tier`.
+    pub fn tier_link(&self) -> TierLink {
+        self.pool.tier_link()
+    }
+
+    /// Drives `tier` from now on: offload on eviction, load on a prefix hit. Fails, changing
+    /// nothing, with `InvalidArgument` if a tier is attached already or the manager holds a
+    /// sequence or a cached block (their blocks' tokens were not kept for offload jobs), or
+    /// `OutOfMemory`.
+    pub fn attach_tier(&mut self, tier: Box<dyn KvTier>) -> Result<()> {
+        ensure(self.tier.is_none(), || "a tier is attached already".into())?;
+        self.ensure_pristine("attach a tier")?;
+        self.pool.keep_content(self.block_size)?;
+        self.evictions_at_attach = self.pool.counters().evictions;
+        self.tier = Some(tier);
+        Ok(())
+    }
+
+    /// Sets how an attached tier is used; `InvalidArgument` unless `min_load_blocks >= 1` and
+    /// `offload_watermark <= num_blocks`.
+    pub fn set_tier_policy(&mut self, policy: TierPolicy) -> Result<()> {
+        ensure(policy.min_load_blocks >= 1, || {
+            "min_load_blocks must be at least 1".into()
+        })?;
+        ensure(policy.offload_watermark <= self.num_blocks(), || {
+            format!(
+                "offload_watermark {} exceeds the {} blocks",
+                policy.offload_watermark,
+                self.num_blocks()
+            )
+        })?;
+        self.tier_policy = policy;
+        Ok(())
+    }
+
+    /// Gives the tier up (drop it to close it), once no load is in flight: callers `flush_tier`
+    /// and `poll_tier` first. None without a tier, or while a load's RAM block is the tier's. Cached
+    /// blocks stay cached in RAM; evictions drop them from now on.
+    pub fn detach_tier(&mut self) -> Option<Box<dyn KvTier>> {
+        if self.loads.is_empty() {
+            self.tier.take()
+        } else {
+            None
+        }
+    }
+
+    /// Whether a tier is attached.
+    pub fn has_tier(&self) -> bool {
+        self.tier.is_some()
+    }
+
+    /// Records KV events from now on (`take_kv_events`). `InvalidArgument` unless nothing is
+    /// cached or held yet: a replay of the events starts from an empty set.
+    pub fn record_kv_events(&mut self) -> Result<()> {
+        self.ensure_pristine("record KV events")?;
+        self.pool.record_events();
+        self.emit_kv_events = true;
+        Ok(())
+    }
+
+    fn ensure_pristine(&self, what: &str) -> Result<()> {
+        ensure(
+            self.tables.is_empty() && self.pool.cached_hashes().next().is_none(),
+            || format!("{what} before any sequence or cached block"),
+        )
+    }
+
+    /// The KV events since the last call: the pool's (`Ram`), then the tier's (`Disk`). Empty
+    /// unless `record_kv_events` was called.
+    pub fn take_kv_events(&mut self) -> Vec<KvEvent> {
+        let mut out = Vec::new();
+        self.pool.take_events(&mut out);
+        if let (true, Some(tier)) = (self.emit_kv_events, self.tier.as_mut()) {
+            tier.drain_events(&mut out);
+        }
+        out
+    }
+
+    /// The blocks findable now: every hash of the RAM prefix map, then the tier's committed ones.
+    /// Replaying every event `take_kv_events` returned gives this set.
+    pub fn kv_blocks(&self) -> Vec<(BlockHash, Medium)> {
+        let mut out: Vec<_> = self
+            .pool
+            .cached_hashes()
+            .map(|h| (h, Medium::Ram))
+            .collect();
+        if let Some(tier) = &self.tier {
+            out.extend(tier.stored_hashes().into_iter().map(|h| (h, Medium::Disk)));
+        }
+        out
+    }
+
+    /// The tier's own counters (zero without a tier).
+    pub fn tier_counters(&self) -> TierCounters {
+        self.tier.as_ref().map(|t| t.counters()).unwrap_or_default()
+    }
+
+    /// Blocks until the tier has finished every queued job (its loads are then reported by the
+    /// next `poll_tier`). Without a tier, nothing.
+    pub fn flush_tier(&mut self) {
+        if let Some(tier) = &mut self.tier {
+            tier.flush();
+        }
+    }
+
+    /// Whether `seq` is loading (a load of it is in flight).
+    pub fn is_loading(&self, seq: SeqId) -> bool {
+        self.seq_loads.contains_key(&seq)
+    }
+
+    /// Takes the tier's finished loads: registers each Loaded block in the prefix map, releases the
+    /// blocks of freed sequences, and returns the sequences whose loads have all ended (a table
+    /// whose load was dropped is cut back to the blocks before it, the rest released). Then
+    /// offloads cached blocks up to the watermark. Without a tier, nothing.
+    pub fn poll_tier(&mut self) -> Vec<LoadsEnded> {
+        let Some(tier) = self.tier.as_mut() else {
+            return Vec::new();
+        };
+        let done = tier.completed_loads();
+        if !self.emit_kv_events {
+            // Nobody takes the tier's events: drop them so they do not pile up.
+            tier.drain_events(&mut Vec::new());
+        }
+        let mut ended = Vec::new();
+        for d in done {
+            let Some(load) = self.loads.remove(&d.block) else {
+                debug_assert!(
+                    false,
+                    "the tier finished a load of block {} it was not given",
+                    d.block
+                );
+                continue;
+            };
+            match d.outcome {
+                LoadOutcome::Loaded => {
+                    self.pool
+                        .register(d.block, load.hash, load.parent, &load.tokens);
+                }
+                LoadOutcome::Dropped => self.loads_dropped += 1,
+            }
+            let Some(seq) = load.seq else {
+                self.pool.release(d.block); // a pending free
+                continue;
+            };
+            let state = self.seq_loads.get_mut(&seq).expect("a loading sequence");
+            state.in_flight -= 1;
+            if d.outcome == LoadOutcome::Dropped {
+                state.first_dropped = Some(
+                    state
+                        .first_dropped
+                        .map_or(load.index, |i| i.min(load.index)),
+                );
+            }
+            if state.in_flight == 0 {
+                let state = self.seq_loads.remove(&seq).expect("checked");
+                let table = self
+                    .tables
+                    .get_mut(&seq)
+                    .expect("a loading sequence has a table");
+                if let Some(cut) = state.first_dropped {
+                    for &block in table.blocks[cut..].iter().rev() {
+                        self.pool.release(block);
+                    }
+                    table.blocks.truncate(cut);
+                    table.hashes.truncate(cut);
+                    table.tokens.truncate(cut * self.block_size);
+                }
+                ended.push(LoadsEnded {
+                    seq,
+                    num_tokens: table.num_tokens(),
+                });
+            }
+        }
+        self.offload_to_watermark();
+        ended
+    }
+
+    /// Offloads the eviction policy's next victims while fewer than the watermark blocks are clean.
+    fn offload_to_watermark(&mut self) {
+        let Some(tier) = self.tier.as_mut() else {
+            return;
+        };
+        while self.pool.num_clean() < self.tier_policy.offload_watermark {
+            match self.pool.start_offload() {
+                Some(job) => tier.offload(job),
+                None => break,
+            }
+        }
     }
 
     /// Tokens per block.
@@ -154,7 +448,8 @@ impl BlockManager {
     }
 
     /// The longest cached prefix of `prompt` in whole blocks, always leaving at least the last
-    /// token uncached so the model has logits to sample from. Changes nothing.
+    /// token uncached so the model has logits to sample from: the RAM hits, then the blocks after
+    /// them the tier holds (`tier_hashes`). Changes nothing.
     pub fn match_prefix(&self, prompt: &[TokenId], salt: Option<&[u8]>) -> PrefixMatch {
         let root = root_hash(salt);
         if !self.enable_prefix_caching || prompt.is_empty() {
@@ -190,7 +485,8 @@ impl BlockManager {
             return found;
         }
         let cacheable_blocks = (num_tokens - 1) / self.block_size;
-        for &hash in &hashes[..cacheable_blocks.min(hashes.len())] {
+        let cacheable = &hashes[..cacheable_blocks.min(hashes.len())];
+        for &hash in cacheable {
             match self.pool.lookup(hash) {
                 Some(block) => {
                     found.hashes.push(hash);
@@ -199,11 +495,18 @@ impl BlockManager {
                 None => break,
             }
         }
+        if let Some(tier) = &self.tier {
+            let rest = &cacheable[found.blocks.len()..];
+            let run = rest.iter().take_while(|&&h| tier.contains(h)).count();
+            if run >= self.tier_policy.min_load_blocks {
+                found.tier_hashes = rest[..run].to_vec();
+            }
+        }
         found
     }
 
     /// Available blocks that admitting `num_tokens` tokens over `found` would use up: new blocks
-    /// plus cached hits that must be revived from the evictable set.
+    /// (the tier hits' among them) plus cached hits that must be revived from the evictable set.
     pub fn blocks_to_admit(&self, found: &PrefixMatch, num_tokens: usize) -> usize {
         let revived = found
             .blocks
@@ -226,18 +529,33 @@ impl BlockManager {
 
     /// Creates sequence `seq` holding `tokens` (the prompt, or its first chunk), reusing the
     /// blocks of `found`, which must come from `match_prefix` on this state with `tokens` as a
-    /// prefix of the looked-up prompt. Returns the number of tokens served from the cache.
+    /// prefix of the looked-up prompt. Returns the number of tokens served from the (RAM) cache.
+    ///
+    /// With tier hits in `found`, `tokens` must be exactly the hit tokens: each tier hit gets a new
+    /// block and a load, and `seq` is loading (nothing may be appended) until `poll_tier` reports
+    /// its loads ended.
     pub fn admit(&mut self, seq: SeqId, tokens: &[TokenId], found: PrefixMatch) -> Result<usize> {
         if self.tables.contains_key(&seq) {
             return Err(Error::DuplicateSequence(seq.to_string()));
         }
-        let cached = found.num_cached_tokens(self.block_size);
-        ensure(tokens.len() > cached, || {
-            format!(
-                "{} tokens do not extend the {cached} cached ones",
-                tokens.len()
-            )
-        })?;
+        let bs = self.block_size;
+        let cached = found.num_cached_tokens(bs);
+        if found.tier_hashes.is_empty() {
+            ensure(tokens.len() > cached, || {
+                format!(
+                    "{} tokens do not extend the {cached} cached ones",
+                    tokens.len()
+                )
+            })?;
+        } else {
+            let hit = found.num_hit_tokens(bs);
+            ensure(self.tier.is_some() && tokens.len() == hit, || {
+                format!(
+                    "a match with tier hits admits exactly its {hit} hit tokens (with a tier), not {}",
+                    tokens.len()
+                )
+            })?;
+        }
         let stale = found
             .blocks
             .iter()
@@ -258,21 +576,61 @@ impl BlockManager {
             hashes: found.hashes,
             root: found.root,
         };
-        grow(
-            &mut self.pool,
-            self.block_size,
-            self.enable_prefix_caching,
-            &mut table,
-            &tokens[cached..],
-        );
+        if found.tier_hashes.is_empty() {
+            grow(
+                &mut self.pool,
+                bs,
+                self.enable_prefix_caching,
+                &mut table,
+                &tokens[cached..],
+            );
+        } else {
+            let tier = self.tier.as_mut().expect("checked above");
+            for (&hash, block_tokens) in found
+                .tier_hashes
+                .iter()
+                .zip(tokens[cached..].chunks_exact(bs))
+            {
+                let block = self.pool.allocate().expect("capacity checked");
+                let parent = table.hashes.last().copied().unwrap_or(table.root);
+                tier.load(LoadJob {
+                    block,
+                    hash,
+                    parent,
+                    tokens: block_tokens.to_vec(),
+                });
+                self.loads.insert(
+                    block,
+                    Load {
+                        seq: Some(seq),
+                        index: table.blocks.len(),
+                        hash,
+                        parent,
+                        tokens: block_tokens.to_vec(),
+                    },
+                );
+                table.blocks.push(block);
+                table.hashes.push(hash);
+                table.tokens.extend_from_slice(block_tokens);
+            }
+            self.loads_issued += found.tier_hashes.len() as u64;
+            self.seq_loads.insert(
+                seq,
+                SeqLoads {
+                    in_flight: found.tier_hashes.len(),
+                    first_dropped: None,
+                },
+            );
+        }
         self.tables.insert(seq, table);
         self.prefix_queried_tokens += found.num_queried_tokens as u64;
         self.prefix_hit_tokens += cached as u64;
         Ok(cached)
     }
 
-    /// `match_prefix` then `admit` of the whole prompt: creates `seq` holding all of `prompt`.
-    /// Returns the number of prompt tokens served from the cache.
+    /// `match_prefix` then `admit` of the whole prompt: creates `seq` holding all of `prompt`, its
+    /// tier hits (if any) recomputed rather than loaded. Returns the number of prompt tokens served
+    /// from the cache.
     pub fn allocate(
         &mut self,
         seq: SeqId,
@@ -282,17 +640,20 @@ impl BlockManager {
         ensure(!prompt.is_empty(), || {
             "a sequence needs at least one token".into()
         })?;
-        let found = self.match_prefix(prompt, salt);
+        let mut found = self.match_prefix(prompt, salt);
+        found.tier_hashes.clear();
         self.admit(seq, prompt, found)
     }
 
     /// Gives `tokens` slots at the end of `seq`, allocating blocks as the tail fills. If the tail
     /// block is shared (after a fork), it is first copied to a private block and the copy is returned.
+    /// Fails with `InvalidArgument` for a loading sequence.
     pub fn append(&mut self, seq: SeqId, tokens: &[TokenId]) -> Result<Option<CopyOp>> {
         let table = self
             .tables
             .get(&seq)
             .ok_or_else(|| Error::UnknownSequence(seq.to_string()))?;
+        self.ensure_not_loading(seq)?;
         if tokens.is_empty() {
             return Ok(None);
         }
@@ -321,11 +682,13 @@ impl BlockManager {
         Ok(copy)
     }
 
-    /// Makes `child` share every block of `parent`, the partial tail included.
+    /// Makes `child` share every block of `parent`, the partial tail included. Fails with
+    /// `InvalidArgument` for a loading `parent`.
     pub fn fork(&mut self, parent: SeqId, child: SeqId) -> Result<()> {
         if self.tables.contains_key(&child) {
             return Err(Error::DuplicateSequence(child.to_string()));
         }
+        self.ensure_not_loading(parent)?;
         let table = self
             .tables
             .get(&parent)
@@ -339,15 +702,26 @@ impl BlockManager {
     }
 
     /// Drops `seq`, releasing its blocks tail first so its prefix outlives its tail in the cache.
+    /// A block under a load in flight is released only when its load ends (the tier writes it).
     pub fn free(&mut self, seq: SeqId) -> Result<()> {
         let table = self
             .tables
             .remove(&seq)
             .ok_or_else(|| Error::UnknownSequence(seq.to_string()))?;
+        let loading = self.seq_loads.remove(&seq).is_some();
         for &block in table.blocks.iter().rev() {
-            self.pool.release(block);
+            match self.loads.get_mut(&block) {
+                Some(load) if loading => load.seq = None,
+                _ => self.pool.release(block),
+            }
         }
         Ok(())
+    }
+
+    fn ensure_not_loading(&self, seq: SeqId) -> Result<()> {
+        ensure(!self.is_loading(seq), || {
+            format!("sequence {seq} is loading from the tier")
+        })
     }
 
     /// The block table of `seq`.
@@ -428,13 +802,56 @@ impl BlockManager {
             allocations: counters.allocations,
             evictions: counters.evictions,
             cow_copies: self.cow_copies,
+            offloading_blocks: self.pool.num_offloading(),
+            loading_blocks: self.loads.len(),
+            loads_issued: self.loads_issued,
+            loads_dropped: self.loads_dropped,
+            offloads_issued: counters.offloads,
+            evictions_without_offload: if self.tier.is_some() {
+                counters.evictions - self.evictions_at_attach
+            } else {
+                0
+            },
         }
+    }
+
+    /// With the tier flushed (`flush_tier`) and nothing else pushing: checks that the pool's free
+    /// list holds exactly its clean blocks (see `BlockPool::check_free_list`).
+    pub fn check_free_list(&mut self) -> std::result::Result<(), String> {
+        self.pool.check_free_list()
     }
 
     /// Verifies every invariant of this module and of the pool; `Err` names the first broken one.
     pub fn check_invariants(&self) -> std::result::Result<(), String> {
         self.pool.check_invariants()?;
         let mut holders = vec![0u32; self.pool.num_blocks()];
+        let mut in_flight: FxHashMap<SeqId, usize> = FxHashMap::default();
+        for (&block, load) in &self.loads {
+            if self.pool.hash_of(block).is_some() {
+                return Err(format!("block {block} is registered while loading"));
+            }
+            match load.seq {
+                None => holders[block as usize] += 1,
+                Some(seq) => {
+                    let held = self.tables.get(&seq).and_then(|t| t.blocks.get(load.index));
+                    if held != Some(&block) || !self.seq_loads.contains_key(&seq) {
+                        return Err(format!(
+                            "load into block {block} names a table that does not hold it"
+                        ));
+                    }
+                    *in_flight.entry(seq).or_default() += 1;
+                }
+            }
+        }
+        for (seq, state) in &self.seq_loads {
+            if in_flight.get(seq) != Some(&state.in_flight) {
+                return Err(format!(
+                    "sequence {seq}: {} loads counted, {:?} in flight",
+                    state.in_flight,
+                    in_flight.get(seq)
+                ));
+            }
+        }
         for (seq, table) in &self.tables {
             let mut seen = std::collections::HashSet::new();
             for &block in &table.blocks {
@@ -494,7 +911,7 @@ fn grow(
             let hash = chain_hash(parent, &table.tokens[full * bs..]);
             table.hashes.push(hash);
             if enable_prefix_caching {
-                pool.register(table.blocks[full], hash);
+                pool.register(table.blocks[full], hash, parent, &table.tokens[full * bs..]);
             }
         }
     }

@@ -1,40 +1,75 @@
-//! The pool of physical KV blocks: reference counts, the three block states, eviction.
+//! The pool of physical KV blocks: reference counts, the four block states, eviction, offload.
 //!
 //! Every block is in exactly one state:
 //! - free and clean: ref count 0, no hash, on the lock-free free list;
 //! - free and cached: ref count 0, hashed, in the prefix map and in the evictable set;
-//! - in use: ref count >= 1, held by that many block tables; hashed only if full.
+//! - in use: ref count >= 1, held by that many block tables (or by a load in flight); hashed only
+//!   if full;
+//! - offloading: ref count 0, no hash, handed to a lower tier ([`crate::tier`]) whose I/O thread
+//!   copies it out and then pushes it onto the shared free list, counting it in
+//!   [`TierLink::returned`].
 //!
-//! So `clean + evictable.len() + in_use == num_blocks` always (`clean` counts the free list). Allocation
-//! takes a clean block first and evicts a cached block (the one the [`EvictionPolicy`] puts first)
-//! only when none is clean; a released block with a hash becomes evictable, one without goes back
-//! to the free list.
+//! So `clean + evictable.len() + in_use + offloading == num_blocks` always, where `clean` counts
+//! the free list as the pool last saw it and `offloading` the blocks handed out and not yet seen
+//! back. The pool adds `returned` to `clean` (swapping it to 0) when it allocates; what it reports
+//! reads `returned` without taking it. The tier pushes before it counts, so `clean` plus `returned`
+//! never exceeds the list's real length, and an allocation that finds `clean > 0` always pops a
+//! block. With the tier quiescent (every offloaded block returned), the list holds exactly the
+//! clean blocks (`check_free_list`).
+//!
+//! Allocation takes a clean block first and evicts a cached block (the one the [`EvictionPolicy`]
+//! puts first, its K/V dropped) only when none is clean; `start_offload` moves that same victim to
+//! the offloading state instead. A released block with a hash becomes evictable, one without goes
+//! back to the free list. With events on, registration records `BlockStored{Ram}` and eviction or
+//! offload `BlockRemoved{Ram}`, so replaying them gives the prefix map's hashes.
+
+use std::sync::Arc;
 
 use crate::alloc::{try_vec_with, try_zeroed_vec};
 use crate::error::Result as CoreResult;
 use crate::free_list::FreeList;
+use crate::kv_events::{KvEvent, Medium};
 use crate::lru::{Evictable, EvictionPolicy};
 use crate::prefix_cache::{BlockHash, PrefixCache};
-use crate::BlockId;
+use crate::sync::{AtomicUsize, Ordering};
+use crate::tier::{OffloadJob, TierLink};
+use crate::{BlockId, TokenId};
 
 /// Counters of what the pool has done since it was made.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct PoolCounters {
     /// Blocks handed out by `allocate` (clean or evicted).
     pub allocations: u64,
-    /// Cached blocks evicted to satisfy an allocation.
+    /// Cached blocks evicted (their K/V dropped) to satisfy an allocation.
     pub evictions: u64,
+    /// Cached blocks handed to a tier by `start_offload`.
+    pub offloads: u64,
+}
+
+/// The parent hash and tokens of each registered block, kept only when something needs them
+/// (an offload job carries them): `block_size` tokens per block, flat.
+struct Content {
+    block_size: usize,
+    parents: Vec<BlockHash>,
+    tokens: Vec<TokenId>,
 }
 
 /// Physical blocks with reference counts, a free list, and the evictable set of cached blocks.
 pub struct BlockPool {
-    free: FreeList,
+    /// Shared with a tier's I/O thread, which pushes offloaded blocks back.
+    free: Arc<FreeList>,
+    /// Blocks the tier pushed that `clean` does not count yet.
+    returned: Arc<AtomicUsize>,
     evictable: Evictable,
     ref_counts: Vec<u32>,
     hashes: Vec<Option<BlockHash>>,
     prefix: PrefixCache,
+    content: Option<Content>,
+    /// `Some` when events are recorded.
+    events: Option<Vec<KvEvent>>,
     clean: usize,
     in_use: usize,
+    offloading: usize,
     counters: PoolCounters,
 }
 
@@ -52,13 +87,52 @@ impl BlockPool {
         Ok(BlockPool {
             ref_counts: try_zeroed_vec(num_blocks, "the block ref counts")?,
             evictable: Evictable::new(num_blocks, policy)?,
-            free: FreeList::full(num_blocks)?,
+            free: Arc::new(FreeList::full(num_blocks)?),
+            returned: Arc::new(AtomicUsize::new(0)),
             hashes,
             prefix: PrefixCache::default(),
+            content: None,
+            events: None,
             clean: num_blocks,
             in_use: 0,
+            offloading: 0,
             counters: PoolCounters::default(),
         })
+    }
+
+    /// What a tier needs to return offloaded blocks: the free list and the returned count.
+    pub fn tier_link(&self) -> TierLink {
+        TierLink {
+            free: self.free.clone(),
+            returned: self.returned.clone(),
+        }
+    }
+
+    /// Keeps, from now on, each registered block's parent hash and `block_size` tokens, which
+    /// `start_offload` needs (`OutOfMemory` if they cannot be allocated, changing nothing).
+    pub fn keep_content(&mut self, block_size: usize) -> CoreResult<()> {
+        if self.content.is_none() {
+            let n = self.num_blocks();
+            let tokens = try_zeroed_vec(n.saturating_mul(block_size), "the block tokens")?;
+            self.content = Some(Content {
+                block_size,
+                parents: try_zeroed_vec(n, "the block parents")?,
+                tokens,
+            });
+        }
+        Ok(())
+    }
+
+    /// Records KV events from now on (see the module doc); `take_events` moves them out.
+    pub fn record_events(&mut self) {
+        self.events.get_or_insert_with(Vec::new);
+    }
+
+    /// Moves the events recorded since the last call into `out`, in order.
+    pub fn take_events(&mut self, out: &mut Vec<KvEvent>) {
+        if let Some(events) = &mut self.events {
+            out.append(events);
+        }
     }
 
     /// Total number of blocks.
@@ -66,9 +140,9 @@ impl BlockPool {
         self.ref_counts.len()
     }
 
-    /// Blocks that are free and clean.
+    /// Blocks that are free and clean, counting those a tier returned since the pool last looked.
     pub fn num_clean(&self) -> usize {
-        self.clean
+        self.clean + self.returned_now()
     }
 
     /// Blocks that are free but still hold a cached prefix.
@@ -76,14 +150,19 @@ impl BlockPool {
         self.evictable.len()
     }
 
-    /// Blocks that some table holds.
+    /// Blocks that some table (or load) holds.
     pub fn num_in_use(&self) -> usize {
         self.in_use
     }
 
-    /// Blocks an allocation can obtain: clean plus evictable.
+    /// Blocks handed to a tier and not yet returned.
+    pub fn num_offloading(&self) -> usize {
+        self.offloading - self.returned_now()
+    }
+
+    /// Blocks an allocation can obtain: clean plus evictable (not those still offloading).
     pub fn num_available(&self) -> usize {
-        self.clean + self.evictable.len()
+        self.num_clean() + self.evictable.len()
     }
 
     /// Reference count of `block`.
@@ -106,6 +185,11 @@ impl BlockPool {
         self.prefix.get(hash)
     }
 
+    /// The hashes of every registered block (findable by prefix lookup), in no order.
+    pub fn cached_hashes(&self) -> impl Iterator<Item = BlockHash> + '_ {
+        self.prefix.hashes()
+    }
+
     /// What the pool has done so far.
     pub fn counters(&self) -> PoolCounters {
         self.counters
@@ -116,27 +200,76 @@ impl BlockPool {
         self.evictable.policy()
     }
 
-    /// Takes a block with ref count 1: a clean one if any, else the cached one the policy evicts.
+    /// `returned` as read now, bounded by what is out (a tier cannot return more than it was given).
+    fn returned_now(&self) -> usize {
+        self.returned.load(Ordering::Acquire).min(self.offloading)
+    }
+
+    /// Counts the blocks a tier returned as clean. Acquire pairs with the tier's Release increment,
+    /// which follows its push, so every block counted here is on the list.
+    fn absorb_returned(&mut self) {
+        if self.offloading > 0 {
+            let returned = self.returned.swap(0, Ordering::Acquire);
+            debug_assert!(
+                returned <= self.offloading,
+                "a tier returned more than it took"
+            );
+            self.offloading -= returned;
+            self.clean += returned;
+        }
+    }
+
+    /// Takes a block with ref count 1: a clean one if any (returned ones included), else the
+    /// cached one the policy evicts, its K/V dropped.
     pub fn allocate(&mut self) -> Option<BlockId> {
-        let block = match self.free.pop() {
-            Some(block) => {
-                self.clean -= 1;
-                block
-            }
-            None => {
-                let block = self.evictable.pop()?;
-                let hash = self.hashes[block as usize]
-                    .take()
-                    .expect("cached block has a hash");
-                self.prefix.remove(hash);
-                self.counters.evictions += 1;
-                block
-            }
+        self.absorb_returned();
+        let block = if self.clean > 0 {
+            self.clean -= 1;
+            self.free
+                .pop()
+                .expect("every counted clean block is on the free list")
+        } else {
+            let block = self.evictable.pop()?;
+            self.unregister(block);
+            self.counters.evictions += 1;
+            block
         };
         self.ref_counts[block as usize] = 1;
         self.in_use += 1;
         self.counters.allocations += 1;
         Some(block)
+    }
+
+    /// Moves the cached block the policy evicts next out of the prefix map into the offloading
+    /// state, returning its job for the tier (`None` if nothing is cached). Needs `keep_content`.
+    pub fn start_offload(&mut self) -> Option<OffloadJob> {
+        let block = self.evictable.pop()?;
+        let hash = self.unregister(block);
+        self.offloading += 1;
+        self.counters.offloads += 1;
+        let content = self.content.as_ref().expect("offload needs keep_content");
+        let bs = content.block_size;
+        Some(OffloadJob {
+            block,
+            hash,
+            parent: content.parents[block as usize],
+            tokens: content.tokens[block as usize * bs..][..bs].to_vec(),
+        })
+    }
+
+    /// Takes `block`'s hash out of the prefix map (recording the removal); returns it.
+    fn unregister(&mut self, block: BlockId) -> BlockHash {
+        let hash = self.hashes[block as usize]
+            .take()
+            .expect("cached block has a hash");
+        self.prefix.remove(hash);
+        if let Some(events) = &mut self.events {
+            events.push(KvEvent::BlockRemoved {
+                hash,
+                medium: Medium::Ram,
+            });
+        }
+        hash
     }
 
     /// `retain` of a cached block found by a prefix lookup: also records the hit for eviction.
@@ -172,24 +305,54 @@ impl BlockPool {
         }
     }
 
-    /// Records that in-use `block` holds the full prefix `hash`, unless another block already does.
-    pub fn register(&mut self, block: BlockId, hash: BlockHash) {
+    /// Records that in-use `block` holds the full prefix `hash` (the block after `parent`, holding
+    /// `tokens`), unless it already has a hash or another block holds `hash`. Returns whether it
+    /// registered.
+    pub fn register(
+        &mut self,
+        block: BlockId,
+        hash: BlockHash,
+        parent: BlockHash,
+        tokens: &[TokenId],
+    ) -> bool {
         debug_assert!(self.ref_counts[block as usize] > 0);
-        if self.hashes[block as usize].is_none() && self.prefix.insert(hash, block) {
-            self.hashes[block as usize] = Some(hash);
+        if self.hashes[block as usize].is_some() || !self.prefix.insert(hash, block) {
+            return false;
         }
+        self.hashes[block as usize] = Some(hash);
+        if let Some(content) = &mut self.content {
+            let bs = content.block_size;
+            content.parents[block as usize] = parent;
+            content.tokens[block as usize * bs..][..bs].copy_from_slice(tokens);
+        }
+        if let Some(events) = &mut self.events {
+            events.push(KvEvent::BlockStored {
+                hash,
+                parent,
+                tokens: tokens.to_vec(),
+                medium: Medium::Ram,
+            });
+        }
+        true
     }
 
     /// Checks the state invariants of the module doc; `Err` names the first one broken.
     pub fn check_invariants(&self) -> Result<(), String> {
         let total = self.num_blocks();
-        if self.clean + self.evictable.len() + self.in_use != total {
+        if self.clean + self.evictable.len() + self.in_use + self.offloading != total {
             return Err(format!(
-                "free {} + cached {} + in use {} != total {}",
+                "free {} + cached {} + in use {} + offloading {} != total {}",
                 self.clean,
                 self.evictable.len(),
                 self.in_use,
+                self.offloading,
                 total
+            ));
+        }
+        if self.returned.load(Ordering::Acquire) > self.offloading {
+            return Err(format!(
+                "a tier returned more blocks than the {} offloading",
+                self.offloading
             ));
         }
         let counted_in_use = self.ref_counts.iter().filter(|&&c| c > 0).count();
@@ -226,6 +389,41 @@ impl BlockPool {
         }
         Ok(())
     }
+
+    /// With the tier quiescent (every offloaded block returned, no push in flight): checks that the
+    /// free list holds exactly the clean blocks, each once, all unreferenced, unhashed and not
+    /// evictable. It pops the whole list and pushes it back in the same order.
+    pub fn check_free_list(&mut self) -> Result<(), String> {
+        self.absorb_returned();
+        if self.offloading != 0 {
+            return Err(format!(
+                "{} blocks still offloading: the tier is not quiescent",
+                self.offloading
+            ));
+        }
+        let ids: Vec<u32> = std::iter::from_fn(|| self.free.pop()).collect();
+        for &id in ids.iter().rev() {
+            self.free.push(id);
+        }
+        if ids.len() != self.clean {
+            return Err(format!(
+                "free list holds {} ids, clean says {}",
+                ids.len(),
+                self.clean
+            ));
+        }
+        let mut seen = vec![false; self.num_blocks()];
+        for id in ids {
+            let b = id as usize;
+            if std::mem::replace(&mut seen[b], true) {
+                return Err(format!("block {id} is on the free list twice"));
+            }
+            if self.ref_counts[b] != 0 || self.hashes[b].is_some() || self.evictable.contains(id) {
+                return Err(format!("block {id} is on the free list but not clean"));
+            }
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -237,8 +435,8 @@ mod tests {
         let mut pool = BlockPool::new(3).unwrap();
         let blocks: Vec<_> = (0..3).map(|_| pool.allocate().unwrap()).collect();
         assert_eq!(pool.allocate(), None);
-        pool.register(blocks[0], 100);
-        pool.register(blocks[1], 101);
+        pool.register(blocks[0], 100, 0, &[]);
+        pool.register(blocks[1], 101, 0, &[]);
         pool.release(blocks[1]); // cached, older
         pool.release(blocks[0]); // cached, newer
         pool.release(blocks[2]); // clean
@@ -266,7 +464,7 @@ mod tests {
     fn retain_revives_a_cached_block() {
         let mut pool = BlockPool::new(2).unwrap();
         let block = pool.allocate().unwrap();
-        pool.register(block, 5);
+        pool.register(block, 5, 0, &[]);
         pool.release(block);
         assert!(pool.is_evictable(block));
         pool.retain(block);
@@ -284,8 +482,8 @@ mod tests {
     fn a_second_block_with_the_same_hash_stays_unregistered() {
         let mut pool = BlockPool::new(2).unwrap();
         let (a, b) = (pool.allocate().unwrap(), pool.allocate().unwrap());
-        pool.register(a, 9);
-        pool.register(b, 9);
+        assert!(pool.register(a, 9, 0, &[]));
+        assert!(!pool.register(b, 9, 0, &[]));
         assert_eq!(pool.hash_of(b), None);
         pool.release(b);
         assert_eq!(

@@ -14,13 +14,42 @@
 //!   rounded.
 //! - A block table is read only in its first `ceil(num_tokens / block_size)` entries
 //!   ([`KvShape::used_blocks`]); the rest is padding (-1 in the scheduler's tables), never read.
+//!
+//! Sharing with a tier's I/O thread ([`KvBlockIo`], from [`KvCache::block_io`]). The buffers are
+//! raw allocations ([`SharedBuf`]) behind an `Arc`, so the I/O thread can copy one block out
+//! (offload) or in (load) while the engine thread writes and reads other blocks. Soundness rests on
+//! three facts:
+//! - Every write path forms `&mut` only over what it writes: one (row, head) run of `head_dim`
+//!   elements in [`KvCache::write`], one block in [`KvCache::fill_random`], raw `ptr::copy` of one
+//!   block in [`KvCache::copy_blocks`], one block's tiles in [`KvBlockIo::write_block`]. No `&mut`
+//!   ever covers a whole layer buffer, so none overlaps a block another thread touches.
+//! - The block an I/O job touches is touched by no other thread while the job runs. That is the
+//!   protocol of [`crate::tier`], which the creator of the tier promises to follow (the
+//!   `unsafe` of [`crate::disk::DiskTier::open`]): a block being offloaded is in no table and not
+//!   on the free list; the block of an in-flight load belongs to the I/O thread until its
+//!   `LoadDone` is taken. The readers of the engine (attention, `gather`) hold a `&[T]` over a
+//!   whole layer, but access only the blocks of the tables they are given, never such a block;
+//!   two threads never access one location with one of them writing, so there is no data race.
+//!   (Under Tree Borrows, the model Miri checks, a shared reference's permission applies only to
+//!   the locations it has accessed, so the I/O thread's writes elsewhere do not conflict with it.)
+//! - Each hand-over orders the accesses. The engine's last write of a block happens before the
+//!   manager queues its offload (the job crosses a channel); the I/O thread's copy-out happens
+//!   before it pushes the block on the free list (a `Release` exchange), which happens before the
+//!   scheduler's `Acquire` pop, which happens before the block's next write. A load's write
+//!   happens before its `LoadDone` is published under the tier's mutex, which the scheduler takes
+//!   before the sequence runs.
+
+use std::mem::ManuallyDrop;
+use std::ops::{Deref, Range};
+use std::ptr::NonNull;
+use std::sync::Arc;
 
 use half::{bf16, f16};
 
 use crate::block_manager::{CopyOp, MAX_NUM_BLOCKS};
 use crate::dtype::{KvDtype, KvElement};
 use crate::error::{ensure, Error, Result};
-use crate::{alloc, memory};
+use crate::{alloc, memory, BlockId};
 
 /// Dimensions of a KV cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -41,6 +70,13 @@ impl KvShape {
     /// Elements of one K (or V) token row across all KV heads.
     pub fn row_elems(&self) -> usize {
         self.num_kv_heads * self.head_dim
+    }
+
+    /// Bytes of one block in every layer, as a tier stores it: for each layer, the block's K tile
+    /// then its V tile (`[num_kv_heads, block_size, head_dim]` each, in `dtype`, native byte
+    /// order).
+    pub fn slot_bytes(&self, dtype: KvDtype) -> usize {
+        self.num_layers * 2 * self.block_elems() * dtype.size_of()
     }
 
     /// Offset of (slot, head) in a layer buffer.
@@ -114,15 +150,109 @@ impl KvShape {
     }
 }
 
-/// One layer's K or V buffer in its storage type.
-#[derive(Debug, Clone)]
-pub enum KvBuffer {
-    F32(Vec<f32>),
-    F16(Vec<f16>),
-    Bf16(Vec<bf16>),
+/// A fixed-length buffer of `T` that the engine and a tier's I/O thread share (see the module
+/// doc): reads through `Deref`, writes only through the `unsafe` methods, each over a range the
+/// caller has to itself.
+pub struct SharedBuf<T> {
+    ptr: NonNull<T>,
+    len: usize,
+    capacity: usize,
 }
 
-/// Runs `$body` with `$buf` bound to the typed slice inside a `KvBuffer` (or `&mut` with `mut`).
+// SAFETY: the buffer owns its elements like a `Vec` (sent with it), and shared use is governed by
+// the contracts of the `unsafe` write methods, the only way to mutate through `&SharedBuf`.
+unsafe impl<T: Send> Send for SharedBuf<T> {}
+// SAFETY: as above; `T: Sync` for the shared reads of `Deref`.
+unsafe impl<T: Send + Sync> Sync for SharedBuf<T> {}
+
+impl<T> Drop for SharedBuf<T> {
+    fn drop(&mut self) {
+        // SAFETY: the parts are those of the `Vec` `from_vec` took apart, never freed before.
+        drop(unsafe { Vec::from_raw_parts(self.ptr.as_ptr(), self.len, self.capacity) });
+    }
+}
+
+impl<T> Deref for SharedBuf<T> {
+    type Target = [T];
+
+    fn deref(&self) -> &[T] {
+        // SAFETY: `ptr` holds `len` initialised elements for the buffer's life.
+        unsafe { std::slice::from_raw_parts(self.ptr.as_ptr(), self.len) }
+    }
+}
+
+impl<T: bytemuck::Pod> SharedBuf<T> {
+    fn from_vec(values: Vec<T>) -> Self {
+        let mut values = ManuallyDrop::new(values);
+        SharedBuf {
+            ptr: NonNull::from(values.as_mut_slice()).cast(),
+            len: values.len(),
+            capacity: values.capacity(),
+        }
+    }
+
+    /// Runs `f` on the elements of `range` (panics if it is out of bounds).
+    ///
+    /// # Safety
+    /// No other thread accesses an element of `range` during the call, and no reference into the
+    /// buffer made by this thread accesses one either.
+    unsafe fn write_with<R>(&self, range: Range<usize>, f: impl FnOnce(&mut [T]) -> R) -> R {
+        assert!(range.start <= range.end && range.end <= self.len);
+        // SAFETY: in bounds (checked); exclusive for the call by the caller's contract.
+        f(unsafe {
+            std::slice::from_raw_parts_mut(self.ptr.as_ptr().add(range.start), range.len())
+        })
+    }
+
+    /// Copies elements `src..src + len` over `dst..dst + len` (the ranges may overlap).
+    ///
+    /// # Safety
+    /// No other thread writes the source, or accesses the destination, during the call.
+    unsafe fn copy_within(&self, src: usize, dst: usize, len: usize) {
+        assert!(src.max(dst) <= self.len && len <= self.len - src.max(dst));
+        let base = self.ptr.as_ptr();
+        // SAFETY: both ranges are in bounds (checked); `ptr::copy` allows overlap.
+        unsafe { std::ptr::copy(base.add(src), base.add(dst), len) }
+    }
+
+    /// Copies the bytes of elements `start..start + out.len() / size_of::<T>()` into `out`
+    /// (panics unless `out` is a whole number of elements in bounds).
+    fn read_bytes(&self, start: usize, out: &mut [u8]) {
+        let len = out.len() / std::mem::size_of::<T>();
+        out.copy_from_slice(bytemuck::cast_slice(&self[start..start + len]));
+    }
+
+    /// Overwrites elements from `start` with `bytes` (a whole number of elements, in bounds).
+    ///
+    /// # Safety
+    /// As [`SharedBuf::write_with`] over the elements written.
+    unsafe fn write_bytes(&self, start: usize, bytes: &[u8]) {
+        let len = bytes.len() / std::mem::size_of::<T>();
+        // SAFETY: forwarded; every bit pattern is a valid `T: Pod`.
+        unsafe {
+            self.write_with(start..start + len, |dst| {
+                bytemuck::cast_slice_mut::<T, u8>(dst).copy_from_slice(bytes)
+            })
+        }
+    }
+}
+
+impl<T> std::fmt::Debug for SharedBuf<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Not the elements: reading them all could race with a tier's I/O thread.
+        write!(f, "SharedBuf({} elements)", self.len)
+    }
+}
+
+/// One layer's K or V buffer in its storage type.
+#[derive(Debug)]
+pub enum KvBuffer {
+    F32(SharedBuf<f32>),
+    F16(SharedBuf<f16>),
+    Bf16(SharedBuf<bf16>),
+}
+
+/// Runs `$body` with `$buf` bound to the typed [`SharedBuf`] inside a `KvBuffer`.
 #[macro_export]
 macro_rules! with_kv_buffer {
     ($buffer:expr, $buf:ident => $body:expr) => {
@@ -136,19 +266,26 @@ macro_rules! with_kv_buffer {
 
 impl KvBuffer {
     fn zeroed(dtype: KvDtype, len: usize) -> Result<Self> {
+        const WHAT: &str = "a KV cache layer";
         Ok(match dtype {
-            KvDtype::F32 => KvBuffer::F32(memory::zeroed_vec(len, "a KV cache layer")?),
-            KvDtype::F16 => KvBuffer::F16(memory::zeroed_vec(len, "a KV cache layer")?),
-            KvDtype::Bf16 => KvBuffer::Bf16(memory::zeroed_vec(len, "a KV cache layer")?),
+            KvDtype::F32 => KvBuffer::F32(SharedBuf::from_vec(memory::zeroed_vec(len, WHAT)?)),
+            KvDtype::F16 => KvBuffer::F16(SharedBuf::from_vec(memory::zeroed_vec(len, WHAT)?)),
+            KvDtype::Bf16 => KvBuffer::Bf16(SharedBuf::from_vec(memory::zeroed_vec(len, WHAT)?)),
         })
     }
 
     /// `len` pseudo-random elements in [-1, 1) from `seed`, every page touched.
     pub(crate) fn random(dtype: KvDtype, len: usize, seed: u64, what: &str) -> Result<Self> {
         Ok(match dtype {
-            KvDtype::F32 => KvBuffer::F32(memory::random_vec(len, seed, what)?),
-            KvDtype::F16 => KvBuffer::F16(memory::random_vec(len, seed, what)?),
-            KvDtype::Bf16 => KvBuffer::Bf16(memory::random_vec(len, seed, what)?),
+            KvDtype::F32 => {
+                KvBuffer::F32(SharedBuf::from_vec(memory::random_vec(len, seed, what)?))
+            }
+            KvDtype::F16 => {
+                KvBuffer::F16(SharedBuf::from_vec(memory::random_vec(len, seed, what)?))
+            }
+            KvDtype::Bf16 => {
+                KvBuffer::Bf16(SharedBuf::from_vec(memory::random_vec(len, seed, what)?))
+            }
         })
     }
 
@@ -162,12 +299,24 @@ impl KvBuffer {
     }
 }
 
+/// The K and V buffers of every layer, shared by a cache and its block handles.
+struct Layers {
+    keys: Vec<KvBuffer>,
+    values: Vec<KvBuffer>,
+}
+
+impl Layers {
+    /// Each layer's K then V buffer: the order of a block's tiles in a tier's slot.
+    fn tiles(&self) -> impl Iterator<Item = &KvBuffer> {
+        self.keys.iter().zip(&self.values).flat_map(|(k, v)| [k, v])
+    }
+}
+
 /// K and V buffers for every layer.
 pub struct KvCache {
     shape: KvShape,
     dtype: KvDtype,
-    keys: Vec<KvBuffer>,
-    values: Vec<KvBuffer>,
+    layers: Arc<Layers>,
 }
 
 impl KvCache {
@@ -187,11 +336,14 @@ impl KvCache {
             }
             Ok(layers)
         };
+        let layers = Layers {
+            keys: make()?,
+            values: make()?,
+        };
         Ok(KvCache {
             shape,
             dtype,
-            keys: make()?,
-            values: make()?,
+            layers: Arc::new(layers),
         })
     }
 
@@ -207,16 +359,28 @@ impl KvCache {
 
     /// Bytes of K and V storage in all.
     pub fn nbytes(&self) -> usize {
-        2 * self.shape.num_layers
-            * self.shape.num_blocks
-            * self.shape.block_elems()
-            * self.dtype.size_of()
+        self.shape.num_blocks * self.slot_bytes()
+    }
+
+    /// Bytes of one block across every layer: the size of a tier's slot ([`KvShape::slot_bytes`]).
+    pub fn slot_bytes(&self) -> usize {
+        self.shape.slot_bytes(self.dtype)
+    }
+
+    /// A handle copying whole blocks out of and into this cache's storage from another thread
+    /// (a tier's I/O thread); see the module doc.
+    pub fn block_io(&self) -> KvBlockIo {
+        KvBlockIo {
+            shape: self.shape,
+            dtype: self.dtype,
+            layers: Arc::clone(&self.layers),
+        }
     }
 
     /// The K and V buffers of `layer`.
     pub fn layer(&self, layer: usize) -> Result<(&KvBuffer, &KvBuffer)> {
         self.check_layer(layer)?;
-        Ok((&self.keys[layer], &self.values[layer]))
+        Ok((&self.layers.keys[layer], &self.layers.values[layer]))
     }
 
     /// Stores rows `keys[i]`, `values[i]` (each `[num_kv_heads, head_dim]`, f32) at `slots[i]` of
@@ -251,10 +415,12 @@ impl KvCache {
         }
         let shape = self.shape;
         for (buffer, source) in [
-            (&mut self.keys[layer], keys),
-            (&mut self.values[layer], values),
+            (&self.layers.keys[layer], keys),
+            (&self.layers.values[layer], values),
         ] {
-            with_kv_buffer!(buffer, buf => scatter_rows(buf, source, slots, &shape));
+            // SAFETY: the engine writes only blocks of its tables, never one a tier's job holds
+            // (module doc), and `&mut self` keeps every other engine access out.
+            with_kv_buffer!(buffer, buf => unsafe { scatter_rows(buf, source, slots, &shape) });
         }
         Ok(())
     }
@@ -269,10 +435,11 @@ impl KvCache {
             )));
         }
         let block = self.shape.block_elems();
-        for buffer in self.keys.iter_mut().chain(self.values.iter_mut()) {
+        for buffer in self.layers.tiles() {
             with_kv_buffer!(buffer, buf => for op in ops {
                 let (src, dst) = (op.src as usize * block, op.dst as usize * block);
-                buf.copy_within(src..src + block, dst);
+                // SAFETY: both blocks belong to the engine's tables (as in `write`).
+                unsafe { buf.copy_within(src, dst, block) };
             });
         }
         Ok(())
@@ -301,20 +468,26 @@ impl KvCache {
             with_kv_buffer!(buffer, buf => gather_rows(buf, used, &self.shape, &mut out));
             Ok(out)
         };
-        Ok((read(&self.keys[layer])?, read(&self.values[layer])?))
+        Ok((
+            read(&self.layers.keys[layer])?,
+            read(&self.layers.values[layer])?,
+        ))
     }
 
     /// Overwrites every K and V element with pseudo-random values in [-1, 1) from `seed`: gives
-    /// benchmarks real data in every page (a fresh cache maps the shared zero page).
+    /// benchmarks real data in every page (a fresh cache maps the shared zero page). Each block
+    /// of each buffer gets its own seed, so no write spans more than one block.
     pub fn fill_random(&mut self, seed: u64) {
-        for (i, buffer) in self
-            .keys
-            .iter_mut()
-            .chain(self.values.iter_mut())
-            .enumerate()
-        {
-            let seed = seed.wrapping_add(i as u64);
-            with_kv_buffer!(buffer, buf => memory::fill_random(buf, seed));
+        let (blocks, block) = (self.shape.num_blocks, self.shape.block_elems());
+        for (i, buffer) in self.layers.tiles().enumerate() {
+            for b in 0..blocks {
+                let seed = seed.wrapping_add((i * blocks + b) as u64);
+                let range = b * block..(b + 1) * block;
+                // SAFETY: as in `write`.
+                with_kv_buffer!(buffer, buf => unsafe {
+                    buf.write_with(range, |values| memory::fill_random(values, seed))
+                });
+            }
         }
     }
 
@@ -348,14 +521,97 @@ impl KvCache {
     }
 }
 
-fn scatter_rows<T: KvElement>(buf: &mut [T], rows: &[f32], slots: &[i64], shape: &KvShape) {
+/// Whole-block access to a cache's storage for a tier's I/O thread: a block's bytes in the slot
+/// layout of [`KvShape::slot_bytes`]. Cheap to clone; keeps the storage alive.
+#[derive(Clone)]
+pub struct KvBlockIo {
+    shape: KvShape,
+    dtype: KvDtype,
+    layers: Arc<Layers>,
+}
+
+impl KvBlockIo {
+    /// Dimensions of the cache.
+    pub fn shape(&self) -> KvShape {
+        self.shape
+    }
+
+    /// Storage type of the cache.
+    pub fn dtype(&self) -> KvDtype {
+        self.dtype
+    }
+
+    /// Bytes of one block (`read_block` / `write_block` buffers).
+    pub fn slot_bytes(&self) -> usize {
+        self.shape.slot_bytes(self.dtype)
+    }
+
+    /// Copies block `block` of every layer into `out` (`slot_bytes` long).
+    ///
+    /// # Safety
+    /// No thread writes `block` during the call (an offloading block: see the module doc).
+    pub unsafe fn read_block(&self, block: BlockId, out: &mut [u8]) -> Result<()> {
+        let tile = self.check_block(block, out.len())?;
+        let start = block as usize * self.shape.block_elems();
+        for (buffer, out) in self.layers.tiles().zip(out.chunks_exact_mut(tile)) {
+            with_kv_buffer!(buffer, buf => buf.read_bytes(start, out));
+        }
+        Ok(())
+    }
+
+    /// Overwrites block `block` of every layer with `bytes` (`slot_bytes` long), which must be an
+    /// image `read_block` produced for a cache of this shape and dtype (so every value is finite,
+    /// as the module invariants require; a tier checks its checksum before writing).
+    ///
+    /// # Safety
+    /// No other thread accesses `block` during the call (the block of an in-flight load).
+    pub unsafe fn write_block(&self, block: BlockId, bytes: &[u8]) -> Result<()> {
+        let tile = self.check_block(block, bytes.len())?;
+        let start = block as usize * self.shape.block_elems();
+        for (buffer, bytes) in self.layers.tiles().zip(bytes.chunks_exact(tile)) {
+            // SAFETY: forwarded from the caller.
+            with_kv_buffer!(buffer, buf => unsafe { buf.write_bytes(start, bytes) });
+        }
+        Ok(())
+    }
+
+    /// Checks `block` and a buffer of `len` bytes; returns the bytes of one tile.
+    fn check_block(&self, block: BlockId, len: usize) -> Result<usize> {
+        ensure((block as usize) < self.shape.num_blocks, || {
+            format!("block {block} outside 0..{}", self.shape.num_blocks)
+        })?;
+        if len != self.slot_bytes() {
+            return Err(Error::Shape(format!(
+                "a block is {} bytes, got a buffer of {len}",
+                self.slot_bytes()
+            )));
+        }
+        Ok(self.shape.block_elems() * self.dtype.size_of())
+    }
+}
+
+/// Writes `rows` at `slots`, one `&mut` per (row, head) run.
+///
+/// # Safety
+/// No other thread accesses the rows of `slots` during the call.
+unsafe fn scatter_rows<T: KvElement>(
+    buf: &SharedBuf<T>,
+    rows: &[f32],
+    slots: &[i64],
+    shape: &KvShape,
+) {
     let d = shape.head_dim;
     for (&slot, row) in slots.iter().zip(rows.chunks_exact(shape.row_elems())) {
         for (head, src) in row.chunks_exact(d).enumerate() {
             let at = shape.offset(slot as usize, head);
-            for (dst, &x) in buf[at..at + d].iter_mut().zip(src) {
-                *dst = T::from_f32(x);
-            }
+            // SAFETY: forwarded from the caller.
+            unsafe {
+                buf.write_with(at..at + d, |dst| {
+                    for (dst, &x) in dst.iter_mut().zip(src) {
+                        *dst = T::from_f32(x);
+                    }
+                })
+            };
         }
     }
 }

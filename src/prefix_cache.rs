@@ -98,6 +98,11 @@ impl PrefixCache {
         self.blocks.remove(&hash);
     }
 
+    /// Every registered hash, in no order.
+    pub fn hashes(&self) -> impl Iterator<Item = BlockHash> + '_ {
+        self.blocks.keys().copied()
+    }
+
     /// Number of registered blocks.
     pub fn len(&self) -> usize {
         self.blocks.len()

@@ -9,9 +9,9 @@
 //!   that reason: the only state a panic can break is behind a mutex it poisons.)
 
 #[cfg(loom)]
-pub(crate) use loom::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+pub(crate) use loom::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 #[cfg(not(loom))]
-pub(crate) use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
+pub(crate) use std::sync::atomic::{AtomicU32, AtomicU64, AtomicUsize, Ordering};
 
 #[cfg(feature = "python")]
 pub(crate) use guarded::{run_guarded, run_locked, Failure};

@@ -16,12 +16,13 @@
 //!   belongs to the I/O thread: the manager neither frees nor reuses it until the load completes.
 //! - `contains` is a hint: true means "stored or being stored"; only a load's verification decides.
 
-use std::sync::atomic::AtomicUsize;
 use std::sync::Arc;
 
 use crate::free_list::FreeList;
 use crate::kv_events::KvEvent;
 use crate::prefix_cache::BlockHash;
+// `std`'s, or loom's under `--cfg loom` (so the loom test checks the pool with a real I/O thread).
+use crate::sync::AtomicUsize;
 use crate::{BlockId, TokenId};
 
 /// What a tier needs of the pool: its free list, shared, and the count of blocks returned to it.
@@ -80,6 +81,8 @@ pub struct TierCounters {
     pub bytes_read: u64,
     /// Blocks the tier holds now.
     pub blocks: u64,
+    /// Offloaded blocks whose copy was lost (an I/O error, a full queue): their ids still returned.
+    pub offloads_lost: u64,
 }
 
 /// A lower KV tier driven by one block manager.

@@ -290,8 +290,8 @@ fn outcome_of_error(error: Error) -> Outcome {
         Error::UnknownSequence(_) => Outcome::Unknown,
         Error::DuplicateSequence(_) => Outcome::Duplicate,
         Error::Shape(_) | Error::InvalidArgument(_) => Outcome::Invalid,
-        Error::OutOfMemory(what) => {
-            panic!("a model-sized manager cannot run out of memory: {what}")
+        Error::OutOfMemory(what) | Error::Io(what) => {
+            panic!("a model-sized manager without a disk tier cannot fail so: {what}")
         }
     }
 }

@@ -36,6 +36,7 @@ from pagedkv.errors import (
     DuplicateSequenceError,
     InternalError,
     InvalidArgumentError,
+    KvTierError,
     ModelError,
     NoChatTemplateError,
     OutOfBlocksError,
@@ -43,6 +44,7 @@ from pagedkv.errors import (
     ShapeError,
     UnknownSequenceError,
 )
+from pagedkv.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEventBatch, KvEventPublisher, KvSnapshot
 from pagedkv.model import LlamaConfig, LlamaModel, SamplingParams, SimulatedModel
 
 __all__ = [
@@ -66,6 +68,7 @@ __all__ = [
     "ShapeError",
     "CheckpointError",
     "ModelError",
+    "KvTierError",
     "NoChatTemplateError",
     "InternalError",
     "LlamaConfig",
@@ -83,5 +86,11 @@ __all__ = [
     "RequestMetrics",
     "TokenEvent",
     "TokenLogprob",
+    "KvEventPublisher",
+    "KvEventBatch",
+    "KvSnapshot",
+    "BlockStored",
+    "BlockRemoved",
+    "AllBlocksCleared",
     "__version__",
 ]

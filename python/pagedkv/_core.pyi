@@ -9,6 +9,7 @@ valid Unicode. ``TokenIds`` are a sequence of such ints or a 1-D integer array, 
 raises ``pagedkv.errors.InternalError``, and the object it hit refuses every later call with it.
 """
 
+import os
 from collections.abc import Sequence
 from typing import Literal, TypeAlias
 
@@ -46,6 +47,8 @@ __version__: str
 
 # Private: a name of the stub only (the extension has no such attribute); documented as TokenIds above.
 _TokenIds: TypeAlias = Sequence[int] | npt.NDArray[np.integer]
+# Private too: a KV event as Scheduler.take_kv_events gives it.
+_KvEventTuple: TypeAlias = tuple[str, int, int, list[int], str] | tuple[str, int, str] | tuple[str, str]
 
 @final
 class BlockManager:
@@ -196,6 +199,9 @@ class Scheduler:
         eos_token_ids: _TokenIds | None = None,
         admission_lookahead_tokens: int | None = 32,
         eviction_policy: str = "lru",
+        emit_kv_events: bool = False,
+        min_load_blocks: int = 1,
+        offload_watermark_blocks: int | None = None,
     ) -> Self:
         """``max_model_len`` defaults to the whole cache and may not exceed it;
         ``long_prefill_token_threshold`` caps one sequence's prompt tokens per step (0: no cap).
@@ -208,7 +214,40 @@ class Scheduler:
         chunk fits. ``None`` keeps no headroom: admission fills memory that running sequences need
         a step later, and the sequence just admitted is preempted. ``eviction_policy`` picks the
         cached block evicted when memory is needed: ``"lru"`` the least recently released,
-        ``"slru"`` (segmented LRU) never-hit blocks before blocks a prefix lookup has hit."""
+        ``"slru"`` (segmented LRU) never-hit blocks before blocks a prefix lookup has hit (in RAM
+        and in the disk tier). ``emit_kv_events`` records KV events (``take_kv_events``). With a
+        disk tier: a run of fewer than ``min_load_blocks`` consecutive disk hits is recomputed
+        instead of loaded; ``offload_watermark_blocks`` clean blocks are kept ahead of need by
+        offloading the next eviction victims early (default: one step's token budget in blocks,
+        at most a sixteenth of the pool)."""
+    def attach_disk_tier(
+        self, kv_cache: KVCache, path: str | os.PathLike[str], capacity_bytes: int, identity: bytes
+    ) -> dict[str, int | bool]:
+        """Open (or create) the disk tier in directory ``path`` for the blocks of ``kv_cache`` (the
+        cache this scheduler's steps index), holding at most ``capacity_bytes`` of K/V, for the
+        model ``identity`` names (a tier recorded for another is cleared), and attach it: evicted
+        cached blocks are offloaded to it (off this thread), prefix hits on it are loaded back and
+        verified (a block failing its checksum, tokens or parent is dropped and recomputed).
+        Returns ``{"recovered": blocks, "cleared": bool}``. Contract, from then on: write K/V
+        only at a step's ``slot_mapping`` and read them only through its ``block_tables`` (the
+        tier's thread copies other blocks meanwhile). Raises, attaching nothing,
+        InvalidArgumentError for a bad argument, a cache of another pool or block size, a tier
+        attached already or a scheduler that has held a block; KvTierError if the directory or its
+        files cannot be made, opened or locked (another scheduler holds them)."""
+    def detach_disk_tier(self) -> list[_KvEventTuple]:
+        """Finish the tier's queued writes and loads and close it (the directory may then be
+        opened again); cached RAM blocks stay, its figures stay in ``stats()``. Returns its last
+        KV events (with ``emit_kv_events``: those not yet taken, then ``("cleared", "disk")``), to
+        publish after ``take_kv_events()``. Without a tier, ``[]``."""
+    def flush_disk_tier(self) -> None:
+        """Block until the disk tier has finished every queued write and load."""
+    def take_kv_events(self) -> list[_KvEventTuple]:
+        """KV events since the last call, in order (none unless ``emit_kv_events``):
+        ``("stored", block_hash, parent_block_hash, token_ids, medium)``, ``("removed",
+        block_hash, medium)``, ``("cleared", medium)``; medium ``"ram"`` or ``"disk"``, hashes
+        those of ``block_hashes``. Replaying all of them gives ``kv_blocks()``."""
+    def kv_blocks(self) -> list[tuple[int, str]]:
+        """The ``(block_hash, medium)`` pairs findable now by prefix lookup."""
     def add_request(
         self,
         request_id: str,
@@ -241,14 +280,21 @@ class Scheduler:
     def stats(self) -> dict[str, int | float]:
         """steps, num_running, num_waiting, num_unfinished_requests, scheduled_tokens,
         prefill_tokens, generated_tokens, preemptions, finished_requests, aborted_requests,
-        peak_running, prefix_queried_tokens, prefix_hit_tokens, prefix_hit_rate, kv_usage,
-        cow_copies."""
+        peak_running, prefix_queried_tokens, prefix_hit_tokens (RAM and disk hits),
+        prefix_hit_rate, kv_usage, cow_copies, num_loading; with a disk tier (attached, or
+        detached since): disk_hits / disk_hit_tokens (blocks admission found only on disk),
+        disk_loads (loaded, verified), disk_loads_dropped (recomputed instead), disk_dropped_corrupt,
+        disk_offloads_issued, disk_offloads (stored), disk_offloads_lost, disk_evictions_without_offload,
+        disk_evictions, disk_bytes_written, disk_bytes_read, disk_blocks (held now)."""
     def check_invariants(self) -> None:
         """Raise AssertionError naming the first broken invariant."""
     @property
     def num_running(self) -> int: ...
     @property
     def num_waiting(self) -> int: ...
+    @property
+    def num_loading(self) -> int:
+        """Sequences waiting for their blocks to load from the disk tier."""
     @property
     def num_unfinished_requests(self) -> int: ...
     @property

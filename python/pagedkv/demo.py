@@ -252,6 +252,12 @@ def _summary(console: Console, outputs: list[RequestOutput], stats: dict, usage:
         ("preemptions", str(stats["preemptions"])),
         ("peak running", str(stats["peak_running"])),
     ]
+    if "disk_blocks" in stats:  # the engine has a disk tier (--kv-disk-path)
+        rows += [
+            ("disk tier hits / loads", f"{stats['disk_hits']} blocks found / {stats['disk_loads']} loaded"),
+            ("disk tier offloads", f"{stats['disk_offloads']} blocks ({stats['disk_bytes_written'] / 1e6:.1f} MB written)"),
+            ("disk tier now", f"{stats['disk_blocks']} blocks, {stats['disk_dropped_corrupt']} dropped as corrupt"),
+        ]
     for name, value in rows:
         table.add_row(name, value)
     console.print(table)

@@ -375,8 +375,7 @@ class EngineCore:
             eos_token_ids=list(eos_token_ids),
             admission_lookahead_tokens=config.admission_lookahead_tokens,
             eviction_policy=config.eviction_policy,
-            # TEMPORARY until the core's events land: passed only when asked.
-            **({"emit_kv_events": True} if config.emit_kv_events else {}),
+            emit_kv_events=config.emit_kv_events,
         )
         self.max_model_len: int = self.scheduler.max_model_len  # as the scheduler validated it
         if self.max_model_len > runner.max_model_len:
@@ -633,7 +632,9 @@ class EngineCore:
         with self._lock:
             if self._tier_attached:
                 self._tier_attached = False
-                self.scheduler.detach_disk_tier()
+                last = self.scheduler.detach_disk_tier()  # the tier's last events, then its medium cleared
+                if self._emit_kv_events:
+                    self.kv_events.publish([_kv_event(raw) for raw in [*self.scheduler.take_kv_events(), *last]])
 
 
 def _logprobs_by_sample(

@@ -16,6 +16,7 @@ __all__ = [
     "ShapeError",
     "CheckpointError",
     "ModelError",
+    "KvTierError",
     "InternalError",
 ]
 
@@ -63,6 +64,15 @@ class CheckpointError(PagedKVError, OSError):
 
     def __str__(self) -> str:  # OSError would format (errno, strerror) pairs
         return str(self.args[0])
+
+
+class KvTierError(PagedKVError, OSError):
+    """The disk tier of the KV cache cannot be opened, read or written (its directory cannot be
+    made, its files are locked by another engine, the disk failed). A block that merely fails
+    verification is no error: it is dropped and recomputed."""
+
+    def __str__(self) -> str:  # OSError would format (errno, strerror) pairs
+        return str(self.args[0]) if self.args else ""
 
 
 class NoChatTemplateError(PagedKVError, LookupError):

@@ -6,11 +6,13 @@
 
 pub mod index;
 pub mod store;
+pub mod tier;
 
 pub use index::BlockRecord;
 pub use store::{DiskCounters, DiskStore, Opened};
+pub use tier::{DiskTier, DiskTierConfig};
 
-/// What can go wrong on the disk tier (its own type until the engine wires the tier in).
+/// What can go wrong in the disk store ([`crate::Error`] at the tier's boundary).
 #[derive(Debug, thiserror::Error)]
 pub enum DiskError {
     #[error("disk tier I/O: {0}")]
@@ -23,3 +25,12 @@ pub enum DiskError {
 
 /// Short form of the tier's results.
 pub type DiskResult<T> = std::result::Result<T, DiskError>;
+
+impl From<DiskError> for crate::Error {
+    fn from(error: DiskError) -> Self {
+        match error {
+            DiskError::InvalidArgument(message) => crate::Error::InvalidArgument(message),
+            other => crate::Error::Io(other.to_string()),
+        }
+    }
+}

@@ -56,6 +56,8 @@ pub struct DiskStore {
     free: Vec<u32>,
     order: Evictable,
     counters: DiskCounters,
+    /// Hashes whose entries were removed (evicted or dropped) since the last `take_removed`.
+    removed: Vec<BlockHash>,
 }
 
 impl DiskStore {
@@ -100,6 +102,7 @@ impl DiskStore {
                 dropped_corrupt: undecodable as u64,
                 ..Default::default()
             },
+            removed: Vec::new(),
         };
         for (hash, record) in records {
             let slot = record.slot as usize;
@@ -142,6 +145,17 @@ impl DiskStore {
     /// The stored hashes, in no order.
     pub fn hashes(&self) -> impl Iterator<Item = BlockHash> + '_ {
         self.slots.keys().copied()
+    }
+
+    /// The stored entries with their hashes, in no order.
+    pub fn records(&self) -> impl Iterator<Item = (BlockHash, &BlockRecord)> + '_ {
+        self.slots.iter().map(|(&hash, record)| (hash, record))
+    }
+
+    /// Hashes whose entries `store` (evicting) or `load` (dropping) removed since the last call,
+    /// in order, errors or not: what a caller reports as no longer held.
+    pub fn take_removed(&mut self) -> Vec<BlockHash> {
+        std::mem::take(&mut self.removed)
     }
 
     /// What the tier has done.
@@ -254,6 +268,7 @@ impl DiskStore {
         self.owners[slot as usize] = None;
         self.slots.remove(&hash);
         self.free.push(slot);
+        self.removed.push(hash);
         Ok(())
     }
 

@@ -7,8 +7,9 @@
 //! bool or a float; it must be an int64 and lie in its core type's range (sizes and ids
 //! `0..2**63`, token ids `0..2**32`), so -1 and 2**63 are refused alike;
 //! a float argument takes an int or a float, never a bool; a str argument must be valid Unicode
-//! (no lone surrogates); an int sequence is a list, tuple or other sequence of such ints, or a
-//! 1-D integer numpy array, never a str, bytes or a bool array. Range checks beyond the type
+//! (no lone surrogates); a path is a str or an `os.PathLike`; raw bytes are a `bytes` object; an
+//! int sequence is a list, tuple or other sequence of such ints, or a 1-D integer numpy array,
+//! never a str, bytes or a bool array. Range checks beyond the type
 //! (positive sizes, limits) belong to the core, which validates each argument once.
 //! Bindings take each argument as `&Bound<PyAny>` and convert it with `arg`; one defaulting to
 //! `None` as `Option<&Bound<PyAny>>` converted with `opt`; one with another default as a `Param`
@@ -187,6 +188,33 @@ impl FromArg for String {
                 describe(obj)
             ))
         })
+    }
+}
+
+/// A filesystem path: a str or an `os.PathLike` (`pathlib.Path`), as `os.fspath` gives it.
+impl FromArg for std::path::PathBuf {
+    fn from_arg(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Self> {
+        if obj.is_instance_of::<PyBytes>() {
+            return Err(invalid(format!("{name} must be a str or os.PathLike, got {}", describe(obj))));
+        }
+        obj.extract::<std::path::PathBuf>().map_err(|_| {
+            invalid(format!(
+                "{name} must be a str or os.PathLike, got {}",
+                describe(obj)
+            ))
+        })
+    }
+}
+
+/// Raw bytes: a `bytes` object only (a str would need an encoding, a sequence of ints is no
+/// byte string).
+pub struct Bytes(pub Vec<u8>);
+
+impl FromArg for Bytes {
+    fn from_arg(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Self> {
+        obj.cast::<PyBytes>()
+            .map(|b| Bytes(b.as_bytes().to_vec()))
+            .map_err(|_| invalid(format!("{name} must be bytes, got {}", describe(obj))))
     }
 }
 

@@ -6,7 +6,7 @@
 //! (an `ImportError`-like error, not a panic) if `pagedkv.errors` lacks a class; after it, the
 //! cached lookups cannot fail.
 
-use pyo3::exceptions::PyMemoryError;
+use pyo3::exceptions::{PyMemoryError, PyOSError};
 use pyo3::import_exception;
 use pyo3::prelude::*;
 
@@ -48,6 +48,7 @@ pub fn to_py(error: Error) -> PyErr {
         Error::Shape(_) => ShapeError::new_err(message),
         Error::InvalidArgument(_) => InvalidArgumentError::new_err(message),
         Error::OutOfMemory(_) => PyMemoryError::new_err(message),
+        Error::Io(_) => PyOSError::new_err(message),
     }
 }
 

@@ -15,6 +15,7 @@ mod linear;
 mod sampling;
 mod scheduler;
 mod sync;
+mod tier;
 
 use pyo3::prelude::*;
 

@@ -11,20 +11,29 @@ use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyList, PyTuple};
 
-use super::args::{arg, invalid, opt, Param};
+use std::path::PathBuf;
+
+use super::args::{arg, invalid, opt, Bytes, Param};
+use super::kv_cache::PyKVCache;
 use super::sync::{detached, locked};
+use super::tier;
 use crate::block_manager::DEFAULT_BLOCK_SIZE;
+use crate::kv_events::{KvEvent, Medium};
 use crate::lru::EvictionPolicy;
 use crate::scheduler::{
-    FinishReason, Policy, RequestEvent, RequestOptions, SamplingParams, Scheduler, SchedulerConfig,
-    StepId, StepOutput, UpdateOutput, DEFAULT_AGING_STEPS,
+    default_offload_watermark, FinishReason, Policy, RequestEvent, RequestOptions,
+    SamplingParams, Scheduler, SchedulerConfig, StepId, StepOutput, UpdateOutput,
+    DEFAULT_AGING_STEPS,
 };
+use crate::tier::TierCounters;
 use crate::TokenId;
 
 /// Continuous-batching scheduler over a paged KV cache. Thread-safe; every call releases the GIL.
 #[pyclass(name = "Scheduler", module = "pagedkv", frozen)]
 pub struct PyScheduler {
     inner: Mutex<Scheduler>,
+    /// The disk tier's counters when it was detached (its figures stay in `stats()`).
+    detached_tier: Mutex<Option<TierCounters>>,
 }
 
 impl PyScheduler {
@@ -52,11 +61,14 @@ impl PyScheduler {
             enable_prefix_caching=Param::Absent, policy=Param::Absent, aging_steps=Param::Absent,
             long_prefill_token_threshold=Param::Absent, eos_token_ids=None,
             admission_lookahead_tokens=Param::Absent, eviction_policy=Param::Absent,
+            emit_kv_events=Param::Absent, min_load_blocks=Param::Absent,
+            offload_watermark_blocks=None,
         ),
         text_signature = "(num_blocks, block_size=16, max_num_seqs=256, \
             max_num_batched_tokens=8192, max_model_len=None, enable_prefix_caching=True, \
             policy='fcfs', aging_steps=100, long_prefill_token_threshold=0, eos_token_ids=None, \
-            admission_lookahead_tokens=32, eviction_policy='lru')"
+            admission_lookahead_tokens=32, eviction_policy='lru', emit_kv_events=False, \
+            min_load_blocks=1, offload_watermark_blocks=None)"
     )]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -73,6 +85,9 @@ impl PyScheduler {
         eos_token_ids: Option<&Bound<'_, PyAny>>,
         admission_lookahead_tokens: Param<'_>,
         eviction_policy: Param<'_>,
+        emit_kv_events: Param<'_>,
+        min_load_blocks: Param<'_>,
+        offload_watermark_blocks: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let mut c = SchedulerConfig::new(
             arg(num_blocks, "num_blocks")?,
@@ -96,14 +111,107 @@ impl PyScheduler {
         c.eos_token_ids = opt(eos_token_ids, "eos_token_ids")?.unwrap_or_default();
         c.admission_lookahead_tokens = admission_lookahead_tokens
             .or("admission_lookahead_tokens", c.admission_lookahead_tokens)?;
+        c.emit_kv_events = emit_kv_events.or("emit_kv_events", c.emit_kv_events)?;
+        c.min_load_blocks = min_load_blocks.or("min_load_blocks", c.min_load_blocks)?;
+        let watermark = opt(offload_watermark_blocks, "offload_watermark_blocks")?;
         let scheduler = detached(py, || {
             c.policy = Policy::from_name(&policy, aging_steps)?;
             c.eviction_policy = EvictionPolicy::from_name(&eviction_policy)?;
+            // Left out: the default for the limits as given (the core's).
+            c.offload_watermark_blocks = watermark.unwrap_or_else(|| {
+                default_offload_watermark(c.num_blocks, c.block_size, c.max_num_batched_tokens)
+            });
             Scheduler::new(c)
         })?;
         Ok(PyScheduler {
             inner: Mutex::new(scheduler),
+            detached_tier: Mutex::new(None),
         })
+    }
+
+    /// Opens (or creates) the disk tier in directory `path` for the blocks of `kv_cache` (the
+    /// cache the scheduler's steps index), at most `capacity_bytes` of K/V data, recording
+    /// `identity` (the model's: a tier recorded under another is cleared), and attaches it: evicted
+    /// cached blocks are offloaded to it, prefix hits on it loaded back. Returns what opening
+    /// found: `{"recovered": blocks, "cleared": bool}`. Raises, attaching nothing,
+    /// InvalidArgumentError for a bad argument, a cache of another pool size or block size, a
+    /// tier attached already, or a scheduler that has served a request; KvTierError if the
+    /// directory or its files cannot be made, opened or locked (another engine holds them).
+    #[pyo3(signature = (kv_cache, path, capacity_bytes, identity))]
+    fn attach_disk_tier<'py>(
+        &self,
+        py: Python<'py>,
+        kv_cache: &Bound<'py, PyAny>,
+        path: &Bound<'py, PyAny>,
+        capacity_bytes: &Bound<'py, PyAny>,
+        identity: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, PyDict>> {
+        let cache = kv_cache
+            .cast::<PyKVCache>()
+            .map_err(|_| invalid("kv_cache must be a KVCache".into()))?
+            .get();
+        let path: PathBuf = arg(path, "path")?;
+        let capacity: u64 = arg(capacity_bytes, "capacity_bytes")?;
+        let Bytes(identity) = arg(identity, "identity")?;
+        let io = cache.with(py, |c| Ok(c.block_io()))?;
+        let opened = self.with(py, move |s| {
+            tier::attach_disk_tier(s, &path, io, capacity, identity)
+        })?;
+        tier::opened(py, &opened)
+    }
+
+    /// Finishes the disk tier's queued writes and loads, then closes it (its files released, so
+    /// another scheduler may open the directory); cached RAM blocks stay. Returns the tier's last
+    /// KV events (with `emit_kv_events`: those not yet taken, then `("cleared", "disk")`), to
+    /// publish after `take_kv_events()`. Without a tier, nothing (an empty list).
+    fn detach_disk_tier<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let (last, counters) = self.with(py, |s| {
+            let mut last = Vec::new();
+            let Some(mut tier) = s.detach_tier() else {
+                return Ok((last, None));
+            };
+            if s.config().emit_kv_events {
+                tier.drain_events(&mut last);
+                last.push(KvEvent::AllBlocksCleared {
+                    medium: Medium::Disk,
+                });
+            }
+            let counters = tier.counters();
+            drop(tier); // joins its I/O thread and closes its files, without the GIL
+            Ok((last, Some(counters)))
+        })?;
+        if counters.is_some() {
+            locked(py, &self.detached_tier, |d| {
+                *d = counters;
+                Ok(())
+            })?;
+        }
+        tier::events(py, &last)
+    }
+
+    /// Blocks until the disk tier has finished every queued write and load (the next
+    /// `schedule()` sees the loads). Without a tier, nothing.
+    fn flush_disk_tier(&self, py: Python<'_>) -> PyResult<()> {
+        self.with(py, |s| {
+            s.flush_tier();
+            Ok(())
+        })
+    }
+
+    /// The KV events since the last call, in order (empty unless made with `emit_kv_events`):
+    /// `("stored", block_hash, parent_block_hash, token_ids, medium)`, `("removed", block_hash,
+    /// medium)` or `("cleared", medium)`, medium "ram" or "disk". Replaying every event taken
+    /// since the scheduler was made gives `kv_blocks()`.
+    fn take_kv_events<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let taken = self.with(py, |s| Ok(s.take_kv_events()))?;
+        tier::events(py, &taken)
+    }
+
+    /// The blocks findable now by prefix lookup, as `(block_hash, medium)` pairs (a block may be
+    /// held in both media).
+    fn kv_blocks<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let held = self.with(py, |s| Ok(s.kv_blocks()))?;
+        tier::blocks(py, &held)
     }
 
     /// Queues a request. Raises DuplicateSequenceError for a live id, InvalidArgumentError for an
@@ -241,7 +349,11 @@ impl PyScheduler {
 
     /// Cumulative figures and current occupancy as a dict.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = self.with(py, |s| Ok(s.stats()))?;
+        let (s, attached) = self.with(py, |s| Ok((s.stats(), s.block_manager().has_tier())))?;
+        let tier = match attached {
+            true => Some(s.tier),
+            false => locked(py, &self.detached_tier, |d| Ok(*d))?,
+        };
         let dict = PyDict::new(py);
         dict.set_item("steps", s.steps)?;
         dict.set_item("num_running", s.num_running)?;
@@ -259,6 +371,10 @@ impl PyScheduler {
         dict.set_item("prefix_hit_rate", s.prefix_hit_rate)?;
         dict.set_item("kv_usage", s.kv_usage)?;
         dict.set_item("cow_copies", s.cow_copies)?;
+        dict.set_item("num_loading", s.num_loading)?;
+        if let Some(tier) = tier {
+            tier::add_stats(&dict, &s, &tier)?;
+        }
         Ok(dict)
     }
 
@@ -272,6 +388,12 @@ impl PyScheduler {
     #[getter]
     fn num_running(&self, py: Python<'_>) -> PyResult<usize> {
         self.with(py, |s| Ok(s.num_running()))
+    }
+
+    /// Sequences waiting for their blocks to load from the disk tier.
+    #[getter]
+    fn num_loading(&self, py: Python<'_>) -> PyResult<usize> {
+        self.with(py, |s| Ok(s.num_loading()))
     }
 
     /// Waiting sequences (new or preempted).

@@ -11,20 +11,31 @@
 //! `finish_sample` ends one sample of a request early (a stop string its caller matched), freeing
 //! its blocks, while the request's other samples run on; `abort` ends a whole request.
 //!
+//! With a tier attached ([`Scheduler::attach_tier`]), an admission whose prefix continues in the
+//! tier admits only the hit blocks and the sequence is *loading*: it holds its blocks and a seat
+//! (it counts against `max_num_seqs` and memory, not the token budget), is never scheduled nor
+//! chosen as a preemption victim (its loads end in bounded time, and preempting it would waste
+//! them), and joins the running list when `schedule`, which first drains the finished loads, finds
+//! all its loads ended, its `num_computed` then the prefix up to the first dropped load. Aborting
+//! it frees its table at once; the block manager releases blocks still being loaded when their
+//! loads end.
+//!
 //! Invariants (checked by `check_invariants`):
-//! - every live sequence is either waiting (queued, no block table) or running (in `running`,
-//!   with a block table holding `num_computed` tokens);
+//! - every live sequence is either waiting (queued, no block table), loading (in `loading`, with
+//!   a block table holding `num_computed` tokens) or running (in `running`, with a block table
+//!   holding `num_computed` tokens);
 //! - `running` is sorted by `victim_rank`, so its back is always the next victim, and a victim is
 //!   never a sequence already scheduled in the current step (those are in front of the cursor);
-//! - running sequences plus the forks their prompts still owe never exceed `max_num_seqs`;
+//! - running and loading sequences plus the forks their prompts still owe never exceed
+//!   `max_num_seqs`;
 //! - `schedule` and `update` alternate, `update` naming by its `StepId` the step it answers (a
 //!   step of another scheduler or an old one is refused); an error from either, or from
 //!   `add_request` / `abort` / `finish_sample`, leaves every structure as it was.
 //! - the limits fit the step's arrays: `max_model_len` and `max_num_batched_tokens` an i32,
 //!   `max_num_seqs` a u32 (checked by `SchedulerConfig::validate`).
 //!
-//! Progress: `max_model_len` tokens fit the cache, and admission never skips the queue head, so
-//! every request either finishes or was rejected by `add_request`.
+//! Progress: `max_model_len` tokens fit the cache, admission never skips the queue head, and every
+//! load ends, so every request either finishes or was rejected by `add_request`.
 //!
 //! Cost per step is O(scheduled sequences + their block-table rows) plus O(log waiting) per
 //! admission; a prompt's block hashes are computed once however often its admission is retried.
@@ -47,10 +58,12 @@ pub use output::{
 pub use queue::{Policy, DEFAULT_AGING_STEPS};
 pub use request::{FinishReason, SamplingParams};
 
-use crate::block_manager::BlockManager;
+use crate::block_manager::{BlockManager, TierPolicy, DEFAULT_MIN_LOAD_BLOCKS};
 use crate::error::{ensure, Error, Result};
+use crate::kv_events::{KvEvent, Medium};
 use crate::lru::EvictionPolicy;
-use crate::prefix_cache::{extend_block_hashes, root_hash};
+use crate::prefix_cache::{extend_block_hashes, root_hash, BlockHash};
+use crate::tier::{KvTier, TierLink};
 use crate::{SeqId, TokenId};
 use queue::{QueueKey, WaitingQueue};
 use request::{Request, SeqStatus, Sequence};
@@ -61,6 +74,9 @@ use slab::{Handle, Slab};
 /// trace under overload (docs/serving): 0 tokens (prompts only) still preempts 298 times, 16
 /// tokens 26, 32 tokens 4, 64 tokens none; throughput is flat from 16 to 64 and falls beyond.
 pub const DEFAULT_ADMISSION_LOOKAHEAD_TOKENS: usize = 32;
+
+/// Tokens per step by default (`SchedulerConfig::max_num_batched_tokens`).
+pub const DEFAULT_MAX_NUM_BATCHED_TOKENS: usize = 8192;
 
 /// Longest `max_model_len` and `max_num_batched_tokens`: a step's `context_lens` and
 /// `query_start_loc` are int32 arrays.
@@ -102,6 +118,33 @@ pub struct SchedulerConfig {
     /// just admitted (its prefill wasted). An empty batch admits the head whenever its first chunk
     /// fits, so admission never deadlocks.
     pub admission_lookahead_tokens: Option<usize>,
+    /// Record KV events (`Scheduler::take_kv_events`); off, they cost nothing.
+    pub emit_kv_events: bool,
+    /// Fewest consecutive tier-hit blocks worth loading; a shorter run is recomputed (at least 1).
+    /// Default `DEFAULT_MIN_LOAD_BLOCKS` (1, load any hit) until the load-vs-recompute crossover
+    /// is measured.
+    pub min_load_blocks: usize,
+    /// With a tier: clean blocks kept ahead of need by offloading cached ones (see
+    /// `TierPolicy::offload_watermark`; at most `num_blocks`). Default
+    /// `default_offload_watermark`.
+    pub offload_watermark_blocks: usize,
+}
+
+/// The default offload watermark: the blocks one full step can allocate (its token budget in
+/// blocks, one per sequence more at most for the decode tails), capped at a sixteenth of the pool.
+/// A step allocating no more than this finds every block clean, so it never drops a cached block
+/// for want of the tier's copy-out (which runs during the step); the cap bounds what leaves the RAM
+/// prefix cache early (to the tier, where it is still a hit) on small pools.
+pub fn default_offload_watermark(
+    num_blocks: usize,
+    block_size: usize,
+    max_num_batched_tokens: usize,
+) -> usize {
+    max_num_batched_tokens
+        .div_ceil(block_size.max(1))
+        .min(num_blocks / 16)
+        .max(1)
+        .min(num_blocks)
 }
 
 impl SchedulerConfig {
@@ -113,7 +156,7 @@ impl SchedulerConfig {
             num_blocks,
             block_size,
             max_num_seqs: 256,
-            max_num_batched_tokens: 8192,
+            max_num_batched_tokens: DEFAULT_MAX_NUM_BATCHED_TOKENS,
             max_model_len: num_blocks
                 .saturating_mul(block_size)
                 .min(MAX_TOKENS_PER_ARRAY),
@@ -123,6 +166,13 @@ impl SchedulerConfig {
             long_prefill_token_threshold: 0,
             eos_token_ids: Vec::new(),
             admission_lookahead_tokens: Some(DEFAULT_ADMISSION_LOOKAHEAD_TOKENS),
+            emit_kv_events: false,
+            min_load_blocks: DEFAULT_MIN_LOAD_BLOCKS,
+            offload_watermark_blocks: default_offload_watermark(
+                num_blocks,
+                block_size,
+                DEFAULT_MAX_NUM_BATCHED_TOKENS,
+            ),
         }
     }
 
@@ -225,7 +275,9 @@ pub struct Scheduler {
     waiting: WaitingQueue,
     /// Running sequences sorted by `victim_rank` (back = next victim).
     running: Vec<Handle>,
-    /// Forks still owed by running sequences whose prompt is not fully computed.
+    /// Sequences waiting for their loads from the tier (holding blocks, not scheduled).
+    loading: Vec<Handle>,
+    /// Forks still owed by running or loading sequences whose prompt is not fully computed.
     owed_forks: usize,
     next_block_seq: SeqId,
     next_request_order: u64,
@@ -244,12 +296,19 @@ pub struct Scheduler {
 impl Scheduler {
     pub fn new(config: SchedulerConfig) -> Result<Self> {
         config.validate()?;
-        let blocks = BlockManager::with_eviction_policy(
+        let mut blocks = BlockManager::with_eviction_policy(
             config.num_blocks,
             config.block_size,
             config.enable_prefix_caching,
             config.eviction_policy,
         )?;
+        blocks.set_tier_policy(TierPolicy {
+            min_load_blocks: config.min_load_blocks,
+            offload_watermark: config.offload_watermark_blocks,
+        })?;
+        if config.emit_kv_events {
+            blocks.record_kv_events()?;
+        }
         Ok(Scheduler {
             id: NEXT_SCHEDULER.fetch_add(1, Ordering::Relaxed),
             config,
@@ -259,6 +318,7 @@ impl Scheduler {
             seqs: Slab::default(),
             waiting: WaitingQueue::default(),
             running: Vec::new(),
+            loading: Vec::new(),
             owed_forks: 0,
             next_block_seq: 0,
             next_request_order: 0,
@@ -280,6 +340,43 @@ impl Scheduler {
     /// The block manager scheduled over (read-only).
     pub fn block_manager(&self) -> &BlockManager {
         &self.blocks
+    }
+
+    /// What a tier needs of the block pool: build the tier from it, then `attach_tier`.
+    pub fn tier_link(&self) -> TierLink {
+        self.blocks.tier_link()
+    }
+
+    /// Offloads evicted blocks to `tier` and loads prefix hits from it from now on. Fails,
+    /// changing nothing, with `InvalidArgument` if a tier is attached already or a sequence or
+    /// cached block exists (attach before the first step).
+    pub fn attach_tier(&mut self, tier: Box<dyn KvTier>) -> Result<()> {
+        self.blocks.attach_tier(tier)
+    }
+
+    /// Blocks until the tier has finished every queued job; the next `schedule` sees its loads.
+    pub fn flush_tier(&mut self) {
+        self.blocks.flush_tier();
+    }
+
+    /// Stops using the tier and returns it (drop it to close its files): finishes its queued
+    /// jobs, moves the sequences whose loads ended to the running list, then detaches it. None
+    /// without a tier. Cached RAM blocks stay; evictions drop them from now on.
+    pub fn detach_tier(&mut self) -> Option<Box<dyn KvTier>> {
+        self.blocks.flush_tier();
+        self.complete_loads();
+        self.blocks.detach_tier()
+    }
+
+    /// The KV events since the last call (RAM ones, then the tier's), empty unless
+    /// `SchedulerConfig::emit_kv_events`.
+    pub fn take_kv_events(&mut self) -> Vec<KvEvent> {
+        self.blocks.take_kv_events()
+    }
+
+    /// The blocks findable now, by medium: replaying every event from the start gives this set.
+    pub fn kv_blocks(&self) -> Vec<(BlockHash, Medium)> {
+        self.blocks.kv_blocks()
     }
 
     /// Queues a request. Rejects (changing nothing) a duplicate id, an empty prompt, a prompt
@@ -397,16 +494,20 @@ impl Scheduler {
                 let queued = self.waiting.remove(seq.queue_key, handle);
                 debug_assert!(queued);
             }
-            SeqStatus::Running => {
+            SeqStatus::Running | SeqStatus::Loading => {
                 self.blocks
                     .free(seq.block_seq)
-                    .expect("running sequences have tables");
-                let at = self
-                    .running
+                    .expect("running and loading sequences have tables");
+                let list = if seq.status == SeqStatus::Running {
+                    &mut self.running
+                } else {
+                    &mut self.loading
+                };
+                let at = list
                     .iter()
                     .position(|&h| h == handle)
-                    .expect("running sequence listed");
-                self.running.remove(at);
+                    .expect("sequence listed");
+                list.remove(at);
                 self.owed_forks -= seq.pending_forks as usize;
             }
         }
@@ -423,6 +524,7 @@ impl Scheduler {
         self.output.clear();
         self.rows.clear();
         self.samples.clear();
+        self.complete_loads();
         let mut budget = self.config.max_num_batched_tokens;
         let preempted = self.schedule_running(&mut budget);
         if preempted == 0 {
@@ -548,6 +650,11 @@ impl Scheduler {
         self.running.len()
     }
 
+    /// Sequences waiting for their loads from the tier.
+    pub fn num_loading(&self) -> usize {
+        self.loading.len()
+    }
+
     /// Waiting sequences (new or preempted).
     pub fn num_waiting(&self) -> usize {
         self.waiting.len()
@@ -607,21 +714,30 @@ impl Scheduler {
             },
             kv_usage: blocks.usage,
             cow_copies: blocks.cow_copies,
+            num_loading: self.loading.len(),
+            tier_hit_blocks: blocks.loads_issued,
+            tier_hit_tokens: blocks.loads_issued * self.config.block_size as u64,
+            loads_issued: blocks.loads_issued,
+            loads_dropped: blocks.loads_dropped,
+            offloads_issued: blocks.offloads_issued,
+            evictions_without_offload: blocks.evictions_without_offload,
+            tier: self.blocks.tier_counters(),
         }
     }
 
     /// Verifies the invariants of the module doc and of the block manager.
     pub fn check_invariants(&self) -> std::result::Result<(), String> {
         self.blocks.check_invariants()?;
-        if self.blocks.num_sequences() != self.running.len() {
+        if self.blocks.num_sequences() != self.running.len() + self.loading.len() {
             return Err(format!(
-                "{} block tables for {} running sequences",
+                "{} block tables for {} running and {} loading sequences",
                 self.blocks.num_sequences(),
-                self.running.len()
+                self.running.len(),
+                self.loading.len()
             ));
         }
-        if self.waiting.len() + self.running.len() != self.seqs.len() {
-            return Err("a live sequence is neither waiting nor running".into());
+        if self.waiting.len() + self.running.len() + self.loading.len() != self.seqs.len() {
+            return Err("a live sequence is neither waiting, loading nor running".into());
         }
         if !self
             .running
@@ -646,6 +762,22 @@ impl Scheduler {
             }
             owed += seq.pending_forks as usize;
         }
+        for &handle in &self.loading {
+            let seq = self
+                .seqs
+                .get(handle)
+                .ok_or("stale handle in the loading list")?;
+            if seq.status != SeqStatus::Loading
+                || !self.blocks.is_loading(seq.block_seq)
+                || self.blocks.table(seq.block_seq).map(|t| t.num_tokens()) != Ok(seq.num_computed)
+            {
+                return Err(format!(
+                    "loading sequence {} has a table or loads that do not match it",
+                    seq.block_seq
+                ));
+            }
+            owed += seq.pending_forks as usize;
+        }
         for handle in self.waiting.iter() {
             let seq = self
                 .seqs
@@ -658,10 +790,10 @@ impl Scheduler {
                 return Err(format!("waiting sequence {} holds blocks", seq.block_seq));
             }
         }
-        if owed != self.owed_forks || self.running.len() + owed > self.config.max_num_seqs {
+        let seated = self.running.len() + self.loading.len();
+        if owed != self.owed_forks || seated + owed > self.config.max_num_seqs {
             return Err(format!(
-                "{} running + {owed} owed forks (counter {}) vs cap",
-                self.running.len(),
+                "{seated} running or loading + {owed} owed forks (counter {}) vs cap",
                 self.owed_forks
             ));
         }
@@ -739,6 +871,23 @@ impl Scheduler {
         preempted
     }
 
+    /// Moves the loading sequences whose loads all ended to the running list.
+    fn complete_loads(&mut self) {
+        for ended in self.blocks.poll_tier() {
+            let seqs = &self.seqs;
+            let at = self
+                .loading
+                .iter()
+                .position(|&h| seqs[h].block_seq == ended.seq)
+                .expect("poll_tier reports live loading sequences");
+            let handle = self.loading.swap_remove(at);
+            let seq = &mut self.seqs[handle];
+            seq.num_computed = ended.num_tokens;
+            seq.status = SeqStatus::Running;
+            self.insert_running(handle);
+        }
+    }
+
     /// Returns a running sequence to the waiting queue, freeing its blocks (full ones stay cached).
     fn preempt(&mut self, handle: Handle) {
         let seq = &mut self.seqs[handle];
@@ -772,7 +921,7 @@ impl Scheduler {
         // Blocks the running sequences may still need (admission keeps them available).
         let mut reserved = 0;
         if let (Some(lookahead), true) = (lookahead, self.waiting.len() > 0) {
-            for &h in &self.running {
+            for &h in self.running.iter().chain(&self.loading) {
                 let seq = &self.seqs[h];
                 reserved += headroom_blocks(
                     block_size,
@@ -790,7 +939,8 @@ impl Scheduler {
             };
             let cap = self.chunk_cap(*budget);
             let seq = &mut self.seqs[handle];
-            if self.running.len() + self.owed_forks + seq.seats() > self.config.max_num_seqs {
+            let seated = self.running.len() + self.loading.len() + self.owed_forks;
+            if seated + seq.seats() > self.config.max_num_seqs {
                 break;
             }
             let request = &self.requests[seq.request];
@@ -808,8 +958,16 @@ impl Scheduler {
                 self.blocks
                     .match_prefix_hashes(request.hash_root, &seq.prefix_hashes, num_tokens);
             let cached = found.num_cached_tokens(block_size);
-            let len = (num_tokens - cached).min(cap);
-            let needed = self.blocks.blocks_to_admit(&found, cached + len);
+            // With tier hits, only the hit blocks are admitted (and loaded); the sequence computes
+            // nothing this step.
+            let loads = found.tier_hashes.len();
+            let len = if loads > 0 {
+                0
+            } else {
+                (num_tokens - cached).min(cap)
+            };
+            let admitted = found.num_hit_tokens(block_size) + len;
+            let needed = self.blocks.blocks_to_admit(&found, admitted);
             let pending_forks = seq.pending_forks;
             let max_growth = (self.config.max_model_len.saturating_sub(num_tokens))
                 .min(request.params.max_tokens.saturating_sub(seq.num_output));
@@ -817,14 +975,14 @@ impl Scheduler {
                 headroom_blocks(
                     block_size,
                     num_tokens,
-                    cached + len,
+                    admitted,
                     pending_forks,
                     lookahead,
                     max_growth,
                 )
             });
             // An empty batch admits the head whenever its first chunk fits.
-            let headroom = if self.running.is_empty() {
+            let headroom = if self.running.is_empty() && self.loading.is_empty() {
                 0
             } else {
                 reserved + own_headroom
@@ -833,7 +991,7 @@ impl Scheduler {
                 break;
             }
             self.blocks
-                .admit(seq.block_seq, &seq.tokens[..cached + len], found)
+                .admit(seq.block_seq, &seq.tokens[..admitted], found)
                 .expect("capacity checked");
             let stats = &mut self.output.stats;
             stats.num_admitted += 1;
@@ -850,8 +1008,7 @@ impl Scheduler {
                 },
                 prefix_hit_tokens: cached,
             });
-            seq.num_computed = cached + len;
-            seq.status = SeqStatus::Running;
+            seq.num_computed = admitted;
             let victim_class = match self.config.policy {
                 Policy::Fcfs => 0,
                 Policy::Priority { .. } => request.priority,
@@ -861,6 +1018,12 @@ impl Scheduler {
             self.owed_forks += seq.pending_forks as usize;
             self.waiting.pop_head();
             reserved += own_headroom;
+            if loads > 0 {
+                seq.status = SeqStatus::Loading;
+                self.loading.push(handle);
+                continue;
+            }
+            seq.status = SeqStatus::Running;
             self.insert_running(handle);
             *budget -= len;
             self.rows.push(Row {

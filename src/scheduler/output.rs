@@ -21,6 +21,7 @@
 use std::sync::Arc;
 
 use crate::scheduler::request::FinishReason;
+use crate::tier::TierCounters;
 
 /// Which step of which scheduler a `StepOutput` is: `update` takes it and refuses any other
 /// than the step it awaits, so another scheduler's output (whose step number may match) is refused.
@@ -208,4 +209,19 @@ pub struct SchedulerStats {
     pub prefix_hit_rate: f64,
     pub kv_usage: f64,
     pub cow_copies: u64,
+    /// Sequences waiting for their loads from the tier (now).
+    pub num_loading: usize,
+    /// Blocks (and their tokens) that admissions found in the tier, past the RAM hits.
+    pub tier_hit_blocks: u64,
+    pub tier_hit_tokens: u64,
+    /// Loads issued (one per tier-hit block) and, of those, dropped (missing or failing
+    /// verification: recomputed).
+    pub loads_issued: u64,
+    pub loads_dropped: u64,
+    /// Cached blocks handed to the tier on eviction.
+    pub offloads_issued: u64,
+    /// Cached blocks dropped instead, because an allocation found no clean block.
+    pub evictions_without_offload: u64,
+    /// The tier's own counters (zero without a tier).
+    pub tier: TierCounters,
 }

@@ -78,6 +78,8 @@ impl FinishReason {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum SeqStatus {
     Waiting,
+    /// Holding blocks that a tier is loading; not scheduled until the loads end.
+    Loading,
     Running,
 }
 

@@ -1,0 +1,477 @@
+//! The disk tier behind [`KvTier`]: a [`DiskStore`] driven by one I/O thread (`pagedkv-disk-io`),
+//! fed by a channel, following the offload/load protocol of [`crate::tier`].
+//!
+//! Invariants:
+//! - Offload: the thread copies the block out of RAM, pushes it on the pool's free list, counts it
+//!   in `returned` (in that order), and only then stores the copy (`fdatasync`ed, entry
+//!   committed). Every offload job's block goes back to the free list exactly once, whatever
+//!   happens to the copy (an I/O error, a panic or a full queue lose the copy, counted in
+//!   `offloads_lost`, never the block id).
+//! - Copy-outs do not wait behind disk writes: before each store or load the thread takes every
+//!   job already queued and copies out the offloads among them, so a block waits for at most one
+//!   disk operation. Their copies wait in memory, at most [`MAX_QUEUED_BYTES`] of them.
+//! - Jobs touching the store run in queue order, so a load queued after the offload of the same
+//!   hash finds it stored. Moving a copy-out ahead of an earlier load is safe: the manager never
+//!   offloads a block before its load has completed.
+//! - Load: the entry is read and verified (checksum, tokens, parent; the salt check of the record
+//!   is kept, with the empty salt, since prefix hashes already separate salts) into a scratch
+//!   buffer, and only a verified block is written into RAM. Every other end (missing, corrupt, an
+//!   I/O error, a panic, a bad block id) is [`LoadOutcome::Dropped`], counted in `dropped_corrupt`.
+//! - `committed` is exactly the store's set of entries after the last finished job; the events
+//!   (`Disk` medium) describe it: opening emits `AllBlocksCleared` if a tier of another identity was
+//!   cleared and one `BlockStored` per recovered entry, each store a `BlockStored`, each eviction or
+//!   dropped entry a `BlockRemoved`, all published with the change under one lock.
+//! - `contains` is true for committed hashes and for hashes whose offload is queued.
+//! - The shared state's mutex is never held across I/O, so the scheduler's calls never wait on
+//!   the disk (only `flush` does, by design). Dropping the tier finishes every queued job, then
+//!   joins the thread.
+
+use std::collections::VecDeque;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::Path;
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use rustc_hash::{FxHashMap, FxHashSet};
+
+use super::{DiskStore, Opened};
+use crate::error::{ensure, Error, Result};
+use crate::kv_cache::KvBlockIo;
+use crate::kv_events::{KvEvent, Medium};
+use crate::lru::EvictionPolicy;
+use crate::prefix_cache::BlockHash;
+use crate::tier::{KvTier, LoadDone, LoadJob, LoadOutcome, OffloadJob, TierCounters, TierLink};
+use crate::BlockId;
+
+/// Most bytes of copied-out blocks waiting for their store. Past it an offload returns its block
+/// without a copy (counted lost): a disk slower than the eviction rate costs cache hits, not
+/// unbounded memory. 64 MiB is 182 blocks of SmolLM2-135M in float16.
+pub const MAX_QUEUED_BYTES: usize = 64 << 20;
+
+/// What a disk tier is opened with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DiskTierConfig {
+    /// The model's fingerprint (config and weights hash); the tier adds the KV layout and dtype.
+    pub identity: Vec<u8>,
+    /// Most bytes of block data on disk.
+    pub capacity_bytes: u64,
+    /// Eviction order of a full tier.
+    pub policy: EvictionPolicy,
+}
+
+enum Job {
+    Offload(OffloadJob),
+    Load(LoadJob),
+}
+
+/// What the I/O thread has yet to do with the store, in order.
+enum Work {
+    Store { job: OffloadJob, data: Vec<u8> },
+    Load(LoadJob),
+}
+
+/// What both threads see.
+#[derive(Default)]
+struct State {
+    committed: FxHashSet<BlockHash>,
+    /// Hashes of queued offloads, with their number.
+    pending: FxHashMap<BlockHash, usize>,
+    events: Vec<KvEvent>,
+    done: Vec<LoadDone>,
+    counters: TierCounters,
+    /// Jobs queued and not yet finished.
+    outstanding: usize,
+}
+
+struct Shared {
+    state: Mutex<State>,
+    idle: Condvar,
+}
+
+impl Shared {
+    /// The state. No code panics while holding it, so a poisoned lock still guards whole state.
+    fn lock(&self) -> MutexGuard<'_, State> {
+        self.state
+            .lock()
+            .unwrap_or_else(|poisoned| poisoned.into_inner())
+    }
+}
+
+/// The disk tier: see the module doc.
+pub struct DiskTier {
+    jobs: Option<Sender<Job>>,
+    worker: Option<JoinHandle<()>>,
+    shared: Arc<Shared>,
+    link: TierLink,
+}
+
+impl DiskTier {
+    /// Opens (or creates) the tier in `dir` for the blocks of `kv`, returning blocks to `link`,
+    /// and starts its I/O thread. A tier written for another identity, KV layout or dtype is
+    /// cleared. Fails with `InvalidArgument` if `link`'s free list is not the size of `kv`'s pool
+    /// or the capacity holds no block, `Io` if the files cannot be opened.
+    ///
+    /// # Safety
+    /// The caller drives the tier by the protocol of [`crate::tier`] and keeps the engine to it: no
+    /// thread writes a block while its offload is queued, and no thread accesses the block of a
+    /// load until its [`LoadDone`] has been taken from [`KvTier::completed_loads`]. The I/O thread
+    /// reads and writes those blocks of `kv` concurrently with the engine (see
+    /// [`crate::kv_cache`]).
+    pub unsafe fn open(
+        dir: &Path,
+        config: DiskTierConfig,
+        kv: KvBlockIo,
+        link: TierLink,
+    ) -> Result<(DiskTier, Opened)> {
+        let shape = kv.shape();
+        ensure(link.free.capacity() == shape.num_blocks, || {
+            format!(
+                "the free list holds {} blocks, the KV cache {}",
+                link.free.capacity(),
+                shape.num_blocks
+            )
+        })?;
+        let mut identity = config.identity;
+        identity.extend_from_slice(
+            format!(
+                "|kv {} layers {} kv_heads {} block {} head_dim {} {}-endian",
+                kv.dtype().name(),
+                shape.num_layers,
+                shape.num_kv_heads,
+                shape.block_size,
+                shape.head_dim,
+                if cfg!(target_endian = "little") {
+                    "little"
+                } else {
+                    "big"
+                },
+            )
+            .as_bytes(),
+        );
+        let (store, opened) = DiskStore::open(
+            dir,
+            &identity,
+            kv.slot_bytes(),
+            config.capacity_bytes,
+            config.policy,
+        )?;
+        let mut state = State::default();
+        if opened.cleared {
+            state.events.push(KvEvent::AllBlocksCleared {
+                medium: Medium::Disk,
+            });
+        }
+        let mut records: Vec<_> = store.records().collect();
+        records.sort_unstable_by_key(|&(hash, _)| hash);
+        for (hash, record) in records {
+            state.committed.insert(hash);
+            state.events.push(KvEvent::BlockStored {
+                hash,
+                parent: record.parent,
+                tokens: record.tokens.clone(),
+                medium: Medium::Disk,
+            });
+        }
+        let shared = Arc::new(Shared {
+            state: Mutex::new(state),
+            idle: Condvar::new(),
+        });
+        let (jobs, receiver) = mpsc::channel();
+        let mut worker = Worker {
+            scratch: vec![0; kv.slot_bytes()],
+            dropped: store.counters().dropped_corrupt,
+            store,
+            kv,
+            link: link.clone(),
+            shared: Arc::clone(&shared),
+            jobs: receiver,
+            queue: VecDeque::new(),
+            queued_bytes: 0,
+            loads: 0,
+            lost: 0,
+        };
+        worker.publish(&mut shared.lock());
+        let worker = std::thread::Builder::new()
+            .name("pagedkv-disk-io".into())
+            .spawn(move || worker.run())
+            .map_err(|e| Error::Io(format!("cannot start the disk tier's I/O thread: {e}")))?;
+        let tier = DiskTier {
+            jobs: Some(jobs),
+            worker: Some(worker),
+            shared,
+            link,
+        };
+        Ok((tier, opened))
+    }
+
+    /// Queues `job`, or, if the I/O thread is gone (it never exits while the tier lives; this is
+    /// the guard that keeps the protocol if it did), ends it here as a failed job.
+    fn submit(&mut self, job: Job) {
+        let Some(mpsc::SendError(job)) = self.jobs.as_ref().and_then(|j| j.send(job).err()) else {
+            return;
+        };
+        let mut state = self.shared.lock();
+        match job {
+            Job::Offload(job) => {
+                return_block(&self.link, job.block);
+                unpend(&mut state, job.hash);
+                state.counters.offloads_lost += 1;
+            }
+            Job::Load(job) => {
+                state.done.push(LoadDone {
+                    block: job.block,
+                    outcome: LoadOutcome::Dropped,
+                });
+                state.counters.dropped_corrupt += 1;
+            }
+        }
+        finish(&mut state, &self.shared.idle);
+    }
+}
+
+impl KvTier for DiskTier {
+    fn contains(&self, hash: BlockHash) -> bool {
+        let state = self.shared.lock();
+        state.committed.contains(&hash) || state.pending.contains_key(&hash)
+    }
+
+    fn offload(&mut self, job: OffloadJob) {
+        {
+            let mut state = self.shared.lock();
+            *state.pending.entry(job.hash).or_default() += 1;
+            state.outstanding += 1;
+        }
+        self.submit(Job::Offload(job));
+    }
+
+    fn load(&mut self, job: LoadJob) {
+        self.shared.lock().outstanding += 1;
+        self.submit(Job::Load(job));
+    }
+
+    fn completed_loads(&mut self) -> Vec<LoadDone> {
+        std::mem::take(&mut self.shared.lock().done)
+    }
+
+    fn flush(&mut self) {
+        let mut state = self.shared.lock();
+        while state.outstanding > 0 {
+            // The timeout only re-checks that the thread is alive (see `submit`).
+            if self.worker.as_ref().is_none_or(|w| w.is_finished()) {
+                return;
+            }
+            state = self
+                .shared
+                .idle
+                .wait_timeout(state, Duration::from_millis(100))
+                .unwrap_or_else(|poisoned| poisoned.into_inner())
+                .0;
+        }
+    }
+
+    fn counters(&self) -> TierCounters {
+        self.shared.lock().counters
+    }
+
+    fn stored_hashes(&self) -> Vec<BlockHash> {
+        self.shared.lock().committed.iter().copied().collect()
+    }
+
+    fn drain_events(&mut self, out: &mut Vec<KvEvent>) {
+        out.append(&mut self.shared.lock().events);
+    }
+}
+
+impl Drop for DiskTier {
+    /// Closes the queue; the thread finishes every queued job, then exits.
+    fn drop(&mut self) {
+        drop(self.jobs.take());
+        if let Some(worker) = self.worker.take() {
+            // A panic of the thread itself (never of a job: those are caught) has nothing to say.
+            let _ = worker.join();
+        }
+    }
+}
+
+/// Puts `block` back on the free list and counts it returned (after the push: a count never runs
+/// ahead of the list). An id outside the list (a caller bug `open` cannot rule out) is not pushed.
+fn return_block(link: &TierLink, block: BlockId) {
+    if (block as usize) < link.free.capacity() {
+        link.free.push(block);
+        link.returned.fetch_add(1, Ordering::Release);
+    }
+}
+
+fn unpend(state: &mut State, hash: BlockHash) {
+    if let Some(count) = state.pending.get_mut(&hash) {
+        *count -= 1;
+        if *count == 0 {
+            state.pending.remove(&hash);
+        }
+    }
+}
+
+/// Marks one job finished and wakes `flush` when none is left.
+fn finish(state: &mut State, idle: &Condvar) {
+    state.outstanding -= 1;
+    if state.outstanding == 0 {
+        idle.notify_all();
+    }
+}
+
+/// The I/O thread's side.
+struct Worker {
+    store: DiskStore,
+    kv: KvBlockIo,
+    link: TierLink,
+    shared: Arc<Shared>,
+    jobs: Receiver<Job>,
+    queue: VecDeque<Work>,
+    queued_bytes: usize,
+    scratch: Vec<u8>,
+    loads: u64,
+    dropped: u64,
+    lost: u64,
+}
+
+impl Worker {
+    fn run(mut self) {
+        loop {
+            if self.queue.is_empty() {
+                match self.jobs.recv() {
+                    Ok(job) => self.take(job),
+                    Err(mpsc::RecvError) => return, // closed, and nothing left to do
+                }
+            }
+            while let Ok(job) = self.jobs.try_recv() {
+                self.take(job);
+            }
+            match self.queue.pop_front() {
+                Some(Work::Store { job, data }) => self.store(job, data),
+                Some(Work::Load(job)) => self.load(job),
+                None => {}
+            }
+        }
+    }
+
+    /// Takes a job off the channel: an offload is copied out and its block returned at once.
+    fn take(&mut self, job: Job) {
+        let job = match job {
+            Job::Load(job) => return self.queue.push_back(Work::Load(job)),
+            Job::Offload(job) => job,
+        };
+        let size = self.kv.slot_bytes();
+        let copied = (self.queued_bytes + size <= MAX_QUEUED_BYTES)
+            .then(|| {
+                catch_unwind(AssertUnwindSafe(|| {
+                    let mut data = vec![0; size];
+                    // SAFETY: the block of a queued offload is written by no thread (the
+                    // protocol `DiskTier::open`'s caller keeps).
+                    unsafe { self.kv.read_block(job.block, &mut data) }.map(|()| data)
+                }))
+            })
+            .and_then(|result| result.ok()?.ok());
+        return_block(&self.link, job.block);
+        match copied {
+            Some(data) => {
+                self.queued_bytes += data.len();
+                self.queue.push_back(Work::Store { job, data });
+            }
+            None => {
+                self.lost += 1;
+                self.finish_job(|state| unpend(state, job.hash));
+            }
+        }
+    }
+
+    fn store(&mut self, job: OffloadJob, data: Vec<u8>) {
+        self.queued_bytes -= data.len();
+        let stored = catch_unwind(AssertUnwindSafe(|| {
+            self.store
+                .store(job.hash, job.parent, &[], &job.tokens, &data)
+        }));
+        // `Ok(false)`: already stored. An error or a panic loses the copy.
+        let stored = match stored {
+            Ok(Ok(stored)) => stored,
+            Ok(Err(_)) | Err(_) => {
+                self.lost += 1;
+                false
+            }
+        };
+        self.finish_job(|state| {
+            unpend(state, job.hash);
+            if stored {
+                state.committed.insert(job.hash);
+                state.events.push(KvEvent::BlockStored {
+                    hash: job.hash,
+                    parent: job.parent,
+                    tokens: job.tokens,
+                    medium: Medium::Disk,
+                });
+            }
+        });
+    }
+
+    fn load(&mut self, job: LoadJob) {
+        let loaded = catch_unwind(AssertUnwindSafe(|| -> Result<bool> {
+            ensure((job.block as usize) < self.kv.shape().num_blocks, || {
+                format!("load into block {} outside the pool", job.block)
+            })?;
+            let (store, out) = (&mut self.store, &mut self.scratch);
+            if !store.load(job.hash, job.parent, &[], &job.tokens, out)? {
+                return Ok(false);
+            }
+            // SAFETY: the block of an in-flight load is accessed by no other thread (the protocol
+            // `DiskTier::open`'s caller keeps); `out` was verified against its checksum.
+            unsafe { self.kv.write_block(job.block, out) }?;
+            Ok(true)
+        }));
+        let outcome = if matches!(loaded, Ok(Ok(true))) {
+            self.loads += 1;
+            LoadOutcome::Loaded
+        } else {
+            self.dropped += 1;
+            LoadOutcome::Dropped
+        };
+        self.finish_job(|state| {
+            state.done.push(LoadDone {
+                block: job.block,
+                outcome,
+            })
+        });
+    }
+
+    /// Publishes the store's changes, applies `then`, and marks one job finished, under one lock.
+    fn finish_job(&mut self, then: impl FnOnce(&mut State)) {
+        let shared = Arc::clone(&self.shared);
+        let mut state = shared.lock();
+        self.publish(&mut state);
+        then(&mut state);
+        finish(&mut state, &shared.idle);
+    }
+
+    /// Publishes the entries the store removed (as `BlockRemoved`) and the counters.
+    fn publish(&mut self, state: &mut State) {
+        for hash in self.store.take_removed() {
+            state.committed.remove(&hash);
+            state.events.push(KvEvent::BlockRemoved {
+                hash,
+                medium: Medium::Disk,
+            });
+        }
+        let disk = self.store.counters();
+        state.counters = TierCounters {
+            offloads: disk.stores,
+            loads: self.loads,
+            dropped_corrupt: self.dropped,
+            evictions: disk.evictions,
+            bytes_written: disk.bytes_written,
+            bytes_read: disk.bytes_read,
+            blocks: self.store.len() as u64,
+            offloads_lost: self.lost,
+        };
+    }
+}
