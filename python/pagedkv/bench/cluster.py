@@ -91,13 +91,17 @@ def _point(args: argparse.Namespace, trace: str, replicas: int, policy: str, rat
     started = time.perf_counter()
     result = simulate_cluster(workload, setup)
     summary = result.summary()
-    summary |= {"trace": trace, "offered_rate_requests_per_s": rate_per_replica * replicas, "wall_s": time.perf_counter() - started}
+    offered = rate_per_replica * replicas
+    summary |= {"trace": trace, "offered_rate_requests_per_s": offered, "wall_s": time.perf_counter() - started}
     return summary
 
 
 def _target(args: argparse.Namespace, rates: tuple[float, ...]) -> dict:
     """Round robin and prefix_aware at R = target over ``rates``: the best throughput within the SLO."""
-    curves = {p: [_point(args, "many-tenant", args.target_replicas, p, r) for r in rates] for p in ("round_robin", "prefix_aware")}
+    curves = {
+        policy: [_point(args, "many-tenant", args.target_replicas, policy, rate) for rate in rates]
+        for policy in ("round_robin", "prefix_aware")
+    }
 
     def best(points: list[dict]) -> dict | None:
         within = [p for p in points if p["ttft_p99_s"] <= args.ttft_slo]
@@ -231,7 +235,8 @@ def _print(report: dict) -> None:
     c = report["route_cost"]
     print(
         f"route at R = {c['replicas']}: {c['route_us_mean']:.1f} µs mean (p99 {c['route_us_p99']:.1f}), "
-        f"of which hashing {c['hash_us_mean']:.1f} µs: {'met' if c['met'] else 'NOT met'} (≤ {TARGET_ROUTE_US} µs; loaded machine)"
+        f"of which hashing {c['hash_us_mean']:.1f} µs: {'met' if c['met'] else 'NOT met'} "
+        f"(≤ {TARGET_ROUTE_US} µs; wall clock, loaded machine)"
     )
     for path in report.get("plots", []):
         print(f"plot: {path}")
@@ -273,9 +278,8 @@ def _plots(directory: Path, sweep: list[dict], target: dict) -> list[Path]:
         paths.append(path)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for policy, points in target["curves"].items():
-        ax.plot(
-            [p["throughput_requests_per_s"] for p in points], [p["ttft_p99_s"] for p in points], "o-", color=colors[policy], label=policy
-        )
+        throughput = [p["throughput_requests_per_s"] for p in points]
+        ax.plot(throughput, [p["ttft_p99_s"] for p in points], "o-", color=colors[policy], label=policy)
     ax.axhline(target["ttft_p99_slo_s"], color="gray", linestyle=":", label="TTFT p99 bound")
     ax.set_yscale("log")
     ax.set_xlabel("throughput (requests / s)")

@@ -10,12 +10,14 @@ Design (a discrete-event simulation over one virtual timeline):
   visible at its end, when the replica's next step starts. The event heap orders every replica's
   ends, arrivals and deliveries by time (ties by insertion), so the clocks advance in lockstep
   with the timeline: nothing observes a replica's step before it has ended.
-- KV events: each replica's core publishes a batch after each step
-  (:attr:`EngineCore.kv_events`), stamped with the replica's clock (its step's end); the router receives it ``event_delay_s`` later, unless it is
-  lost (each batch with probability ``event_loss``; load reports share the channel and its loss).
-  On a gap the router asks the replica (one delay each way) for its replay since the router's
-  seq, or for a snapshot (:meth:`EngineCore.kv_snapshot`) when the replay buffer no longer reaches; replies are not lost (a
-  request/response channel). With one delay for every message, replies overtake nothing.
+- KV events: each replica's core publishes a batch after each step (:attr:`EngineCore.kv_events`),
+  stamped with the replica's clock (its step's end); the router receives it ``event_delay_s``
+  later, unless it is lost (each batch with probability ``event_loss``; load reports share the
+  channel and its loss). On a gap the router asks the replica (one delay each way) for its replay
+  since the router's seq, or for a snapshot (:meth:`EngineCore.kv_snapshot`) when the replay
+  buffer no longer reaches; replies are not lost (a request/response channel). With one delay
+  for every message, replies overtake nothing. (A snapshot taken while a step runs includes that
+  step's batch, numbered as such: the router then ignores the batch when it lands.)
 - Failures: each replica fails after an exponential time of mean ``mtbf_s`` (None: never). A dead
   replica's running step never ends. The router learns of it ``detect_s`` later (the heartbeat
   deadline) and every request it held (those routed there meanwhile too) is migrated: routed
@@ -46,7 +48,7 @@ from pagedkv.kv_events import KvEventBatch
 from pagedkv.model.sampling import SamplingParams
 from pagedkv.model.simulated import SimulatedModel
 from pagedkv.serving.simulation import ServingSetup
-from pagedkv.serving.workload import ServingRequest, Workload
+from pagedkv.serving.workload import Workload
 
 __all__ = ["ClusterRequest", "ClusterResult", "ClusterSetup", "simulate_cluster"]
 
@@ -60,6 +62,9 @@ class ClusterSetup:
     replica: ServingSetup = field(default_factory=lambda: ServingSetup(num_blocks=2048, max_num_seqs=64))
     event_delay_s: float = 0.002  # one way, router ↔ replica: KV events, load reports, resyncs
     event_loss: float = 0.0  # probability that a KV event batch or a load report is lost
+    # Batches a replica can replay to the router: fewer than its publisher keeps models a smaller
+    # replay buffer (a longer gap is healed from a snapshot).
+    replay: int = 1024
     mtbf_s: float | None = None  # mean time between failures of each replica; None: never fails
     detect_s: float = 0.5  # failure → the router knows (heartbeat deadline)
     restart_s: float = 2.0  # detection → the replica serves again (empty cache)
@@ -70,6 +75,8 @@ class ClusterSetup:
     def __post_init__(self) -> None:
         if not 1 <= self.replicas <= 1024:
             raise InvalidArgumentError(f"replicas must be in [1, 1024], got {self.replicas!r}")
+        if self.replay < 0:
+            raise InvalidArgumentError(f"replay must be ≥ 0, got {self.replay!r}")
         if not 0 <= self.event_loss < 1:
             raise InvalidArgumentError(f"event_loss must be in [0, 1), got {self.event_loss!r}")
         for name in ("event_delay_s", "detect_s", "restart_s"):
@@ -115,6 +122,13 @@ class ClusterResult:
     snapshots: int  # gaps healed from a snapshot
     route_wall_s: float  # wall time spent in Router.route
     routes: int
+    # At the end, once every message in flight has landed: live replicas whose router index
+    # equals their engine's blocks, and those whose latest batches were lost unseen (the router
+    # is behind and cannot know it until the next batch). The rest (live, not behind, not in
+    # sync) would be a router bug.
+    index_live: int
+    index_in_sync: int
+    index_behind: int
 
     def summary(self) -> dict[str, object]:
         """The headline figures: hit rate, throughput, TTFT percentiles, load imbalance."""
@@ -142,6 +156,9 @@ class ClusterResult:
             "replays": self.replays,
             "snapshots": self.snapshots,
             "route_us_per_request": 1e6 * self.route_wall_s / self.routes if self.routes else 0.0,
+            "index_live": self.index_live,
+            "index_in_sync": self.index_in_sync,
+            "index_behind": self.index_behind,
         }
 
 
@@ -200,7 +217,21 @@ class _Cluster:
         while self.remaining:
             self.now, _, action, args = heapq.heappop(self.heap)
             action(*args)
+        # Let the messages in flight land (no step, failure or restart happens any more), then
+        # compare each live replica's index with its engine's blocks.
+        messages = (self.deliver_load, self.deliver_batch, self.answer_resync, self.resynced)
+        while self.heap:
+            self.now, _, action, args = heapq.heappop(self.heap)
+            if action in messages:
+                action(*args)
+        live = in_sync = behind = 0
         for replica in self.replicas:
+            if replica.alive and replica.core is not None:
+                live += 1
+                if self.router.applied_seq(replica.name) < replica.core.kv_events.last_seq:
+                    behind += 1  # its latest batches were lost and no later one revealed the gap
+                elif self.router.blocks_of(replica.name) == replica.core.kv_snapshot().blocks:
+                    in_sync += 1
             if replica.core is not None:
                 self.discard(replica)
         return ClusterResult(
@@ -217,6 +248,9 @@ class _Cluster:
             self.snapshots,
             self.route_wall_s,
             self.routes,
+            live,
+            in_sync,
+            behind,
         )
 
     # -- requests -------------------------------------------------------------------------------
@@ -319,7 +353,7 @@ class _Cluster:
             return
         core = replica.core
         assert core is not None
-        replay = core.kv_events.since(seq)
+        replay = core.kv_events.since(seq) if core.kv_events.last_seq - seq <= self.setup.replay else None
         reply = replay if replay is not None else core.kv_snapshot()
         self.at(self.now + self.setup.event_delay_s, self.resynced, replica, generation, reply)
 

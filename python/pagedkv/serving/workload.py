@@ -120,8 +120,10 @@ def build_workload(
         request_rng = np.random.default_rng([seed, i])
         max_tokens = min(scaled(entry.output_tokens), max_model_len // 2)
         prefix_index = None
-        if shared:
-            prefix_index = int(request_rng.integers(len(shared)) if popularity is None else request_rng.choice(len(shared), p=popularity))
+        if shared and popularity is None:
+            prefix_index = int(request_rng.integers(len(shared)))
+        elif shared:
+            prefix_index = int(request_rng.choice(len(shared), p=popularity))
         prefix = shared[prefix_index] if prefix_index is not None else np.empty(0, dtype=np.int64)
         own = request_rng.integers(low, high, size=scaled(entry.prompt_tokens), dtype=np.int64)
         prompt = np.concatenate([prefix, own])
