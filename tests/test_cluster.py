@@ -327,6 +327,9 @@ def test_serve_replicas_joins_a_ray_cluster(actors, tmp_path):
         body = {"model": "tiny", "prompt": "two replicas", "max_tokens": 5, "temperature": 0, "ignore_eos": True}
         response = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
         assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] == 5
+        refused = httpx.post(f"{url}/v1/completions", json={**body, "prompt": "x" * 5000}, timeout=30)
+        assert refused.status_code == 400 and "max_model_len" in refused.json()["error"]["message"]  # the replica's check
+        assert httpx.get(f"{url}/health", timeout=5).json()["num_waiting"] == 0
         server.send_signal(signal.SIGTERM)
         assert server.wait(timeout=30) == 0, log.read_text()
     finally:
