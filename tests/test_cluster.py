@@ -337,3 +337,13 @@ def test_serve_replicas_joins_a_ray_cluster(actors, tmp_path):
             server.kill()
             server.wait(timeout=10)
 
+
+
+def test_replica_flags_refused_clearly():
+    address_alone = subprocess.run([sys.executable, "-m", "pagedkv", "serve", "--model", "tiny", "--ray-address", "127.0.0.1:1"],
+                                   capture_output=True, text=True, timeout=60)
+    assert address_alone.returncode == 2 and "--ray-address needs --replicas" in address_alone.stderr
+    hide = "import sys; sys.modules['ray'] = None; from pagedkv.__main__ import main; sys.exit(main(sys.argv[1:]))"
+    without_ray = subprocess.run([sys.executable, "-c", hide, "serve", "--replicas", "2", "--model", "tiny"],
+                                 capture_output=True, text=True, timeout=60)
+    assert without_ray.returncode == 1 and "pagedkv[cluster]" in without_ray.stderr

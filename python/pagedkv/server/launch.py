@@ -32,7 +32,7 @@ from pagedkv import tracing
 from pagedkv.cli import add_engine_arguments, engine_kwargs, existing_file, port, positive_int, seconds
 from pagedkv.cluster.router import POLICIES
 from pagedkv.engine import Engine
-from pagedkv.errors import InvalidArgumentError
+from pagedkv.errors import InvalidArgumentError, PagedKVError
 from pagedkv.metrics import EngineMetrics
 from pagedkv.server.app import DEFAULT_MAX_TOKENS, build_app
 from pagedkv.server.client import EngineClient
@@ -134,8 +134,11 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_cluster(args: argparse.Namespace) -> int:
     """``--replicas N``: the replicas on Ray, this process their front end."""
-    from pagedkv.cluster import ray_runtime
-    from pagedkv.cluster.frontend import Cluster, spawn_replicas
+    try:
+        from pagedkv.cluster import ray_runtime
+        from pagedkv.cluster.frontend import Cluster, spawn_replicas
+    except ModuleNotFoundError as error:
+        raise PagedKVError(f"--replicas needs {error.name}, which is not installed (pip install 'pagedkv[cluster]')") from None
 
     name = args.served_model_name or str(args.model)
     template = None if args.chat_template is None else Path(args.chat_template).read_text()
