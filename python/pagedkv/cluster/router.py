@@ -86,7 +86,11 @@ class Router:
         policy: str = "prefix_aware",
         block_size: int = 16,
         *,
-        queue_weight: float = 1.0,
+        # A queued request weighs half a typical prompt. On the many-tenant trace (R = 16, 4
+        # requests/s per replica offered, simulated) 1.0 gave a prefix hit rate of 0.345 and TTFT
+        # p99 2.3 s; 0.5 gave 0.487 and 0.53 s at a load imbalance of 1.17 (1.10); 0.25 hit more
+        # (0.524) but served less (imbalance 1.27).
+        queue_weight: float = 0.5,
         kv_weight: float = 1.0,
         disk_weight: float = 0.5,
     ) -> None:
@@ -356,10 +360,21 @@ def _run_lengths(hashes: Sequence[int], masks: dict[int, int], also: dict[int, i
         return mask
 
     first = holders(0)
-    runs: dict[int, int] = {}
+    if not first:
+        return {}
     positions = range(len(hashes))
+    # Replicas holding a prompt's first block mostly hold the same run (a tenant's whole system
+    # prompt): two bisections bound every run, [all still hold, none holds]; only when the bounds
+    # differ is each slot bisected, within them.
+    shortest = bisect_left(positions, True, lo=1, key=lambda i: holders(i) & first != first)
+    longest = bisect_left(positions, True, lo=shortest, key=lambda i: not holders(i) & first)
+    runs: dict[int, int] = {}
     while first:
         low = first & -first
         first ^= low
-        runs[low.bit_length() - 1] = bisect_left(positions, True, lo=1, key=lambda i, low=low: not holders(i) & low)
+        slot = low.bit_length() - 1
+        if shortest == longest:
+            runs[slot] = shortest
+        else:
+            runs[slot] = bisect_left(positions, True, lo=shortest, hi=longest, key=lambda i, low=low: not holders(i) & low)
     return runs

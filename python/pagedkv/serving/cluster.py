@@ -68,7 +68,7 @@ class ClusterSetup:
     mtbf_s: float | None = None  # mean time between failures of each replica; None: never fails
     detect_s: float = 0.5  # failure → the router knows (heartbeat deadline)
     restart_s: float = 2.0  # detection → the replica serves again (empty cache)
-    queue_weight: float = 1.0  # the router's cost weights (pagedkv.cluster.Router)
+    queue_weight: float = 0.5  # the router's cost weights (pagedkv.cluster.Router)
     kv_weight: float = 1.0
     seed: int = 0
 
