@@ -112,10 +112,11 @@ def test_a_tier_directory_that_cannot_be_made_is_a_tier_error(tmp_path: Path, ca
     [
         (dict(kv_disk_bytes=1 << 20), "kv_disk_bytes needs kv_disk_path"),
         (dict(kv_disk_path=3), "kv_disk_path must be a str or Path"),
-        (dict(kv_disk_path="DIR", kv_disk_bytes=0), "kv_disk_bytes"),
-        (dict(kv_disk_path="DIR", kv_disk_bytes=-1), "kv_disk_bytes"),
-        (dict(kv_disk_path="DIR", kv_disk_bytes=True), "kv_disk_bytes"),
-        (dict(kv_disk_path="DIR", kv_disk_bytes=1.5), "kv_disk_bytes"),
+        (dict(kv_disk_path="DIR", kv_disk_bytes=0), "hold no slot"),  # the core's check
+        (dict(kv_disk_path="DIR", kv_disk_bytes=1000), "hold no slot"),  # less than one block
+        (dict(kv_disk_path="DIR", kv_disk_bytes=-1), "capacity_bytes"),  # the binding's conversion
+        (dict(kv_disk_path="DIR", kv_disk_bytes=True), "capacity_bytes"),
+        (dict(kv_disk_path="DIR", kv_disk_bytes=1.5), "capacity_bytes"),
     ],
 )
 def test_bad_tier_options_are_typed_and_make_nothing(config: dict, match: str, tmp_path: Path) -> None:

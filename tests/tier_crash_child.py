@@ -32,7 +32,7 @@ def main() -> None:
             core.add_request(f"r{n}-{core.scheduler.num_unfinished_requests}", random_prompt(rng), params)
         core.step()
         stats = core.stats()
-        print(json.dumps({"inflight": stats["disk_offloads_issued"] - stats["disk_offloads"] - stats["disk_offloads_failed"]}),
+        print(json.dumps({"inflight": stats["disk_offloads_issued"] - stats["disk_offloads"] - stats["disk_offloads_lost"]}),
               flush=True)
 
 

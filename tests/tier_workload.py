@@ -39,7 +39,10 @@ def tiny_core(
     """A core over ``model`` with ``num_blocks`` RAM blocks and, given a ``directory``, a disk tier
     of ``capacity_blocks`` blocks there."""
     disk = {} if directory is None else dict(kv_disk_path=directory, kv_disk_bytes=capacity_blocks * BLOCK_BYTES)
-    settings = dict(num_blocks=num_blocks, block_size=BLOCK_SIZE, max_num_seqs=4, max_num_batched_tokens=256) | disk | config
+    # Half the pool kept clean ahead of need: small pools evict many blocks in one step, and an
+    # allocation finding none clean drops cached blocks instead of offloading them.
+    settings = dict(num_blocks=num_blocks, block_size=BLOCK_SIZE, max_num_seqs=4, max_num_batched_tokens=256,
+                    offload_watermark_blocks=num_blocks // 2) | disk | config
     engine_config = EngineConfig(**settings)  # type: ignore[arg-type]
     runner = PagedModelRunner(model, engine_config.num_blocks, BLOCK_SIZE)
     return EngineCore(runner, engine_config, eos_token_ids=model.config.eos_token_ids, model_identity=identity)

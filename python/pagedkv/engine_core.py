@@ -82,6 +82,10 @@ __all__ = [
 ]
 
 
+# How long a step with nothing to run but sequences loading from the disk tier sleeps: a tiny
+# model's block loads in ~0.05 ms, so a wait rarely costs more than this (spinning cost a core).
+_LOAD_WAIT_SECONDS = 0.0002
+
 # The disk tier's capacity when only its directory is given: 1 GiB, 1456 blocks (23k tokens) of
 # SmolLM2-135M in float32 (30 layers x 3 KV heads x 64 dims x K and V x 16 tokens x 4 B = 737 kB).
 DEFAULT_KV_DISK_BYTES = 1 << 30
@@ -116,6 +120,12 @@ class EngineConfig:
     # The tier's capacity in bytes of K/V data (None with a path: DEFAULT_KV_DISK_BYTES); a size
     # without a path is refused.
     kv_disk_bytes: int | None = None
+    # With a disk tier: clean RAM blocks kept ahead of need by offloading the next eviction
+    # victims early (None: the scheduler's default, one step's token budget in blocks, at most a
+    # sixteenth of the pool); an allocation finding no clean block drops a cached block unsaved.
+    offload_watermark_blocks: int | None = None
+    # With a disk tier: a run of fewer disk hits than this is recomputed instead of loaded.
+    min_load_blocks: int = 1
     # Record KV events (BlockStored / BlockRemoved / AllBlocksCleared, per medium) for a router:
     # EngineCore.kv_events publishes them after every step. Off: nothing is recorded.
     emit_kv_events: bool = False
@@ -376,6 +386,8 @@ class EngineCore:
             admission_lookahead_tokens=config.admission_lookahead_tokens,
             eviction_policy=config.eviction_policy,
             emit_kv_events=config.emit_kv_events,
+            min_load_blocks=config.min_load_blocks,
+            offload_watermark_blocks=config.offload_watermark_blocks,
         )
         self.max_model_len: int = self.scheduler.max_model_len  # as the scheduler validated it
         if self.max_model_len > runner.max_model_len:
@@ -510,6 +522,10 @@ class EngineCore:
                 self._abandon(step)
         for output in failed:
             self._finish(output, now)
+        if step.num_scheduled_tokens == 0 and self.scheduler.num_loading:
+            # Only loads from the disk tier are left to wait for: yield the CPU to the tier's
+            # thread instead of spinning on empty steps (holding no lock, so requests still come in).
+            time.sleep(_LOAD_WAIT_SECONDS)
         return events, failed + finished
 
     def _fail_unsampled(self, step: SchedulerOutput, tokens: np.ndarray) -> list[RequestOutput]:

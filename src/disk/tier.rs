@@ -46,9 +46,9 @@ use crate::prefix_cache::BlockHash;
 use crate::tier::{KvTier, LoadDone, LoadJob, LoadOutcome, OffloadJob, TierCounters, TierLink};
 use crate::BlockId;
 
-/// Most bytes of copied-out blocks waiting for their store. Past it an offload returns its block
-/// without a copy (counted lost): a disk slower than the eviction rate costs cache hits, not
-/// unbounded memory. 64 MiB is 182 blocks of SmolLM2-135M in float16.
+/// Most bytes of copied-out blocks waiting for their store (one block always fits). Past it an
+/// offload returns its block without a copy (counted lost): a disk slower than the eviction rate
+/// costs cache hits, not unbounded memory. 64 MiB is 182 blocks of SmolLM2-135M in float16.
 pub const MAX_QUEUED_BYTES: usize = 64 << 20;
 
 /// What a disk tier is opened with.
@@ -364,7 +364,8 @@ impl Worker {
             Job::Offload(job) => job,
         };
         let size = self.kv.slot_bytes();
-        let copied = (self.queued_bytes + size <= MAX_QUEUED_BYTES)
+        let room = self.queued_bytes == 0 || self.queued_bytes + size <= MAX_QUEUED_BYTES;
+        let copied = room
             .then(|| {
                 catch_unwind(AssertUnwindSafe(|| {
                     let mut data = vec![0; size];

@@ -195,7 +195,10 @@ impl FromArg for String {
 impl FromArg for std::path::PathBuf {
     fn from_arg(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Self> {
         if obj.is_instance_of::<PyBytes>() {
-            return Err(invalid(format!("{name} must be a str or os.PathLike, got {}", describe(obj))));
+            return Err(invalid(format!(
+                "{name} must be a str or os.PathLike, got {}",
+                describe(obj)
+            )));
         }
         obj.extract::<std::path::PathBuf>().map_err(|_| {
             invalid(format!(

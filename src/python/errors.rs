@@ -6,7 +6,7 @@
 //! (an `ImportError`-like error, not a panic) if `pagedkv.errors` lacks a class; after it, the
 //! cached lookups cannot fail.
 
-use pyo3::exceptions::{PyMemoryError, PyOSError};
+use pyo3::exceptions::PyMemoryError;
 use pyo3::import_exception;
 use pyo3::prelude::*;
 
@@ -18,15 +18,17 @@ import_exception!(pagedkv.errors, DuplicateSequenceError);
 import_exception!(pagedkv.errors, ShapeError);
 import_exception!(pagedkv.errors, InvalidArgumentError);
 import_exception!(pagedkv.errors, InternalError);
+import_exception!(pagedkv.errors, KvTierError);
 
 /// Every class declared above, by name.
-const CLASSES: [&str; 6] = [
+const CLASSES: [&str; 7] = [
     "OutOfBlocksError",
     "UnknownSequenceError",
     "DuplicateSequenceError",
     "ShapeError",
     "InvalidArgumentError",
     "InternalError",
+    "KvTierError",
 ];
 
 /// Fails unless `pagedkv.errors` defines every class declared here.
@@ -48,7 +50,7 @@ pub fn to_py(error: Error) -> PyErr {
         Error::Shape(_) => ShapeError::new_err(message),
         Error::InvalidArgument(_) => InvalidArgumentError::new_err(message),
         Error::OutOfMemory(_) => PyMemoryError::new_err(message),
-        Error::Io(_) => PyOSError::new_err(message),
+        Error::Io(_) => KvTierError::new_err(message),
     }
 }
 

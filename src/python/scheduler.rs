@@ -21,9 +21,8 @@ use crate::block_manager::DEFAULT_BLOCK_SIZE;
 use crate::kv_events::{KvEvent, Medium};
 use crate::lru::EvictionPolicy;
 use crate::scheduler::{
-    default_offload_watermark, FinishReason, Policy, RequestEvent, RequestOptions,
-    SamplingParams, Scheduler, SchedulerConfig, StepId, StepOutput, UpdateOutput,
-    DEFAULT_AGING_STEPS,
+    default_offload_watermark, FinishReason, Policy, RequestEvent, RequestOptions, SamplingParams,
+    Scheduler, SchedulerConfig, StepId, StepOutput, UpdateOutput, DEFAULT_AGING_STEPS,
 };
 use crate::tier::TierCounters;
 use crate::TokenId;

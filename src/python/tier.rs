@@ -41,13 +41,23 @@ pub fn events<'py>(py: Python<'py>, events: &[KvEvent]) -> PyResult<Bound<'py, P
 }
 
 /// Blocks as `(hash, medium)` tuples.
-pub fn blocks<'py>(py: Python<'py>, blocks: &[(BlockHash, Medium)]) -> PyResult<Bound<'py, PyList>> {
-    PyList::new(py, blocks.iter().map(|&(hash, medium)| (hash, medium.name())))
+pub fn blocks<'py>(
+    py: Python<'py>,
+    blocks: &[(BlockHash, Medium)],
+) -> PyResult<Bound<'py, PyList>> {
+    PyList::new(
+        py,
+        blocks.iter().map(|&(hash, medium)| (hash, medium.name())),
+    )
 }
 
 /// Adds the tier's figures (`disk_*` keys) to a `stats()` dict: the manager's counts from `s`,
 /// the tier's own from `tier` (the live tier's, or those it had when detached).
-pub fn add_stats(dict: &Bound<'_, PyDict>, s: &SchedulerStats, tier: &TierCounters) -> PyResult<()> {
+pub fn add_stats(
+    dict: &Bound<'_, PyDict>,
+    s: &SchedulerStats,
+    tier: &TierCounters,
+) -> PyResult<()> {
     dict.set_item("disk_hits", s.tier_hit_blocks)?;
     dict.set_item("disk_hit_tokens", s.tier_hit_tokens)?;
     dict.set_item("disk_loads", tier.loads)?;
@@ -56,7 +66,10 @@ pub fn add_stats(dict: &Bound<'_, PyDict>, s: &SchedulerStats, tier: &TierCounte
     dict.set_item("disk_offloads_issued", s.offloads_issued)?;
     dict.set_item("disk_offloads", tier.offloads)?;
     dict.set_item("disk_offloads_lost", tier.offloads_lost)?;
-    dict.set_item("disk_evictions_without_offload", s.evictions_without_offload)?;
+    dict.set_item(
+        "disk_evictions_without_offload",
+        s.evictions_without_offload,
+    )?;
     dict.set_item("disk_evictions", tier.evictions)?;
     dict.set_item("disk_bytes_written", tier.bytes_written)?;
     dict.set_item("disk_bytes_read", tier.bytes_read)?;

@@ -140,15 +140,18 @@ def replay(
 
 
 def summarize(served: Sequence[Served], seconds: float, stats: dict[str, float]) -> dict[str, object]:
-    """Hit rate, TTFT percentiles, throughput and the tier's figures of one replay."""
+    """Hit rate, TTFT percentiles, throughput and the tier's figures of one replay on a fresh core
+    (``stats``: its totals). The hit rate counts prompt tokens served from RAM or loaded from disk
+    (a dropped load is recomputed: not a hit) over the prompt tokens looked up."""
     ttfts = np.array([s.output.metrics.ttft for s in served if s.output.metrics.ttft is not None])
-    prompt = sum(s.prompt_len for s in served)
-    cached = sum(s.output.num_cached_tokens for s in served)
     generated = sum(len(s.output.token_ids) for s in served)
+    loaded = stats.get("disk_hit_tokens", 0) - stats.get("disk_loads_dropped", 0) * BLOCK_SIZE
+    queried = stats["prefix_queried_tokens"]
     return {
         "requests": len(served),
-        "prompt_tokens": prompt,
-        "prefix_hit_rate": cached / prompt if prompt else 0.0,
+        "prompt_tokens": sum(s.prompt_len for s in served),
+        "prefix_hit_rate": (stats["prefix_hit_tokens"] + loaded) / queried if queried else 0.0,
+        "ram_hit_rate": stats["prefix_hit_tokens"] / queried if queried else 0.0,
         "ttft_p50_s": float(np.percentile(ttfts, 50)) if len(ttfts) else None,
         "ttft_p99_s": float(np.percentile(ttfts, 99)) if len(ttfts) else None,
         "ttft_mean_s": float(ttfts.mean()) if len(ttfts) else None,
@@ -172,6 +175,12 @@ class _Bench:
             max_num_seqs=args.concurrency,
             max_num_batched_tokens=args.max_num_batched_tokens,
             kv_dtype=args.kv_dtype,
+            # Clean blocks kept ahead of need with the tier: one full step's allocation (its token
+            # budget in blocks and a decode block per sequence), so steps rarely evict a cached
+            # block unsaved (the scheduler's default caps this at a sixteenth of the pool).
+            offload_watermark_blocks=min(args.num_blocks, args.max_num_batched_tokens // BLOCK_SIZE + args.concurrency)
+            if args.offload_watermark is None
+            else args.offload_watermark,
         )
         self.identity = kv_identity(self.model.config, digest.hexdigest(), self.model.weight_dtype, args.kv_dtype, BLOCK_SIZE)
 
@@ -220,41 +229,52 @@ def _restart(bench: _Bench, sessions: list[Session], directory: Path, progress: 
     return out
 
 
-def _crossover(bench: _Bench, progress: Callable[[str], None]) -> list[dict[str, object]]:
-    """TTFT of an N-block prompt recomputed from nothing vs loaded from disk, per N."""
+def _crossover(bench: _Bench, progress: Callable[[str], None]) -> dict[str, object]:
+    """TTFT of an N-block prompt recomputed from nothing vs loaded from disk, per N (the median of
+    ``--crossover-repeats`` fresh prompts each), and the lines fitted through them: a load is
+    worth it from the N where the lines cross (none: at every N measured, or at none)."""
     rng = np.random.default_rng(bench.args.seed + 1)
     vocab = (3, bench.model.config.vocab_size)
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
     rows = []
     for n in bench.args.crossover_blocks:
         progress(f"crossover {n} blocks")
-        prompt = rng.integers(*vocab, size=n * BLOCK_SIZE + 1).tolist()  # N full blocks, then the one token computed
-        # Room for one such prompt and a little more (LRU): two fillers of its size evict every
-        # block of the prompt to disk.
-        config = replace(bench.disk(Path("")), num_blocks=n + 4, max_num_seqs=1, eviction_policy="lru")
+        # Room for one such prompt and a little more, every released block offloaded at once
+        # (the watermark keeps all but one clean): two fillers of its size then leave the
+        # prompt's blocks on disk only.
+        config = replace(bench.disk(Path("")), num_blocks=n + 4, max_num_seqs=1, offload_watermark_blocks=n + 3)
+        recompute, loaded, loads = [], [], 0
         with tempfile.TemporaryDirectory(prefix="pagedkv-crossover-") as directory:
             core = bench.core(replace(config, kv_disk_path=directory))
             try:
-                recompute = _ttft(core, "cold", prompt, params)
-                for i in range(2):  # two fillers of the pool's size: every block of the prompt is evicted
-                    _ttft(core, f"filler{i}", rng.integers(*vocab, size=n * BLOCK_SIZE + 1).tolist(), params)
-                core.scheduler.flush_disk_tier()  # the offloads committed: the load reads a stored block
-                before = core.stats()
-                loaded = _ttft(core, "again", prompt, params)
-                hits = core.stats().get("disk_loads", 0) - before.get("disk_loads", 0)
+                for r in range(bench.args.crossover_repeats):
+                    prompt = rng.integers(*vocab, size=n * BLOCK_SIZE + 1).tolist()  # N blocks, then the token computed
+                    recompute.append(_ttft(core, f"cold{r}", prompt, params))
+                    for i in range(2):  # two fillers of the pool's size: every block of the prompt is evicted
+                        _ttft(core, f"filler{r}-{i}", rng.integers(*vocab, size=n * BLOCK_SIZE + 1).tolist(), params)
+                    core.step()  # an empty step: its poll offloads the last filler's blocks
+                    core.scheduler.flush_disk_tier()  # every store committed: the loads queue behind none
+                    before = core.stats()["disk_loads"]
+                    loaded.append(_ttft(core, f"again{r}", prompt, params))
+                    loads += core.stats()["disk_loads"] - before
             finally:
                 core.close()
-        rows.append(
-            {
-                "blocks": n,
-                "recompute_ttft_s": recompute,
-                "disk_load_ttft_s": loaded,
-                "disk_loads": hits,
-                "recompute_ms_per_block": 1e3 * recompute / n,
-                "load_ms_per_block": 1e3 * loaded / n,
-            }
-        )
-    return rows
+        rows.append({"blocks": n, "recompute_ttft_s": float(np.median(recompute)), "disk_load_ttft_s": float(np.median(loaded)),
+                     "disk_loads": loads, "repeats": len(recompute)})
+    out: dict[str, object] = {"rows": rows}
+    if len(rows) >= 2:
+        blocks = [r["blocks"] for r in rows]
+        re_slope, re_base = np.polyfit(blocks, [r["recompute_ttft_s"] for r in rows], 1)
+        load_slope, load_base = np.polyfit(blocks, [r["disk_load_ttft_s"] for r in rows], 1)
+        crossing = (load_base - re_base) / (re_slope - load_slope) if re_slope != load_slope else None
+        out |= {
+            "recompute_ms_per_block": 1e3 * re_slope,
+            "load_ms_per_block": 1e3 * load_slope,
+            "fixed_ms": {"recompute": 1e3 * re_base, "load": 1e3 * load_base},
+            "crossover_blocks": crossing,
+            "load_faster_at_every_n": all(r["disk_load_ttft_s"] < r["recompute_ttft_s"] for r in rows),
+        }
+    return out
 
 
 def _ttft(core: EngineCore, request_id: str, prompt: list[int], params: SamplingParams) -> float:
@@ -272,9 +292,10 @@ QUICK = {
     "turns": 3,
     "concurrency": 2,
     "length_scale": 0.1,
-    "num_blocks": 24,
+    "num_blocks": 48,
     "restart_requests": 6,
     "crossover_blocks": (1, 4),
+    "crossover_repeats": 1,
 }
 
 
@@ -292,8 +313,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-disk-bytes", type=byte_size, default=4 << 30, help="disk tier capacity (default 4G)")
     parser.add_argument("--max-num-batched-tokens", type=positive_int, default=512)
     parser.add_argument("--kv-dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    parser.add_argument("--offload-watermark", type=positive_int, default=None,
+                        help="clean blocks kept ahead by offloading (default: one step's budget in blocks + concurrency)")
     parser.add_argument("--restart-requests", type=positive_int, default=50, help="requests timed after a restart")
     parser.add_argument("--crossover-blocks", type=comma_list(positive_int), default=(1, 4, 16, 64))
+    parser.add_argument("--crossover-repeats", type=positive_int, default=3)
     parser.add_argument("--seed", type=non_negative_int, default=0)
 
 
@@ -308,7 +332,8 @@ def run(args: argparse.Namespace) -> int:
         sessions=args.sessions,
         turns=args.turns,
         length_scale=args.length_scale,
-        max_prompt_len=min(args.max_prompt_len, bench.model.config.max_position_embeddings - 64),
+        # Room to generate, in the model's positions and in a RAM pool the prompt must fit alone.
+        max_prompt_len=min(args.max_prompt_len, bench.model.config.max_position_embeddings, args.num_blocks * BLOCK_SIZE) - 64,
         vocab=(3, bench.model.config.vocab_size),
         seed=args.seed,
     )
@@ -356,7 +381,7 @@ def _argv(args: argparse.Namespace) -> list[str]:
     skip = {"json", "quick", "run", "usage_parser", "command", "bench"}
     out = []
     for key, value in vars(args).items():
-        if key in skip:
+        if key in skip or value is None:
             continue
         text = ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
         out.append(f"--{key.replace('_', '-')} {text}")
@@ -375,11 +400,13 @@ def _print(report: dict) -> None:
     for name, r in report["restart"].items():
         ttft = f"TTFT mean {ms(r['ttft_mean_s'])} ms, p50 {ms(r['ttft_p50_s'])} ms"
         print(f"restart {name:<5}: {ttft}, hit rate {r['prefix_hit_rate']:.3f}")
-    for row in report["crossover"]:
-        print(
-            f"crossover {row['blocks']:4d} blocks: recompute {row['recompute_ms_per_block']:.2f} ms/block,"
-            f" disk load {row['load_ms_per_block']:.2f} ms/block ({row['disk_loads']} loaded)"
-        )
+    for row in report["crossover"]["rows"]:
+        print(f"crossover {row['blocks']:4d} blocks: TTFT recompute {ms(row['recompute_ttft_s'])} ms,"
+              f" disk load {ms(row['disk_load_ttft_s'])} ms ({row['disk_loads']} blocks loaded)")
+    c = report["crossover"]
+    if "crossover_blocks" in c:
+        print(f"per block: recompute {c['recompute_ms_per_block']:.3f} ms, load {c['load_ms_per_block']:.3f} ms;"
+              f" lines cross at {c['crossover_blocks']} blocks; load faster at every N: {c['load_faster_at_every_n']}")
     t = report["targets"]
     print(f"targets: TTFT p50 speedup {t['ttft_p50_speedup_vs_best_ram_only']} (≥ {t['ttft_p50_target']}: {t['ttft_p50_met']}),"
           f" warm restart {t['warm_restart_ttft_mean_speedup']} (≥ {t['warm_restart_target']}: {t['warm_restart_met']})")

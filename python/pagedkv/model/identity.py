@@ -10,8 +10,8 @@ JSON (sorted keys), readable when a tier is refused.
 
 The weights are hashed as they stream past the loader (:class:`WeightsDigest`), not by rereading
 the checkpoint: that also covers the built-in ``tiny`` model (seeded random weights, no file) and
-costs one pass of BLAKE2b (hashlib's, chosen for speed in pure C: ~1 GB/s a core) over tensors
-already in memory.
+costs one pass of BLAKE2b (hashlib's, in C) over tensors already in memory: measured, loading
+SmolLM2-135M took 6.35 s with the digest against 6.09 s without (272 tensors; loaded machine).
 """
 
 from __future__ import annotations
