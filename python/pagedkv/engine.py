@@ -68,17 +68,16 @@ from pagedkv.errors import (
     DuplicateSequenceError,
     InvalidArgumentError,
     ModelError,
-    NoChatTemplateError,
     PagedKVError,
 )
 from pagedkv.kv_events import KvEventPublisher, KvSnapshot
 from pagedkv.metrics import EngineMetrics
 from pagedkv.model import LlamaModel, SamplingParams
-from pagedkv.model.chat import render_chat
 from pagedkv.model.generation_config import default_sampling_params
 from pagedkv.model.identity import WeightsDigest, kv_identity
 from pagedkv.model.llama import DEFAULT_WEIGHT_DTYPE
 from pagedkv.model.pretrained import load_model
+from pagedkv.model.prompt import encode_chat, encode_text
 from pagedkv.model.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -308,7 +307,7 @@ class Engine:
         request's, with W3C ``traceparent``) make the request's trace span a child of the caller's."""
         token_ids: Sequence[int]
         if isinstance(prompt, str):
-            text, token_ids = prompt, self._encode(prompt, add_special_tokens=True)
+            text, token_ids = prompt, encode_text(self.tokenizer, prompt)
         else:
             text, token_ids = None, prompt
         return self._submit(text, token_ids, params, request_id, priority, cache_salt, timeout, trace_headers)
@@ -332,19 +331,7 @@ class Engine:
         rendered text. Raises, in the caller, changing nothing: :class:`NoChatTemplateError` if
         the tokenizer has no template, :class:`InvalidArgumentError` for malformed messages or
         messages the template refuses (e.g. an unknown role), and what :meth:`submit` raises."""
-        tokenizer = self.tokenizer
-        template = getattr(tokenizer, "chat_template", None)  # a tokenizer of the protocol before chat
-        if template is None:
-            raise NoChatTemplateError(f"the model's tokenizer ({type(tokenizer).__name__}) has no chat template")
-        text = render_chat(
-            template,
-            messages,
-            add_generation_prompt=add_generation_prompt,
-            bos_token=getattr(tokenizer, "bos_token", ""),
-            eos_token=getattr(tokenizer, "eos_token", ""),
-            source=getattr(tokenizer, "path", "the tokenizer's chat template"),
-        )
-        token_ids = self._encode(text, add_special_tokens=False)  # the template wrote them
+        text, token_ids = encode_chat(self.tokenizer, messages, add_generation_prompt)
         return self._submit(text, token_ids, params, request_id, priority, cache_salt, timeout, trace_headers)
 
     def chat(
@@ -371,12 +358,6 @@ class Engine:
                 trace_headers: Mapping[str, str] | None) -> RequestHandle:
         params = self.default_params if params is None else params
         return self._state.submit(self, text, token_ids, params, request_id, priority, cache_salt, timeout, trace_headers)
-
-    def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        try:
-            return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        except UnicodeError as error:
-            raise InvalidArgumentError(f"the prompt cannot be tokenized: {error}") from None
 
     def generate(
         self, prompts: str | Sequence[str] | Sequence[Sequence[int]], params: SamplingParams | None = None

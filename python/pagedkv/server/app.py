@@ -1,5 +1,6 @@
 """The FastAPI application: OpenAI's completions, chat completions and models endpoints over one
-:class:`~pagedkv.Engine`, plus ``/health``, ``/metrics`` and ``/version``.
+:class:`~pagedkv.Engine` or a cluster of replicas (an :class:`~pagedkv.server.client.EngineClient`),
+plus ``/health``, ``/metrics`` and ``/version``.
 
 FastAPI (on Starlette, served by uvicorn) is what vLLM and SGLang serve with: request bodies
 validated by pydantic models (:mod:`pagedkv.server.protocol`), streaming responses whose generator
@@ -12,8 +13,8 @@ Invariants:
   submissions are built, in the event loop's thread, before any answer starts: a refused request
   queues nothing.
 - The client's going away aborts its generation, streaming or not (:func:`_until_disconnect`).
-- The engine is never stepped here: submissions go through :meth:`Engine.submit`, which never
-  blocks (``timeout=0``: a full queue is a 429 at once).
+- The engine is never stepped here: submissions go through the client's ``submit``, which never
+  blocks the event loop (a full queue is a 429 at once).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from pagedkv import __version__
 from pagedkv.engine import Engine
 from pagedkv.engine_core import RequestOutput
+from pagedkv.server.client import EngineClient, LocalEngine
 from pagedkv.server.errors import ModelNotFoundError, install_handlers
 from pagedkv.server.formats import ChatFormat, CompletionFormat, Format
 from pagedkv.server.generation import Generation, Prompt, TokenText
@@ -45,20 +47,22 @@ DEFAULT_MAX_TOKENS = 1024
 _TRACE_HEADERS = ("traceparent", "tracestate")
 
 
-def build_app(engine: Engine, model_name: str, *, default_max_tokens: int = DEFAULT_MAX_TOKENS) -> FastAPI:
-    """An app serving ``engine`` as the model ``model_name``."""
+def build_app(engine: Engine | EngineClient, model_name: str, *, default_max_tokens: int = DEFAULT_MAX_TOKENS) -> FastAPI:
+    """An app serving ``engine`` (an in-process :class:`Engine`, or any :class:`EngineClient`) as
+    the model ``model_name``."""
+    client: EngineClient = LocalEngine(engine) if isinstance(engine, Engine) else engine
     app = FastAPI(title="pagedkv", version=__version__)
     install_handlers(app)
-    text = TokenText(engine)
+    text = TokenText(client.tokenizer)
     completion_format, chat_format = CompletionFormat(model_name, text), ChatFormat(model_name, text)
 
     async def generate(http: Request, body: CompletionRequest | ChatCompletionRequest, prompts: Sequence[Prompt],
                        fmt: Format, chat: bool) -> Response:
         if body.model != model_name:
             raise ModelNotFoundError(f"the model {body.model!r} does not exist (this server serves {model_name!r})")
-        params = sampling_params(body, engine.default_params, default_max_tokens)
+        params = sampling_params(body, client.default_params, default_max_tokens)
         trace = {k: v for k in _TRACE_HEADERS if (v := http.headers.get(k)) is not None}
-        generation = Generation.submit(engine, prompts, params, chat=chat, cache_salt=body.cache_salt,
+        generation = await Generation.submit(client, prompts, params, chat=chat, cache_salt=body.cache_salt,
                                        trace_headers=trace or None, prefix="chatcmpl" if chat else "cmpl")
         if body.stream:
             return StreamingResponse(stream(generation, fmt, body.include_usage), media_type="text/event-stream")
@@ -82,25 +86,18 @@ def build_app(engine: Engine, model_name: str, *, default_max_tokens: int = DEFA
     @app.get("/v1/models")
     async def models() -> dict:
         card = {"id": model_name, "object": "model", "created": 0, "owned_by": "pagedkv",
-                "max_model_len": engine.core.max_model_len}
+                "max_model_len": client.max_model_len}
         return {"object": "list", "data": [card]}
 
     @app.get("/health")
     async def health() -> dict:
-        """Liveness, and what the engine holds now: a test reads the block counts here."""
-        scheduler = engine.core.scheduler
-        num_blocks = engine.core.config.num_blocks
-        return {
-            "status": "ok",
-            "num_running": scheduler.num_running,
-            "num_waiting": scheduler.num_waiting,
-            "num_blocks": num_blocks,
-            "blocks_in_use": num_blocks - scheduler.num_free_blocks,
-        }
+        """Liveness, and what the engine holds now: a test reads the block counts here (a
+        cluster: each replica's state too)."""
+        return client.health()
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(engine.metrics.text(), media_type=CONTENT_TYPE_LATEST)
+        return Response(client.metrics_text(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/version")
     async def version() -> dict:

@@ -4,8 +4,9 @@ tokens merged into one stream of choices, and the OpenAI objects built from them
 Invariants:
 
 - Choice ``i * n + j`` is sample ``j`` of prompt ``i`` (OpenAI's order for a list of prompts).
-- :meth:`Generation.submit` either returns a generation whose every submission is queued, or
-  raises having queued nothing (the prompts queued before a refused one are aborted).
+- :meth:`Generation.submit` (over an :class:`~pagedkv.server.client.EngineClient`) either
+  returns a generation whose every submission is queued, or raises having queued nothing (the
+  prompts queued before a refused one are aborted).
 - :meth:`Generation.abort` ends every submission still running (a no-op for the ended ones): the
   server calls it whenever its client goes away, so no request outlives its connection.
 - The text of a choice is its sample's :attr:`CompletionOutput.text`, which is the concatenation
@@ -24,10 +25,12 @@ import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 
-from pagedkv.engine import Engine, EngineClosedError, RequestHandle
+from pagedkv.engine import EngineClosedError, RequestHandle
 from pagedkv.engine_core import RequestOutput, TokenEvent, TokenLogprob
 from pagedkv.errors import PagedKVError
 from pagedkv.model.sampling import SamplingParams
+from pagedkv.model.tokenizer import Tokenizer
+from pagedkv.server.client import EngineClient
 
 __all__ = ["Generation", "Prompt", "finish_reason", "usage"]
 
@@ -53,19 +56,19 @@ class Generation:
     params: SamplingParams
 
     @classmethod
-    def submit(cls, engine: Engine, prompts: Sequence[Prompt], params: SamplingParams, *, chat: bool,
-               cache_salt: str | None, trace_headers: Mapping[str, str] | None, prefix: str) -> Generation:
-        """Queues each prompt without waiting (a full queue raises ``EngineOverloadedError`` at
-        once: the client is told to retry rather than held)."""
+    async def submit(cls, client: EngineClient, prompts: Sequence[Prompt], params: SamplingParams, *, chat: bool,
+                     cache_salt: str | None, trace_headers: Mapping[str, str] | None, prefix: str) -> Generation:
+        """Queues each prompt without waiting for room (a full queue raises
+        ``EngineOverloadedError`` at once: the client is told to retry rather than held)."""
         handles: list[RequestHandle] = []
         try:
             for prompt in prompts:
                 if chat:
-                    handles.append(engine.submit_chat(prompt, params, cache_salt=cache_salt, timeout=0,  # type: ignore[arg-type]
-                                                      trace_headers=trace_headers))
+                    handles.append(await client.submit_chat(prompt, params, cache_salt=cache_salt,  # type: ignore[arg-type]
+                                                            trace_headers=trace_headers))
                 else:
-                    handles.append(engine.submit(prompt, params, cache_salt=cache_salt, timeout=0,  # type: ignore[arg-type]
-                                                 trace_headers=trace_headers))
+                    handles.append(await client.submit(prompt, params, cache_salt=cache_salt,  # type: ignore[arg-type]
+                                                       trace_headers=trace_headers))
         except BaseException:
             for handle in handles:
                 handle.abort()
@@ -130,8 +133,8 @@ def usage(outputs: Sequence[RequestOutput]) -> dict:
 class TokenText:
     """Token ids as the text of one token, for logprobs (``decode([id])``, cached)."""
 
-    def __init__(self, engine: Engine) -> None:
-        self._decode = engine.tokenizer.decode
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._decode = tokenizer.decode
         self._cache: dict[int, str] = {}
 
     def __call__(self, token_id: int) -> str:

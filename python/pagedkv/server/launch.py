@@ -1,10 +1,13 @@
 """``python -m pagedkv serve``: the OpenAI-compatible server (:func:`pagedkv.server.build_app`) on
 uvicorn, over an engine built from the shared engine options (``--otlp-traces-endpoint`` traces
-each request, a child of the HTTP request's ``traceparent``).
+each request, a child of the HTTP request's ``traceparent``). With ``--replicas N``, over N engine
+replicas as Ray actors instead (:class:`pagedkv.cluster.frontend.Cluster`, routed by
+``--routing-policy``), on the Ray cluster at ``--ray-address`` or on a local Ray started on
+127.0.0.1 for the server's lifetime (:func:`pagedkv.cluster.ray_runtime.connect`).
 
 Shutdown, on SIGTERM or SIGINT (:class:`_Server`):
 
-1. the engine stops accepting (``Engine.shutdown(drain=True)``: a request arriving now is a 503)
+1. the engine (or cluster) stops accepting (``shutdown(drain=True)``: a request arriving now is a 503)
    and uvicorn closes its listening socket and its idle connections;
 2. in-flight requests go on for up to ``--shutdown-timeout`` seconds;
 3. then the engine aborts the rest: each open stream ends with an error event and ``[DONE]``, each
@@ -27,9 +30,15 @@ import uvicorn
 
 from pagedkv import tracing
 from pagedkv.cli import add_engine_arguments, engine_kwargs, existing_file, port, positive_int, seconds
+from pagedkv.cluster.router import POLICIES
 from pagedkv.engine import Engine
+from pagedkv.errors import InvalidArgumentError, PagedKVError
 from pagedkv.metrics import EngineMetrics
 from pagedkv.server.app import DEFAULT_MAX_TOKENS, build_app
+from pagedkv.server.client import EngineClient
+
+# How long --replicas waits for every replica to answer its first heartbeat before serving.
+_REPLICA_START_SECONDS = 300.0
 
 __all__ = ["add_arguments", "run", "serve"]
 
@@ -51,13 +60,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a Jinja chat template file, replacing the tokenizer's (needed for a model without one)")
     parser.add_argument("--shutdown-timeout", type=seconds, default=30.0,
                         help="seconds in-flight requests may run after SIGTERM before they are aborted")
+    parser.add_argument("--replicas", type=positive_int, default=None,
+                        help="run N engine replicas as Ray actors behind this front end (needs pagedkv[cluster])")
+    parser.add_argument("--ray-address", default=None,
+                        help="with --replicas: join this Ray cluster (default: start a local Ray on 127.0.0.1)")
+    parser.add_argument("--routing-policy", default="prefix_aware", choices=POLICIES,
+                        help="with --replicas: how the front end picks a replica (default prefix_aware)")
 
 
 class _Server(uvicorn.Server):
     """uvicorn's server, whose exit signal first drains the engine (see the module doc), and
     which does not re-raise the signal after its graceful exit (so the process exits 0)."""
 
-    def __init__(self, config: uvicorn.Config, engine: Engine, model_name: str, shutdown_timeout: float) -> None:
+    def __init__(self, config: uvicorn.Config, engine: Engine | EngineClient, model_name: str, shutdown_timeout: float) -> None:
         super().__init__(config)
         self.engine = engine
         self.model_name = model_name
@@ -83,7 +98,7 @@ class _Server(uvicorn.Server):
             self._abort_timer.start()
 
 
-def serve(engine: Engine, model_name: str, host: str, port: int, *, shutdown_timeout: float = 30.0,
+def serve(engine: Engine | EngineClient, model_name: str, host: str, port: int, *, shutdown_timeout: float = 30.0,
           default_max_tokens: int = DEFAULT_MAX_TOKENS) -> None:
     """Serves ``engine`` until SIGTERM / SIGINT, then shuts down as the module doc says (the
     engine is shut down on return)."""
@@ -98,6 +113,10 @@ def serve(engine: Engine, model_name: str, host: str, port: int, *, shutdown_tim
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.replicas is not None:
+        return _run_cluster(args)
+    if args.ray_address is not None:
+        raise InvalidArgumentError("--ray-address needs --replicas")
     name = args.served_model_name or str(args.model)
     tracer = tracing.configure(otlp_endpoint=args.otlp_traces_endpoint)
     engine = Engine.from_pretrained(args.model, max_waiting=args.max_waiting, metrics=EngineMetrics(name), tracer=tracer,
@@ -110,4 +129,28 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if tracer is not None:
             tracer.shutdown()  # flushes the spans of the requests served
+    return 0
+
+
+def _run_cluster(args: argparse.Namespace) -> int:
+    """``--replicas N``: the replicas on Ray, this process their front end."""
+    try:
+        from pagedkv.cluster import ray_runtime
+        from pagedkv.cluster.frontend import Cluster, spawn_replicas
+    except ModuleNotFoundError as error:
+        raise PagedKVError(f"--replicas needs {error.name}, which is not installed (pip install 'pagedkv[cluster]')") from None
+
+    name = args.served_model_name or str(args.model)
+    template = None if args.chat_template is None else Path(args.chat_template).read_text()
+    replica_kwargs = {**engine_kwargs(args), "max_waiting": args.max_waiting}
+    with ray_runtime.connect(args.ray_address, num_cpus=args.replicas if args.ray_address is None else None) as took:
+        print(f"pagedkv: Ray {'joined' if args.ray_address else 'started on 127.0.0.1'} in {took:.1f} s", flush=True)
+        actors = spawn_replicas(args.replicas, args.model, replica_kwargs, otlp_endpoint=args.otlp_traces_endpoint)
+        cluster = Cluster(actors, policy=args.routing_policy, chat_template=template, metrics=EngineMetrics(name))
+        try:
+            cluster.wait_ready(_REPLICA_START_SECONDS)
+            serve(cluster, name, args.host, args.port, shutdown_timeout=args.shutdown_timeout,
+                  default_max_tokens=args.default_max_tokens)
+        finally:
+            cluster.shutdown(drain=False)  # a no-op once serve has shut it down
     return 0

@@ -1,0 +1,88 @@
+"""What the server serves: an :class:`EngineClient`, either one in-process
+:class:`~pagedkv.Engine` (:class:`LocalEngine`) or a cluster of replicas
+(:class:`pagedkv.cluster.Cluster`). The app sees only this protocol.
+
+Invariants:
+
+- ``submit`` / ``submit_chat`` return a handle (:class:`~pagedkv.engine.RequestHandle`'s API:
+  ``async for`` its :class:`TokenEvent`\\ s, ``await`` its output, ``abort()``) only once the request
+  is queued; a refused one raises there (a bad argument, a full queue, a closed engine), having
+  queued nothing. They never block the event loop.
+- ``shutdown(drain=True, timeout=0)`` stops accepting at once; ``drain=False`` aborts what runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Protocol
+
+from pagedkv.engine import Engine, RequestHandle
+from pagedkv.model.sampling import SamplingParams
+from pagedkv.model.tokenizer import Tokenizer
+
+__all__ = ["EngineClient", "LocalEngine"]
+
+
+class EngineClient(Protocol):
+    """The engine side of the server."""
+
+    tokenizer: Tokenizer
+    default_params: SamplingParams
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    async def submit(self, prompt: str | Sequence[int], params: SamplingParams, *, cache_salt: str | None,
+                     trace_headers: Mapping[str, str] | None) -> RequestHandle: ...
+
+    async def submit_chat(self, messages: Sequence[dict[str, str]], params: SamplingParams, *, cache_salt: str | None,
+                          trace_headers: Mapping[str, str] | None) -> RequestHandle: ...
+
+    def health(self) -> dict:
+        """``status`` and what the engine(s) hold now (``num_running``, ``num_waiting``, ...)."""
+        ...
+
+    def metrics_text(self) -> str:
+        """The Prometheus exposition of its metrics."""
+        ...
+
+    def shutdown(self, drain: bool = True, timeout: float | None = None) -> None: ...
+
+
+class LocalEngine:
+    """One in-process :class:`Engine` as an :class:`EngineClient` (submissions never wait:
+    ``timeout=0``, so a full queue is a 429 at once)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.tokenizer = engine.tokenizer
+        self.default_params = engine.default_params
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.core.max_model_len
+
+    async def submit(self, prompt: str | Sequence[int], params: SamplingParams, *, cache_salt: str | None,
+                     trace_headers: Mapping[str, str] | None) -> RequestHandle:
+        return self.engine.submit(prompt, params, cache_salt=cache_salt, timeout=0, trace_headers=trace_headers)
+
+    async def submit_chat(self, messages: Sequence[dict[str, str]], params: SamplingParams, *, cache_salt: str | None,
+                          trace_headers: Mapping[str, str] | None) -> RequestHandle:
+        return self.engine.submit_chat(messages, params, cache_salt=cache_salt, timeout=0, trace_headers=trace_headers)
+
+    def health(self) -> dict:
+        scheduler = self.engine.core.scheduler
+        num_blocks = self.engine.core.config.num_blocks
+        return {
+            "status": "ok",
+            "num_running": scheduler.num_running,
+            "num_waiting": scheduler.num_waiting,
+            "num_blocks": num_blocks,
+            "blocks_in_use": num_blocks - scheduler.num_free_blocks,
+        }
+
+    def metrics_text(self) -> str:
+        return self.engine.metrics.text()
+
+    def shutdown(self, drain: bool = True, timeout: float | None = None) -> None:
+        self.engine.shutdown(drain=drain, timeout=timeout)
