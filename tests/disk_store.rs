@@ -112,7 +112,11 @@ fn blocks_round_trip_and_survive_a_reopen() {
         assert!(load(&mut s, i), "block {i} after reopen");
     }
     assert_eq!(fetch(&mut s, 2), Fetch::Missing);
-    assert_eq!(s.counters().dropped_corrupt, 0, "a missing hash drops nothing");
+    assert_eq!(
+        s.counters().dropped_corrupt,
+        0,
+        "a missing hash drops nothing"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
