@@ -75,7 +75,12 @@ pub struct LoadDone {
 pub struct TierCounters {
     pub offloads: u64,
     pub loads: u64,
+    /// Entries dropped because they did not verify (bytes, tokens or parent), or did not decode.
     pub dropped_corrupt: u64,
+    /// Loads that ended [`LoadOutcome::Dropped`] with nothing corrupt: the block was not held (never
+    /// stored, its copy lost, or evicted since `contains`), or the job failed (a block id outside
+    /// the pool, an I/O error writing RAM, the I/O thread gone).
+    pub load_misses: u64,
     pub evictions: u64,
     pub bytes_written: u64,
     pub bytes_read: u64,

@@ -1,13 +1,15 @@
 //! The disk tier's store: round trip, reopen, corruption and truncation (dropped, never served),
-//! another identity (cleared), capacity eviction, and a crash test: a child process (this test
-//! binary re-executed) storing blocks in a loop is SIGKILLed at random points, 20 times; after
-//! every kill the tier reopens and every block it serves has exactly the bytes that were written.
+//! a missing hash (not dropped, not counted), another identity (cleared), capacity eviction, groups
+//! of stores (one commit: duplicates, evictions, refusals), and a crash test: a child process (this
+//! test binary re-executed) storing groups of random sizes in a loop is SIGKILLed at random points,
+//! 20 times; after every kill the tier reopens and every block it serves has exactly the bytes that
+//! were written.
 
 use std::io::Write;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use pagedkv::disk::DiskStore;
+use pagedkv::disk::{DiskStore, Fetch, NewBlock};
 use pagedkv::lru::EvictionPolicy;
 use rand::Rng;
 
@@ -33,20 +35,42 @@ fn open(dir: &std::path::Path, slots: u64) -> DiskStore {
         .0
 }
 
+type Block = (u128, u128, Vec<u32>, Vec<u8>);
+
+fn new_block((hash, parent, tokens, data): &Block) -> NewBlock<'_> {
+    NewBlock {
+        hash: *hash,
+        parent: *parent,
+        salt: b"",
+        tokens,
+        data,
+    }
+}
+
 fn store(s: &mut DiskStore, i: u64) -> bool {
-    let (hash, parent, tokens, data) = block(i);
-    s.store(hash, parent, b"", &tokens, &data).unwrap()
+    s.store(new_block(&block(i))).unwrap()
+}
+
+/// Stores blocks `ids` as one group.
+fn store_group(s: &mut DiskStore, ids: &[u64]) -> Vec<bool> {
+    let blocks: Vec<Block> = ids.iter().map(|&i| block(i)).collect();
+    let group: Vec<NewBlock<'_>> = blocks.iter().map(new_block).collect();
+    s.store_group(&group).unwrap()
 }
 
 /// Loads block `i`; if served, asserts its bytes are exactly those written.
-fn load(s: &mut DiskStore, i: u64) -> bool {
+fn fetch(s: &mut DiskStore, i: u64) -> Fetch {
     let (hash, parent, tokens, data) = block(i);
     let mut out = vec![0; SLOT];
-    let served = s.load(hash, parent, b"", &tokens, &mut out).unwrap();
-    if served {
+    let fetched = s.load(hash, parent, b"", &tokens, &mut out).unwrap();
+    if fetched == Fetch::Verified {
         assert_eq!(out, data, "block {i} served with other bytes");
     }
-    served
+    fetched
+}
+
+fn load(s: &mut DiskStore, i: u64) -> bool {
+    fetch(s, i) == Fetch::Verified
 }
 
 #[test]
@@ -60,13 +84,20 @@ fn blocks_round_trip_and_survive_a_reopen() {
     assert!(load(&mut s, 2));
     let (hash, parent, tokens, _) = block(2);
     let mut out = vec![0; SLOT];
-    assert!(
-        !s.load(hash, parent, b"other salt", &tokens, &mut out)
+    assert_eq!(
+        s.load(hash, parent, b"other salt", &tokens, &mut out)
             .unwrap(),
+        Fetch::Dropped,
         "another salt never shares"
     );
-    assert!(
-        !s.load(hash, parent, b"", &[9, 9, 9, 9], &mut out).unwrap(),
+    assert_eq!(
+        s.load(hash, parent, b"", &[9, 9, 9, 9], &mut out).unwrap(),
+        Fetch::Missing,
+        "dropped by the salt mismatch: gone"
+    );
+    assert_eq!(
+        s.load(1003, 3, b"", &[9, 9, 9, 9], &mut out).unwrap(),
+        Fetch::Dropped,
         "other tokens never match"
     );
     drop(s);
@@ -74,13 +105,18 @@ fn blocks_round_trip_and_survive_a_reopen() {
         DiskStore::open(&dir, ID, SLOT, 8 * SLOT as u64, EvictionPolicy::Slru).unwrap();
     assert_eq!(
         (opened.recovered, opened.cleared),
-        (4, false),
-        "5 stored, block 2 dropped by the mismatched salt"
+        (3, false),
+        "5 stored, block 2 dropped by the mismatched salt, block 3 by the tokens"
     );
-    for i in [0, 1, 3, 4] {
+    for i in [0, 1, 4] {
         assert!(load(&mut s, i), "block {i} after reopen");
     }
-    assert!(!load(&mut s, 2));
+    assert_eq!(fetch(&mut s, 2), Fetch::Missing);
+    assert_eq!(
+        s.counters().dropped_corrupt,
+        0,
+        "a missing hash drops nothing"
+    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
@@ -100,8 +136,10 @@ fn corrupt_and_truncated_blocks_are_dropped_never_served() {
     bytes.truncate(3 * SLOT + 10);
     std::fs::write(&data_path, &bytes).unwrap();
     let mut s = open(&dir, 8);
-    assert!(!load(&mut s, 1), "flipped byte");
-    assert!(!load(&mut s, 3), "truncated");
+    assert_eq!(fetch(&mut s, 1), Fetch::Dropped, "flipped byte");
+    assert_eq!(fetch(&mut s, 3), Fetch::Dropped, "truncated");
+    assert_eq!(fetch(&mut s, 3), Fetch::Missing, "dropped once");
+    assert_eq!(fetch(&mut s, 99), Fetch::Missing, "never stored");
     assert!(
         load(&mut s, 0) && load(&mut s, 2),
         "the intact blocks are served"
@@ -153,9 +191,53 @@ fn a_full_tier_evicts_never_loaded_blocks_first() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
+#[test]
+fn a_group_commits_its_new_blocks_and_evicts_for_room() {
+    let dir = fresh_dir("group");
+    let mut s = open(&dir, 4);
+    assert_eq!(
+        store_group(&mut s, &[0, 1, 1, 2]),
+        [true, true, false, true],
+        "a hash repeated in the group is stored once"
+    );
+    assert_eq!(store_group(&mut s, &[2, 3]), [false, true], "2 was stored");
+    assert_eq!((s.len(), s.counters().stores), (4, 4));
+    assert!(load(&mut s, 0));
+    assert_eq!(store_group(&mut s, &[4, 5]), [true, true]);
+    assert_eq!(s.counters().evictions, 2);
+    assert_eq!(
+        s.take_removed(),
+        [1001, 1002],
+        "the oldest never-loaded blocks made room"
+    );
+    let (too_many, bytes) = ([6, 7, 8, 9, 10], s.counters().bytes_written);
+    let blocks: Vec<Block> = too_many.iter().map(|&i| block(i)).collect();
+    let group: Vec<NewBlock<'_>> = blocks.iter().map(new_block).collect();
+    assert!(s.store_group(&group).is_err(), "more blocks than slots");
+    let short = [7u8; 10];
+    let mut bad = new_block(&blocks[0]);
+    bad.data = &short;
+    assert!(s.store_group(&[new_block(&blocks[1]), bad]).is_err());
+    assert_eq!(
+        (s.len(), s.counters().bytes_written, s.take_removed()),
+        (4, bytes, vec![]),
+        "a refused group changes nothing"
+    );
+    drop(s);
+    let (mut s, opened) =
+        DiskStore::open(&dir, ID, SLOT, 4 * SLOT as u64, EvictionPolicy::Slru).unwrap();
+    assert_eq!(opened.recovered, 4);
+    for i in [0, 3, 4, 5] {
+        assert!(load(&mut s, i), "block {i} after reopen");
+    }
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 const CHILD_ENV: &str = "PAGEDKV_DISK_CRASH_CHILD";
 
-/// The writer: stores blocks `start..` forever, logging `B i` before and `A i` after each store.
+/// The writer: stores blocks `start..` forever in groups of 1 to 6 blocks (the tier's capacity:
+/// a group may evict every block), logging `B i` before and `A i` after each group of first block
+/// `i`.
 fn crash_child(dir: &str, start: u64) -> ! {
     let mut s = open(&PathBuf::from(dir), 6);
     let mut log = std::fs::OpenOptions::new()
@@ -163,12 +245,15 @@ fn crash_child(dir: &str, start: u64) -> ! {
         .create(true)
         .open(format!("{dir}/log"))
         .unwrap();
-    for i in start.. {
+    let mut rng = rand::rng();
+    let mut i = start;
+    loop {
+        let ids: Vec<u64> = (i..i + rng.random_range(1..=6)).collect();
         log.write_all(format!("B {i}\n").as_bytes()).unwrap();
-        store(&mut s, i);
+        store_group(&mut s, &ids);
         log.write_all(format!("A {i}\n").as_bytes()).unwrap();
+        i += ids.len() as u64;
     }
-    unreachable!()
 }
 
 #[test]

@@ -3,7 +3,9 @@
 //! returns offloaded blocks loses and duplicates no id, and its count never runs ahead of the
 //! list; reopening recovers the blocks and says so in events; another identity or dtype clears
 //! the tier; flipped and truncated data are dropped (counted), never served; a full tier evicts
-//! with `BlockRemoved`; bad block ids fail their job, not the tier. Every test checks that
+//! with `BlockRemoved`; bad block ids fail their job, not the tier; loads queued behind many
+//! offloads are served before the stores, a load of a block whose store is queued is served from
+//! the queued copy, and a missing block counts as a miss, not as corrupt. Every test checks that
 //! replaying the tier's events gives `stored_hashes`, and runs under a timeout.
 
 use std::collections::HashSet;
@@ -51,9 +53,13 @@ fn fresh_dir(name: &str) -> PathBuf {
 /// A cache of `dtype` with random contents, and a free list of its blocks all held (popped), as
 /// a pool whose blocks are in use.
 fn cache(dtype: KvDtype) -> (KvCache, TierLink) {
-    let mut kv = KvCache::new(SHAPE, dtype).unwrap();
+    cache_of(SHAPE, dtype)
+}
+
+fn cache_of(shape: KvShape, dtype: KvDtype) -> (KvCache, TierLink) {
+    let mut kv = KvCache::new(shape, dtype).unwrap();
     kv.fill_random(7);
-    let free = Arc::new(FreeList::full(SHAPE.num_blocks).unwrap());
+    let free = Arc::new(FreeList::full(shape.num_blocks).unwrap());
     while free.pop().is_some() {}
     let link = TierLink {
         free,
@@ -366,7 +372,7 @@ fn flipped_and_truncated_blocks_are_dropped_and_counted_never_served() {
         for i in 0..4 {
             tier.load(load_job(8 + i, i));
         }
-        tier.load(load_job(12, 99)); // never stored
+        tier.load(load_job(12, 99)); // never stored: a miss, not corrupt
         let outcomes: Vec<_> = flushed_loads(&mut tier).iter().map(|d| d.outcome).collect();
         use LoadOutcome::{Dropped, Loaded};
         assert_eq!(outcomes, [Loaded, Dropped, Dropped, Dropped, Dropped]);
@@ -378,8 +384,8 @@ fn flipped_and_truncated_blocks_are_dropped_and_counted_never_served() {
                 "block {b} untouched"
             );
         }
-        assert_eq!(tier.counters().dropped_corrupt, 4);
-        assert_eq!(tier.counters().blocks, 1);
+        let c = tier.counters();
+        assert_eq!((c.dropped_corrupt, c.load_misses, c.blocks), (3, 1, 1));
         let events = check_events(&mut tier, &mut set);
         assert_eq!(
             events.len(),
@@ -431,7 +437,16 @@ fn jobs_with_bad_block_ids_fail_alone() {
         let done = flushed_loads(&mut tier);
         assert_eq!(done[0].outcome, LoadOutcome::Dropped);
         let c = tier.counters();
-        assert_eq!((c.offloads, c.offloads_lost, c.dropped_corrupt), (1, 1, 1));
+        assert_eq!(
+            (
+                c.offloads,
+                c.offloads_lost,
+                c.dropped_corrupt,
+                c.load_misses
+            ),
+            (1, 1, 0, 1),
+            "a failed job is a miss, nothing corrupt"
+        );
         assert_eq!(link.returned.load(Ordering::Acquire), 1, "only block 1");
         assert!(!tier.contains(1000) && tier.contains(1001));
         let (other, other_link) = cache(KvDtype::F32);
@@ -443,6 +458,82 @@ fn jobs_with_bad_block_ids_fail_alone() {
         let refused =
             unsafe { DiskTier::open(&dir, config(b"m", 4, KvDtype::F32), other.block_io(), short) };
         assert!(matches!(refused, Err(pagedkv::Error::InvalidArgument(_))));
+        drop(tier);
+        std::fs::remove_dir_all(&dir).unwrap();
+    });
+}
+
+/// 96 offloads, then three loads: a stored block (verifies), a stored block asked with other
+/// tokens (does not verify: dropped, its `BlockRemoved` marks when the loads ran), and the block
+/// of the last offload (still queued). The loads run before the stores queued ahead of them: once
+/// the loads are sent, at most one group of stores (the one under way) finishes before them. So
+/// of the 96 `BlockStored` events, at most `stored + MAX_GROUP_BLOCKS` come before the
+/// `BlockRemoved`, where `stored` is the offloads counter read just after sending (no wall time:
+/// the event order is the clock).
+#[test]
+fn loads_queued_behind_offloads_run_before_the_stores() {
+    with_timeout(60, || {
+        const QUEUED: u32 = 96;
+        let dir = fresh_dir("loads-first");
+        let shape = KvShape {
+            num_blocks: 128,
+            ..SHAPE
+        };
+        let (kv, link) = cache_of(shape, KvDtype::F32);
+        let (mut tier, _) = open(&dir, config(b"m", 128, KvDtype::F32), &kv, &link);
+        let originals: Vec<Vec<u8>> = (0..shape.num_blocks as u32)
+            .map(|b| bytes_of(&kv, b))
+            .collect();
+        tier.offload(offload_job(0, 0));
+        tier.offload(offload_job(1, 1));
+        tier.flush();
+        let mut set = HashSet::new();
+        check_events(&mut tier, &mut set);
+        for i in 2..2 + QUEUED {
+            tier.offload(offload_job(i, i));
+        }
+        tier.load(load_job(120, 0));
+        let mut other_tokens = load_job(121, 1);
+        other_tokens.tokens[0] += 1;
+        tier.load(other_tokens);
+        let last = 1 + QUEUED;
+        tier.load(load_job(122, last));
+        let stored = tier.counters().offloads - 2;
+        let done = flushed_loads(&mut tier);
+        use LoadOutcome::{Dropped, Loaded};
+        let outcomes: Vec<_> = done.iter().map(|d| d.outcome).collect();
+        assert_eq!(outcomes, [Loaded, Dropped, Loaded]);
+        assert_eq!(bytes_of(&kv, 120), originals[0]);
+        assert_eq!(
+            bytes_of(&kv, 122),
+            originals[last as usize],
+            "the queued copy"
+        );
+        let events = check_events(&mut tier, &mut set);
+        let removed = KvEvent::BlockRemoved {
+            hash: 1001,
+            medium: Medium::Disk,
+        };
+        let at = events.iter().position(|e| *e == removed).expect("dropped");
+        let stored_before = events[..at]
+            .iter()
+            .filter(|e| matches!(e, KvEvent::BlockStored { .. }))
+            .count() as u64;
+        let bound = stored + pagedkv::disk::tier::MAX_GROUP_BLOCKS as u64;
+        assert!(
+            stored_before <= bound,
+            "{stored_before} stores ran before the loads (at most {bound})"
+        );
+        let c = tier.counters();
+        assert_eq!(
+            (c.offloads, c.loads, c.dropped_corrupt, c.load_misses),
+            (2 + QUEUED as u64, 2, 1, 0)
+        );
+        if bound < QUEUED as u64 {
+            // The last offload was still queued when the loads ran: its load read no disk.
+            assert_eq!(c.bytes_read, kv.slot_bytes() as u64);
+        }
+        assert_eq!(c.jobs_in_flight, 0);
         drop(tier);
         std::fs::remove_dir_all(&dir).unwrap();
     });

@@ -113,25 +113,40 @@ impl Index {
         }
         drop(table);
         drop(txn);
-        for &hash in &bad {
-            self.remove(hash)?;
-        }
+        self.remove(&bad)?;
         Ok((records, bad.len()))
     }
 
-    /// Commits `record` for `hash`.
-    pub fn insert(&self, hash: BlockHash, record: &BlockRecord) -> Result<(), redb::Error> {
+    /// Commits the entries `records` in one transaction (one commit's `fsync`s however many:
+    /// what makes a group of stores cheap, see [`super::DiskStore::store_group`]); none, no
+    /// transaction.
+    pub fn insert(&self, records: &[(BlockHash, BlockRecord)]) -> Result<(), redb::Error> {
+        if records.is_empty() {
+            return Ok(());
+        }
         let txn = self.db.begin_write()?;
-        txn.open_table(BLOCKS)?
-            .insert(hash, record.encode().as_slice())?;
+        {
+            let mut table = txn.open_table(BLOCKS)?;
+            for (hash, record) in records {
+                table.insert(*hash, record.encode().as_slice())?;
+            }
+        }
         txn.commit()?;
         Ok(())
     }
 
-    /// Commits the removal of `hash`.
-    pub fn remove(&self, hash: BlockHash) -> Result<(), redb::Error> {
+    /// Commits the removal of the entries of `hashes` in one transaction; none, no transaction.
+    pub fn remove(&self, hashes: &[BlockHash]) -> Result<(), redb::Error> {
+        if hashes.is_empty() {
+            return Ok(());
+        }
         let txn = self.db.begin_write()?;
-        txn.open_table(BLOCKS)?.remove(hash)?;
+        {
+            let mut table = txn.open_table(BLOCKS)?;
+            for &hash in hashes {
+                table.remove(hash)?;
+            }
+        }
         txn.commit()?;
         Ok(())
     }

@@ -9,7 +9,7 @@ pub mod store;
 pub mod tier;
 
 pub use index::BlockRecord;
-pub use store::{DiskCounters, DiskStore, Opened};
+pub use store::{DiskCounters, DiskStore, Fetch, NewBlock, Opened};
 pub use tier::{DiskTier, DiskTierConfig};
 
 /// What can go wrong in the disk store ([`crate::Error`] at the tier's boundary).

@@ -1,12 +1,16 @@
 //! The disk tier's blocks: `blocks.dat`, `capacity` slots of `slot_bytes` each (every layer's K and
 //! V of one block, laid out by the caller), and `index.redb` saying which block each slot holds.
 //!
-//! Write order, so a crash at any point leaves nothing servable that is wrong: a slot being reused
-//! loses its index entry first (committed), then the new bytes are written and `fdatasync`ed, then
-//! the new entry is committed. A crash before the last commit leaves an unreferenced slot (free
-//! again at the next open); a torn write can only be under an entry that does not exist yet.
+//! Write order of a store (of a group of blocks, [`DiskStore::store_group`]; a single store is a
+//! group of one), so a crash at any point leaves nothing servable that is wrong: the slots being
+//! reused lose their index entries first (one commit), then the new bytes of every block are
+//! written and `fdatasync`ed (once), then the new entries are committed (one transaction). A crash
+//! before the last commit leaves unreferenced slots (free again at the next open); a torn write can
+//! only be under an entry that does not exist yet. Grouping shares the `fdatasync` and the commits'
+//! `fsync`s, the bulk of a store's cost (see `benches/disk_tier.rs`).
 //! Every load re-checks the entry's checksum, tokens and salt against the bytes and the caller's
-//! expectation; a mismatch or a short read drops the entry (counted) and is a miss.
+//! expectation; a mismatch or a short read drops the entry (counted) and is [`Fetch::Dropped`]; a
+//! hash without an entry is [`Fetch::Missing`] (nothing dropped, nothing counted).
 //!
 //! Capacity is bounded; a full tier evicts under the same [`EvictionPolicy`] as the RAM pool,
 //! over slots (a load is a hit). The eviction order is not persisted: a reopened tier starts it
@@ -16,7 +20,7 @@ use std::fs::{File, OpenOptions};
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
-use rustc_hash::FxHashMap;
+use rustc_hash::{FxHashMap, FxHashSet};
 
 use super::index::{BlockRecord, Index};
 use super::{DiskError, DiskResult};
@@ -34,6 +38,29 @@ pub struct DiskCounters {
     pub evictions: u64,
     pub bytes_written: u64,
     pub bytes_read: u64,
+}
+
+/// What a load found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fetch {
+    /// The buffer holds the block, verified.
+    Verified,
+    /// No entry for the hash (never stored, or evicted or dropped since).
+    Missing,
+    /// The entry did not verify (bytes, tokens, parent or salt): dropped, counted in
+    /// `dropped_corrupt`.
+    Dropped,
+}
+
+/// One block to store: the block `hash` of `salt` after `parent` holding `tokens`, its bytes
+/// `data` (exactly `slot_bytes`).
+#[derive(Debug, Clone, Copy)]
+pub struct NewBlock<'a> {
+    pub hash: BlockHash,
+    pub parent: BlockHash,
+    pub salt: &'a [u8],
+    pub tokens: &'a [TokenId],
+    pub data: &'a [u8],
 }
 
 /// What opening found.
@@ -104,6 +131,7 @@ impl DiskStore {
             },
             removed: Vec::new(),
         };
+        let mut stray = Vec::new();
         for (hash, record) in records {
             let slot = record.slot as usize;
             if slot < capacity && store.owners[slot].is_none() {
@@ -111,9 +139,10 @@ impl DiskStore {
                 store.order.push(record.slot);
                 store.slots.insert(hash, record);
             } else {
-                store.index.remove(hash)?;
+                stray.push(hash);
             }
         }
+        store.index.remove(&stray)?;
         store.free = (0..capacity as u32)
             .rev()
             .filter(|&s| store.owners[s as usize].is_none())
@@ -125,6 +154,11 @@ impl DiskStore {
     /// Bytes of one block.
     pub fn slot_bytes(&self) -> usize {
         self.slot_bytes
+    }
+
+    /// Most blocks the tier holds.
+    pub fn capacity(&self) -> usize {
+        self.owners.len()
     }
 
     /// Blocks stored.
@@ -163,65 +197,100 @@ impl DiskStore {
         self.counters
     }
 
-    /// Stores `data` (exactly `slot_bytes`) as the block `hash` of `salt` after `parent` holding
-    /// `tokens`, evicting a block if the tier is full. Returns false if `hash` was already stored.
-    /// On an I/O error the block is simply not stored.
-    pub fn store(
-        &mut self,
-        hash: BlockHash,
-        parent: BlockHash,
-        salt: &[u8],
-        tokens: &[TokenId],
-        data: &[u8],
-    ) -> DiskResult<bool> {
-        if data.len() != self.slot_bytes {
+    /// Stores one block: [`DiskStore::store_group`] of `[block]`. Returns false if its hash was
+    /// already stored.
+    pub fn store(&mut self, block: NewBlock<'_>) -> DiskResult<bool> {
+        Ok(self.store_group(&[block])?[0])
+    }
+
+    /// Stores `blocks` (at most `capacity`, each exactly `slot_bytes`), evicting as many blocks as
+    /// the tier needs room for, in the write order of the module doc: one commit removing the
+    /// victims' entries (if any), one `fdatasync` of the data, one commit of the new entries.
+    /// Returns, per block, whether it was stored (false: its hash was already stored, or came
+    /// earlier in `blocks`). Fails with `InvalidArgument`, changing nothing, for a block of another
+    /// size or too many blocks; on an I/O error no block of the group is stored (victims already
+    /// evicted stay evicted, reported by `take_removed`).
+    pub fn store_group(&mut self, blocks: &[NewBlock<'_>]) -> DiskResult<Vec<bool>> {
+        if let Some(bad) = blocks.iter().find(|b| b.data.len() != self.slot_bytes) {
             return Err(DiskError::InvalidArgument(format!(
                 "a block is {} bytes, got {}",
                 self.slot_bytes,
-                data.len()
+                bad.data.len()
             )));
         }
-        if self.slots.contains_key(&hash) {
-            return Ok(false);
+        if blocks.len() > self.capacity() {
+            return Err(DiskError::InvalidArgument(format!(
+                "a group of {} blocks exceeds the tier's {} slots",
+                blocks.len(),
+                self.capacity()
+            )));
         }
-        let slot = match self.free.pop() {
-            Some(slot) => slot,
-            None => {
-                let victim = self.order.pop().expect("a full tier has blocks");
-                self.forget(victim)?;
-                self.counters.evictions += 1;
-                self.free.pop().expect("just freed")
+        let mut new = vec![false; blocks.len()];
+        let mut seen = FxHashSet::default();
+        for (is_new, block) in new.iter_mut().zip(blocks) {
+            *is_new = !self.slots.contains_key(&block.hash) && seen.insert(block.hash);
+        }
+        let count = seen.len();
+        if count == 0 {
+            return Ok(new);
+        }
+        let shortfall = count.saturating_sub(self.free.len());
+        if shortfall > 0 {
+            let victims: Vec<u32> = (0..shortfall)
+                .map(|_| self.order.pop().expect("a full tier has blocks"))
+                .collect();
+            if let Err(error) = self.forget(&victims) {
+                victims.iter().for_each(|&slot| self.order.push(slot));
+                return Err(error);
             }
-        };
-        let record = BlockRecord {
-            slot,
-            checksum: xxhash_rust::xxh3::xxh3_64(data),
-            parent,
-            salt: salt.to_vec(),
-            tokens: tokens.to_vec(),
-        };
-        let written = self
-            .data
-            .write_all_at(data, self.offset(slot))
+            self.counters.evictions += shortfall as u64;
+        }
+        let slots: Vec<u32> = (0..count)
+            .map(|_| self.free.pop().expect("room was made"))
+            .collect();
+        let fresh: Vec<(&NewBlock<'_>, u32)> = blocks
+            .iter()
+            .zip(&new)
+            .filter_map(|(block, &is_new)| is_new.then_some(block))
+            .zip(slots.iter().copied())
+            .collect();
+        let written = fresh
+            .iter()
+            .try_for_each(|&(block, slot)| self.data.write_all_at(block.data, self.offset(slot)))
             .and_then(|()| self.data.sync_data());
+        let entries: Vec<(BlockHash, BlockRecord)> = fresh
+            .iter()
+            .map(|&(block, slot)| {
+                let record = BlockRecord {
+                    slot,
+                    checksum: xxhash_rust::xxh3::xxh3_64(block.data),
+                    parent: block.parent,
+                    salt: block.salt.to_vec(),
+                    tokens: block.tokens.to_vec(),
+                };
+                (block.hash, record)
+            })
+            .collect();
         if let Err(error) = written
             .map_err(DiskError::from)
-            .and_then(|()| Ok(self.index.insert(hash, &record)?))
+            .and_then(|()| Ok(self.index.insert(&entries)?))
         {
-            self.free.push(slot);
+            self.free.extend(slots.iter().rev());
             return Err(error);
         }
-        self.owners[slot as usize] = Some(hash);
-        self.order.push(slot);
-        self.slots.insert(hash, record);
-        self.counters.stores += 1;
-        self.counters.bytes_written += data.len() as u64;
-        Ok(true)
+        for (hash, record) in entries {
+            self.owners[record.slot as usize] = Some(hash);
+            self.order.push(record.slot);
+            self.slots.insert(hash, record);
+        }
+        self.counters.stores += count as u64;
+        self.counters.bytes_written += (count * self.slot_bytes) as u64;
+        Ok(new)
     }
 
-    /// Reads block `hash` into `out` (`slot_bytes` long) if it is stored and verifies against its
-    /// checksum and the expected `parent`, `salt` and `tokens`. A block that does not verify is
-    /// dropped (counted). Returns whether `out` holds the block.
+    /// Reads block `hash` into `out` (`slot_bytes` long) if it is stored and verifies it against
+    /// its checksum and the expected `parent`, `salt` and `tokens`; a block that does not verify is
+    /// dropped (counted). Only on [`Fetch::Verified`] does `out` hold the block.
     pub fn load(
         &mut self,
         hash: BlockHash,
@@ -229,9 +298,9 @@ impl DiskStore {
         salt: &[u8],
         tokens: &[TokenId],
         out: &mut [u8],
-    ) -> DiskResult<bool> {
+    ) -> DiskResult<Fetch> {
         let Some(record) = self.slots.get(&hash) else {
-            return Ok(false);
+            return Ok(Fetch::Missing);
         };
         if out.len() != self.slot_bytes {
             return Err(DiskError::InvalidArgument(format!(
@@ -247,28 +316,33 @@ impl DiskStore {
             && record.parent == parent
             && record.salt == salt
             && record.tokens == tokens;
-        if !verified {
-            self.order.remove(slot);
-            self.forget(slot)?;
-            self.counters.dropped_corrupt += 1;
-            return Ok(false);
-        }
         self.order.remove(slot);
+        if !verified {
+            self.forget(&[slot])?;
+            self.counters.dropped_corrupt += 1;
+            return Ok(Fetch::Dropped);
+        }
         self.order.mark_hit(slot);
         self.order.push(slot);
         self.counters.loads += 1;
         self.counters.bytes_read += out.len() as u64;
-        Ok(true)
+        Ok(Fetch::Verified)
     }
 
-    /// Removes the entry of `slot` (no longer in `order`) from the index, then frees the slot.
-    fn forget(&mut self, slot: u32) -> DiskResult<()> {
-        let hash = self.owners[slot as usize].expect("an occupied slot");
-        self.index.remove(hash)?;
-        self.owners[slot as usize] = None;
-        self.slots.remove(&hash);
-        self.free.push(slot);
-        self.removed.push(hash);
+    /// Removes the entries of `slots` (occupied, no longer in `order`) from the index in one
+    /// commit, then frees the slots.
+    fn forget(&mut self, slots: &[u32]) -> DiskResult<()> {
+        let hashes: Vec<BlockHash> = slots
+            .iter()
+            .map(|&slot| self.owners[slot as usize].expect("an occupied slot"))
+            .collect();
+        self.index.remove(&hashes)?;
+        for (&slot, hash) in slots.iter().zip(hashes) {
+            self.owners[slot as usize] = None;
+            self.slots.remove(&hash);
+            self.free.push(slot);
+            self.removed.push(hash);
+        }
         Ok(())
     }
 

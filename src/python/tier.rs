@@ -63,6 +63,7 @@ pub fn add_stats(
     dict.set_item("disk_loads", tier.loads)?;
     dict.set_item("disk_loads_dropped", s.loads_dropped)?;
     dict.set_item("disk_dropped_corrupt", tier.dropped_corrupt)?;
+    dict.set_item("disk_load_misses", tier.load_misses)?;
     dict.set_item("disk_offloads_issued", s.offloads_issued)?;
     dict.set_item("disk_offloads", tier.offloads)?;
     dict.set_item("disk_offloads_lost", tier.offloads_lost)?;
