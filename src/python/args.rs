@@ -160,6 +160,21 @@ macro_rules! int_args {
 }
 int_args!(u32, u64, usize, i32, i64);
 
+/// A 128-bit block hash (what `block_hashes` returns): an int in `0..2**128`, never a bool.
+impl FromArg for u128 {
+    fn from_arg(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Self> {
+        let value = (!obj.is_instance_of::<PyBool>())
+            .then(|| obj.extract::<u128>().ok())
+            .flatten();
+        value.ok_or_else(|| {
+            invalid(format!(
+                "{name} must be an int in 0..2**128, got {}",
+                describe(obj)
+            ))
+        })
+    }
+}
+
 impl FromArg for bool {
     fn from_arg(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Self> {
         obj.extract::<bool>()
