@@ -33,7 +33,7 @@ Invariants:
   replicas' own hash chain and walks it once, giving each holder's run in RAM and then on disk
   (``PrefixIndex.longest_prefixes``): one call, no Python int per block. Measured at R = 256 with
   ~200-block prompts over a 504k-block index (loaded machine), the Python index (a Python int per
-  hash, bisection, dicts) cost 55.9 µs a route; this one 28-47 µs (median of three runs 32 µs),
+  hash, bisection, dicts) cost 55.9 µs a route; this one 27-47 µs (six runs, median 33 µs),
   most of it hashing and one cache miss per block walked.
 """
 
