@@ -19,6 +19,7 @@ pub mod linear;
 pub mod lru;
 mod memory;
 pub mod prefix_cache;
+pub mod prefix_index;
 pub mod sampling;
 pub mod scheduler;
 mod sync;

@@ -41,6 +41,7 @@ __all__ = [
     "SAMPLING_COLUMNS",
     "NO_TOKEN",
     "block_hashes",
+    "PrefixIndex",
 ]
 
 __version__: str
@@ -417,6 +418,33 @@ def block_hashes(token_ids: _TokenIds, block_size: int, cache_salt: str | None =
     """128-bit prefix-cache chain hashes (``0..2**128``) of every full block of ``token_ids``, salted by
     ``cache_salt``: exactly the hashes the block manager, the scheduler and KV events use, so a
     router hashes prompts with it. ``InvalidArgumentError`` unless ``block_size`` is positive."""
+
+@final
+class PrefixIndex:
+    """A router's index: block hash → the replicas (ints in ``0..2**32``) holding it in ``"ram"``
+    and on ``"disk"``; finds each replica's longest cached prefix of a prompt. Thread-safe.
+    A block hash is an int in ``0..2**128``; a medium other than ``"ram"`` / ``"disk"`` raises
+    ``InvalidArgumentError``."""
+
+    def __new__(cls) -> Self:
+        """An empty index."""
+    def apply_stored(self, replica: int, block_hash: int, medium: str) -> bool:
+        """``replica`` now holds ``block_hash`` in ``medium``; whether that is new."""
+    def apply_removed(self, replica: int, block_hash: int, medium: str) -> bool:
+        """``replica`` no longer holds ``block_hash`` in ``medium``; whether it did."""
+    def clear(self, replica: int, medium: str) -> None:
+        """``replica`` holds nothing in ``medium`` any more."""
+    def remove_replica(self, replica: int) -> None:
+        """Forgets ``replica`` and everything it holds."""
+    def blocks_of(self, replica: int) -> list[tuple[int, str]]:
+        """The ``(block_hash, medium)`` pairs ``replica`` holds, in no order."""
+    def longest_prefixes(
+        self, token_ids: _TokenIds, block_size: int, cache_salt: str | None = None
+    ) -> list[tuple[int, int, int]]:
+        """``(replica, ram_blocks, disk_blocks)`` per replica holding the first reusable block of
+        ``token_ids`` (hashed as ``block_hashes`` hashes it), by replica: its leading ``ram_blocks``
+        in RAM, then ``disk_blocks`` more in some medium. The block of the last token never counts.
+        ``InvalidArgumentError`` unless ``block_size`` is positive."""
 
 def set_num_threads(threads: int) -> None:
     """Sets the attention thread count, 1 to 1024 (default: ``PAGEDKV_NUM_THREADS`` when within

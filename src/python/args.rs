@@ -160,6 +160,21 @@ macro_rules! int_args {
 }
 int_args!(u32, u64, usize, i32, i64);
 
+/// A 128-bit block hash (what `block_hashes` returns): an int in `0..2**128`, never a bool.
+impl FromArg for u128 {
+    fn from_arg(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Self> {
+        let value = (!obj.is_instance_of::<PyBool>())
+            .then(|| obj.extract::<u128>().ok())
+            .flatten();
+        value.ok_or_else(|| {
+            invalid(format!(
+                "{name} must be an int in 0..2**128, got {}",
+                describe(obj)
+            ))
+        })
+    }
+}
+
 impl FromArg for bool {
     fn from_arg(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<Self> {
         obj.extract::<bool>()
@@ -280,6 +295,14 @@ fn int_array<T: Int>(array: &Bound<'_, PyUntypedArray>, name: &str) -> PyResult<
             .collect()
     }
     if let Ok(values) = array.extract::<PyReadonlyArray1<'_, i64>>() {
+        // A contiguous int64 array (the common prompt): a plain loop over the slice, the error
+        // message only on a failure. The element iterator cost ~7 ns an element (20 µs for a
+        // 3,180-token prompt); this is a fraction of that.
+        if let Ok(slice) = values.as_slice() {
+            if let Some(out) = slice.iter().map(|&v| T::try_from(v).ok()).collect() {
+                return Ok(out);
+            }
+        }
         return convert(values.as_array().iter().copied(), name, |v| {
             T::try_from(v).ok()
         });

@@ -1,6 +1,6 @@
 //! The Python binding, `pagedkv._core`: thin `#[pyclass]` shells over core types. Each method
 //! converts its arguments with `args` (every refusal a typed error), runs the work through
-//! `sync` (GIL released, lock taken, panics and poisoned locks surfaced as `InternalError`), and
+//! `sync` (GIL released, except for µs calls that keep it; lock taken, panics and poisoned locks surfaced as `InternalError`), and
 //! maps core errors to the classes of `pagedkv.errors` (`errors`). No scheduling or memory logic
 //! lives here.
 
@@ -12,6 +12,7 @@ mod errors;
 mod hashing;
 mod kv_cache;
 mod linear;
+mod prefix_index;
 mod sampling;
 mod scheduler;
 mod sync;
@@ -25,6 +26,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_class::<block_manager::PyBlockManager>()?;
     m.add_class::<kv_cache::PyKVCache>()?;
+    m.add_class::<prefix_index::PyPrefixIndex>()?;
     m.add_class::<scheduler::PyScheduler>()?;
     m.add_class::<scheduler::PySchedulerOutput>()?;
     m.add_class::<scheduler::PyUpdateOutput>()?;

@@ -5,6 +5,9 @@
 //!   is never held while waiting for the lock (a thread holding the lock may need the GIL), and
 //!   the lock is never held across Python code.
 //! - `detached` releases the GIL and runs code that needs no lock (constructors).
+//! - `locked_with_gil` keeps the GIL and locks: for calls of a few µs, cheaper than releasing
+//!   and retaking the GIL. It cannot deadlock as long as no operation run under that mutex ever
+//!   needs the GIL, which holds for every core operation.
 //!
 //! A panic becomes `pagedkv.errors.InternalError`, and the mutex it unwound through refuses every
 //! later `locked` call on that object with `InternalError` too rather than hand out the state the
@@ -43,6 +46,16 @@ where
             .map_err(internal)?
             .map_err(to_py)
     })
+}
+
+/// Runs `operation` on the state behind `mutex`, keeping the GIL (see the module doc).
+pub fn locked_with_gil<S, T>(
+    mutex: &Mutex<S>,
+    operation: impl FnOnce(&mut S) -> crate::Result<T>,
+) -> PyResult<T> {
+    run_locked(mutex, operation)
+        .map_err(internal)?
+        .map_err(to_py)
 }
 
 /// Runs `f` with the GIL released (see the module doc).
