@@ -284,7 +284,8 @@ class Scheduler:
         peak_running, prefix_queried_tokens, prefix_hit_tokens (RAM and disk hits),
         prefix_hit_rate, kv_usage, cow_copies, num_loading; with a disk tier (attached, or
         detached since): disk_hits / disk_hit_tokens (blocks admission found only on disk),
-        disk_loads (loaded, verified), disk_loads_dropped (recomputed instead), disk_dropped_corrupt,
+        disk_loads (loaded, verified), disk_loads_dropped (recomputed instead), disk_dropped_corrupt (did not verify),
+        disk_load_misses (not held, or the job failed),
         disk_offloads_issued, disk_offloads (stored), disk_offloads_lost, disk_evictions_without_offload,
         disk_evictions, disk_bytes_written, disk_bytes_read, disk_blocks (held now),
         disk_jobs_in_flight (offloads and loads queued or under way now)."""

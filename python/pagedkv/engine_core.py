@@ -57,7 +57,7 @@ import numpy as np
 from pagedkv._core import KVCache, Scheduler, SchedulerOutput
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, KvEventPublisher, KvSnapshot
-from pagedkv.model.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from pagedkv.model.detokenizer import SampleText
 from pagedkv.model.sampling import NO_TOKEN, Samples, SamplingParams, TokenHistory, sample_with_logprobs
 from pagedkv.model.simulated import SimulatedModel
 from pagedkv.model.step import ModelStep
@@ -311,37 +311,12 @@ class SimulatedRunner:
         return Samples.certain(self.model.sample(step), params)
 
 
-class _SampleText:
-    """One sample's text so far: its detokenizer, then its stop strings."""
-
-    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str]) -> None:
-        self.detokenizer = IncrementalDetokenizer(tokenizer.decode)
-        self.matcher = StopStringMatcher(stop) if stop else None
-
-    def push(self, token_id: int, last: bool) -> str:
-        """The text ``token_id`` adds (all that is held too when ``last``: the sample ends)."""
-        delta = self._cut(self.detokenizer.push(token_id))
-        if last and not self.stopped:
-            delta += self._cut(self.detokenizer.finish())
-            if self.matcher is not None and not self.matcher.stopped:
-                delta += self.matcher.finish()
-        return delta
-
-    def _cut(self, delta: str) -> str:
-        return delta if self.matcher is None else self.matcher.push(delta)
-
-    @property
-    def stopped(self) -> bool:
-        """Whether a stop string has completed."""
-        return self.matcher is not None and self.matcher.stopped
-
-
 @dataclass
 class _Request:
     params: SamplingParams
     generators: list[np.random.Generator]
     output: RequestOutput
-    texts: list[_SampleText] | None  # per sample; None without a tokenizer
+    texts: list[SampleText] | None  # per sample; None without a tokenizer
     histories: list[TokenHistory] | None  # per sample; None without a penalty
 
 
@@ -463,7 +438,7 @@ class EngineCore:
             )
             generators = [params.make_generator(i) for i in range(params.n)]
             tokenizer = self.tokenizer
-            texts = None if tokenizer is None else [_SampleText(tokenizer, params.stop) for _ in range(params.n)]
+            texts = None if tokenizer is None else [SampleText(tokenizer, params.stop) for _ in range(params.n)]
             self._requests[request_id] = _Request(params, generators, output, texts, histories)
             if self._tracer is not None:
                 self._tracer.queued(output, params, trace_headers)

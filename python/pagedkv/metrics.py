@@ -68,7 +68,8 @@ class EngineMetrics:
                 ("disk_evictions", "KV blocks evicted from the disk tier to make room."),
                 ("disk_bytes_written", "Bytes of K/V written to the disk tier."),
                 ("disk_bytes_read", "Bytes of K/V read from the disk tier."),
-                ("disk_dropped_corrupt", "Disk-tier loads dropped (missing, torn or corrupt): recomputed, never served."),
+                ("disk_dropped_corrupt", "Disk-tier blocks whose bytes, tokens or parent did not verify: dropped, recomputed."),
+                ("disk_load_misses", "Disk-tier loads that found no block or whose job failed: recomputed."),
             )
         }
         self._last_totals: dict[str, int] = {}

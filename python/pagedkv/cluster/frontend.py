@@ -48,9 +48,10 @@ from ray.exceptions import RayError, RayTaskError
 from pagedkv.cluster.replica import Ended, PollReply, Replica, ReplicaInfo
 from pagedkv.cluster.router import NoReplicaError, Router
 from pagedkv.engine import EngineClosedError, EngineOverloadedError, RequestHandle
-from pagedkv.engine_core import CompletionOutput, RequestMetrics, RequestOutput, TokenEvent, TokenLogprob, _SampleText
+from pagedkv.engine_core import CompletionOutput, RequestMetrics, RequestOutput, TokenEvent, TokenLogprob
 from pagedkv.errors import ModelError, PagedKVError
 from pagedkv.metrics import EngineMetrics
+from pagedkv.model.detokenizer import SampleText
 from pagedkv.model.prompt import encode_chat, encode_text
 from pagedkv.model.sampling import SamplingParams
 
@@ -116,7 +117,7 @@ class _Replica:
 
 @dataclass
 class _Sample:
-    text: _SampleText
+    text: SampleText
     completion: CompletionOutput
     lost_at: float | None = None  # when its replica was lost, until its next token arrives
 
@@ -368,7 +369,7 @@ class Cluster:
         request_id = f"req-{next(self._ids)}"
         prompt_ids = list(token_ids)
         handle = _ClusterHandle(self, request_id, text, prompt_ids)  # type: ignore[arg-type]
-        samples = [_Sample(_SampleText(self.tokenizer, params.stop),
+        samples = [_Sample(SampleText(self.tokenizer, params.stop),
                            CompletionOutput(i, logprobs=[] if params.logprobs else None)) for i in range(params.n)]
         flight = _Flight(handle, prompt_ids, params, cache_salt, None if trace_headers is None else dict(trace_headers),
                          samples, RequestMetrics(time.perf_counter()))

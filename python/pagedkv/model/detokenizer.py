@@ -1,5 +1,6 @@
-"""Streamed text: :class:`IncrementalDetokenizer` turns one sample's tokens into text deltas, and
-:class:`StopStringMatcher` cuts that text at the first stop string.
+"""Streamed text: :class:`IncrementalDetokenizer` turns one sample's tokens into text deltas,
+:class:`StopStringMatcher` cuts that text at the first stop string, and :class:`SampleText` chains
+the two for one sample.
 
 The detokenizer decodes a bounded window of the latest tokens, never the whole output (the
 prefix-offset technique of incremental detokenizers, e.g. vLLM's and TGI's). Its model of a
@@ -33,8 +34,12 @@ longest stop string) plus the new delta.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
-__all__ = ["IncrementalDetokenizer", "StopStringMatcher"]
+if TYPE_CHECKING:
+    from pagedkv.model.tokenizer import Tokenizer
+
+__all__ = ["IncrementalDetokenizer", "SampleText", "StopStringMatcher"]
 
 _REPLACEMENT = "\ufffd"
 
@@ -109,3 +114,30 @@ class StopStringMatcher:
             if any(stop.startswith(suffix) for stop in self._stops):
                 return length
         return 0
+
+
+class SampleText:
+    """One sample's text so far: its :class:`IncrementalDetokenizer`, then its :class:`StopStringMatcher`
+    (if it has stop strings). The engine core and the cluster's front end both build a sample's text
+    with it."""
+
+    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str]) -> None:
+        self.detokenizer = IncrementalDetokenizer(tokenizer.decode)
+        self.matcher = StopStringMatcher(stop) if stop else None
+
+    def push(self, token_id: int, last: bool) -> str:
+        """The text ``token_id`` adds (all that is held too when ``last``: the sample ends)."""
+        delta = self._cut(self.detokenizer.push(token_id))
+        if last and not self.stopped:
+            delta += self._cut(self.detokenizer.finish())
+            if self.matcher is not None and not self.matcher.stopped:
+                delta += self.matcher.finish()
+        return delta
+
+    def _cut(self, delta: str) -> str:
+        return delta if self.matcher is None else self.matcher.push(delta)
+
+    @property
+    def stopped(self) -> bool:
+        """Whether a stop string has completed."""
+        return self.matcher is not None and self.matcher.stopped
