@@ -123,8 +123,8 @@ pub struct SchedulerConfig {
     /// Record KV events (`Scheduler::take_kv_events`); off, they cost nothing.
     pub emit_kv_events: bool,
     /// Fewest consecutive tier-hit blocks worth loading; a shorter run is recomputed (at least 1).
-    /// Default `DEFAULT_MIN_LOAD_BLOCKS` (1, load any hit) until the load-vs-recompute crossover
-    /// is measured.
+    /// Default `DEFAULT_MIN_LOAD_BLOCKS` (1, load any hit: the measured crossover is below one
+    /// block, see there).
     pub min_load_blocks: usize,
     /// With a tier: clean blocks kept ahead of need by offloading cached ones (see
     /// `TierPolicy::offload_watermark`; at most `num_blocks`). Default
