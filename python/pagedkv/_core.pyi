@@ -226,15 +226,20 @@ class Scheduler:
     ) -> dict[str, int | bool]:
         """Open (or create) the disk tier in directory ``path`` for the blocks of ``kv_cache`` (the
         cache this scheduler's steps index), holding at most ``capacity_bytes`` of K/V, for the
-        model ``identity`` names (a tier recorded for another is cleared), and attach it: evicted
+        model ``identity`` names (a tier recorded for another, or whose index is unreadable, is
+        cleared), and attach it: evicted
         cached blocks are offloaded to it (off this thread), prefix hits on it are loaded back and
         verified (a block failing its checksum, tokens or parent is dropped and recomputed).
         Returns ``{"recovered": blocks, "cleared": bool}``. Contract, from then on: write K/V
         only at a step's ``slot_mapping`` and read them only through its ``block_tables`` (the
         tier's thread copies other blocks meanwhile). Raises, attaching nothing,
-        InvalidArgumentError for a bad argument, a cache of another pool or block size, a tier
-        attached already or a scheduler that has held a block; KvTierError if the directory or its
-        files cannot be made, opened or locked (another scheduler holds them)."""
+        InvalidArgumentError for a bad argument (an empty path, a capacity holding no block or
+        larger than the file system), a cache of another pool or block size, a tier attached
+        already or a scheduler that has held a block; MemoryError if its slot table cannot be
+        allocated; KvTierError if the directory or its files cannot be made, opened or locked
+        (another scheduler holds them), or are refused: the directory (created 0700) must be the
+        user's own, not a symbolic link, writable by no one else; the files (0600) are never
+        opened through a symbolic link."""
     def detach_disk_tier(self) -> list[_KvEventTuple]:
         """Finish the tier's queued writes and loads and close it (the directory may then be
         opened again); cached RAM blocks stay, its figures stay in ``stats()``. Returns its last

@@ -6,7 +6,14 @@
 //! tier's identity under `"identity"`. Every commit is `Durability::Immediate`: when `commit`
 //! returns, the entry is on disk.
 
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::path::Path;
+
+use redb::backends::FileBackend;
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
+
+use super::files::open_private;
+use super::{DiskError, DiskResult};
 
 use crate::prefix_cache::BlockHash;
 use crate::TokenId;
@@ -75,11 +82,69 @@ pub struct Index {
 }
 
 impl Index {
-    /// Opens (or creates) the index at `path` for a tier of `identity`. An index written for
-    /// another identity is cleared (a stale cache is only a cold one; its blocks can never be
-    /// served); returns whether it was.
-    pub fn open(path: &std::path::Path, identity: &[u8]) -> Result<(Self, bool), redb::Error> {
-        let db = Database::create(path)?;
+    /// Opens (or creates) the index at `path` (opened by [`super::files::open_private`]) for a
+    /// tier of `identity`, every page's checksum verified (redb's integrity check on open). An
+    /// index written for another identity is cleared (a stale cache is only a cold one; its blocks
+    /// can never be served), and so is one that is not a readable index of ours (truncated,
+    /// zeroed, corrupt, another redb file): its file is emptied and a new index made in it. Returns
+    /// whether it was cleared. Errors that say nothing about the file's content (another process
+    /// holds it, an I/O error) are returned, clearing nothing.
+    pub fn open(path: &Path, identity: &[u8]) -> DiskResult<(Self, bool)> {
+        match Self::open_guarded(path, identity) {
+            Ok(opened) => Ok(opened),
+            Err(Unusable::Content(_)) => {
+                let file = open_private(path)?;
+                file.set_len(0)?;
+                file.sync_all()?;
+                drop(file);
+                match Self::open_guarded(path, identity) {
+                    Ok((index, _)) => Ok((index, true)),
+                    Err(Unusable::Content(error) | Unusable::Other(error)) => Err(error),
+                }
+            }
+            Err(Unusable::Other(error)) => Err(error),
+        }
+    }
+
+    /// [`Index::open_file`], a panic of redb caught and classed as the file's content.
+    fn open_guarded(path: &Path, identity: &[u8]) -> Result<(Self, bool), Unusable> {
+        // redb trusts its file and may panic on some corruptions (about 1 in 15 random ones before
+        // the integrity check on open, which should catch the rest); the index is a cache that an
+        // unreadable file only makes cold, so a panic here must not reach the engine. Nothing
+        // outside the attempt is touched, so unwinding leaves no broken state.
+        match catch_unwind(AssertUnwindSafe(|| Self::open_file(path, identity))) {
+            Ok(result) => result,
+            Err(_) => Err(Unusable::Content(DiskError::Index(redb::Error::Corrupted(
+                format!("{}: redb panicked opening it", path.display()),
+            )))),
+        }
+    }
+
+    /// One attempt at opening the index, its errors classed.
+    fn open_file(path: &Path, identity: &[u8]) -> Result<(Self, bool), Unusable> {
+        let file = open_private(path).map_err(Unusable::Other)?;
+        let backend = FileBackend::new(file).map_err(|e| Unusable::classify(e.into()))?;
+        let db = Database::builder()
+            .set_check_integrity_on_open(true)
+            .create_with_backend(backend)
+            .map_err(|e| Unusable::classify(e.into()))?;
+        let (index, cleared) = Self::claim(db, identity).map_err(Unusable::classify)?;
+        index.read_all().map_err(Unusable::classify)?;
+        Ok((index, cleared))
+    }
+
+    /// Reads every entry once: a table redb cannot walk fails here, inside the guard of
+    /// [`Index::open_guarded`], rather than later at [`Index::load_all`].
+    fn read_all(&self) -> Result<(), redb::Error> {
+        let txn = self.db.begin_read()?;
+        for entry in txn.open_table(BLOCKS)?.iter()? {
+            entry?;
+        }
+        Ok(())
+    }
+
+    /// Makes `db` the index of `identity`, clearing the blocks of another.
+    fn claim(db: Database, identity: &[u8]) -> Result<(Self, bool), redb::Error> {
         let txn = db.begin_write()?;
         let cleared = {
             let mut meta = txn.open_table(META)?;
@@ -149,6 +214,39 @@ impl Index {
         }
         txn.commit()?;
         Ok(())
+    }
+}
+
+/// Why an attempt at opening the index failed.
+enum Unusable {
+    /// The file is not a readable index of ours: clearing it is the remedy.
+    Content(DiskError),
+    /// Anything else (another process holds it, an I/O error, a refused path): returned as is.
+    Other(DiskError),
+}
+
+impl Unusable {
+    fn classify(error: redb::Error) -> Self {
+        let content = match &error {
+            redb::Error::Corrupted(_)
+            | redb::Error::UpgradeRequired(_)
+            | redb::Error::RepairAborted
+            | redb::Error::TableTypeMismatch { .. }
+            | redb::Error::TableIsMultimap(_)
+            | redb::Error::TableIsNotMultimap(_)
+            | redb::Error::TypeDefinitionChanged { .. } => true,
+            // A file shorter than its header says, or bytes redb cannot parse.
+            redb::Error::Io(e) => matches!(
+                e.kind(),
+                std::io::ErrorKind::UnexpectedEof | std::io::ErrorKind::InvalidData
+            ),
+            _ => false,
+        };
+        if content {
+            Unusable::Content(error.into())
+        } else {
+            Unusable::Other(error.into())
+        }
     }
 }
 

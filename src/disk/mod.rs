@@ -1,9 +1,11 @@
 //! The disk tier of the KV cache: a data file of fixed-size block slots ([`store`]) and a crash-safe
-//! index of what each slot holds ([`index`], redb).
+//! index of what each slot holds ([`index`], redb), both private to the user and never reached
+//! through a link ([`files`]).
 //!
 //! Invariant: a block is served only if its index entry exists and its bytes, read back, match the
 //! entry's checksum, tokens and salt; anything else is dropped, counted and reported as a miss.
 
+pub mod files;
 pub mod index;
 pub mod store;
 pub mod tier;
@@ -21,6 +23,9 @@ pub enum DiskError {
     Index(#[from] redb::Error),
     #[error("disk tier: {0}")]
     InvalidArgument(String),
+    /// The allocator refused the tier's slot table.
+    #[error("disk tier: {0}")]
+    OutOfMemory(String),
 }
 
 /// Short form of the tier's results.
@@ -30,6 +35,7 @@ impl From<DiskError> for crate::Error {
     fn from(error: DiskError) -> Self {
         match error {
             DiskError::InvalidArgument(message) => crate::Error::InvalidArgument(message),
+            DiskError::OutOfMemory(message) => crate::Error::OutOfMemory(message),
             other => crate::Error::Io(other.to_string()),
         }
     }

@@ -16,14 +16,15 @@
 //! over slots (a load is a hit). The eviction order is not persisted: a reopened tier starts it
 //! afresh in hash order, all blocks unhit.
 
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
 
 use rustc_hash::{FxHashMap, FxHashSet};
 
 use super::index::{BlockRecord, Index};
-use super::{DiskError, DiskResult};
+use super::{files, DiskError, DiskResult};
+use crate::alloc::try_vec_with;
 use crate::lru::{Evictable, EvictionPolicy};
 use crate::prefix_cache::BlockHash;
 use crate::TokenId;
@@ -68,7 +69,7 @@ pub struct NewBlock<'a> {
 pub struct Opened {
     /// Blocks recovered from the index.
     pub recovered: usize,
-    /// Whether a tier of another identity was cleared.
+    /// Whether a tier was cleared: one of another identity, or an unreadable index.
     pub cleared: bool,
 }
 
@@ -90,8 +91,12 @@ pub struct DiskStore {
 impl DiskStore {
     /// Opens (or creates) the tier in directory `dir` for a model of `identity` (the caller's
     /// fingerprint: config and weights hash, KV dtype, block size), with `slot_bytes` per block and
-    /// at most `capacity_bytes` of data. A tier written for another identity or slot size is
-    /// cleared. Entries beyond the capacity, or that do not decode, are dropped.
+    /// at most `capacity_bytes` of data. A tier written for another identity or slot size, or
+    /// whose index is unreadable (truncated, zeroed, corrupt), is cleared. Entries beyond the
+    /// capacity, or that do not decode, are dropped. The directory and files are opened as
+    /// [`files`] says. Fails, creating nothing, with `InvalidArgument` for an empty path, a
+    /// capacity holding no slot or exceeding the file system, `OutOfMemory` if the slot table
+    /// cannot be allocated; with `Io` for a directory or file refused or not opened.
     pub fn open(
         dir: &Path,
         identity: &[u8],
@@ -105,26 +110,33 @@ impl DiskStore {
                 "{capacity_bytes} bytes hold no slot of {slot_bytes} bytes"
             )));
         }
-        std::fs::create_dir_all(dir)?;
+        files::check_args(dir, capacity_bytes)?;
+        // The slot table is sized by the capacity: allocated fallibly, before any file is made.
+        let out_of_memory = |e: crate::Error| match e {
+            crate::Error::OutOfMemory(m) => DiskError::OutOfMemory(m),
+            other => DiskError::InvalidArgument(other.to_string()),
+        };
+        let owners = try_vec_with(capacity, "the disk tier's slot table", |_| None)
+            .map_err(out_of_memory)?;
+        let mut free = Vec::new();
+        free.try_reserve_exact(capacity).map_err(|_| {
+            DiskError::OutOfMemory(format!("the disk tier's free list of {capacity} slots"))
+        })?;
+        let order = Evictable::new(capacity, policy).map_err(out_of_memory)?;
+        files::prepare_dir(dir)?;
         let mut full_identity = identity.to_vec();
         full_identity.extend_from_slice(&(slot_bytes as u64).to_le_bytes());
         let (index, cleared) = Index::open(&dir.join("index.redb"), &full_identity)?;
-        let data = OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .open(dir.join("blocks.dat"))?;
+        let data = files::open_private(&dir.join("blocks.dat"))?;
         let (records, undecodable) = index.load_all()?;
         let mut store = DiskStore {
             data,
             index,
             slot_bytes,
             slots: FxHashMap::default(),
-            owners: vec![None; capacity],
-            free: Vec::new(),
-            order: Evictable::new(capacity, policy)
-                .map_err(|e| DiskError::InvalidArgument(e.to_string()))?,
+            owners,
+            free,
+            order,
             counters: DiskCounters {
                 dropped_corrupt: undecodable as u64,
                 ..Default::default()
@@ -143,10 +155,10 @@ impl DiskStore {
             }
         }
         store.index.remove(&stray)?;
-        store.free = (0..capacity as u32)
+        let unused = (0..capacity as u32)
             .rev()
-            .filter(|&s| store.owners[s as usize].is_none())
-            .collect();
+            .filter(|&s| store.owners[s as usize].is_none());
+        store.free.extend(unused);
         let recovered = store.slots.len();
         Ok((store, Opened { recovered, cleared }))
     }

@@ -25,8 +25,8 @@
 //!   nothing (not held, an I/O error, a panic, a bad block id) is `Dropped` too, counted in
 //!   `load_misses`.
 //! - `committed` is exactly the store's set of entries after the last finished job; the events
-//!   (`Disk` medium) describe it: opening emits `AllBlocksCleared` if a tier of another identity was
-//!   cleared and one `BlockStored` per recovered entry, each store a `BlockStored`, each eviction or
+//!   (`Disk` medium) describe it: opening emits `AllBlocksCleared` if a tier was cleared (of another
+//!   identity, or an unreadable index) and one `BlockStored` per recovered entry, each store a `BlockStored`, each eviction or
 //!   dropped entry a `BlockRemoved`, all published with the change under one lock.
 //! - `contains` is true for committed hashes and for hashes whose offload is queued.
 //! - The shared state's mutex is never held across I/O, so the scheduler's calls never wait on
@@ -131,9 +131,11 @@ pub struct DiskTier {
 
 impl DiskTier {
     /// Opens (or creates) the tier in `dir` for the blocks of `kv`, returning blocks to `link`,
-    /// and starts its I/O thread. A tier written for another identity, KV layout or dtype is
-    /// cleared. Fails with `InvalidArgument` if `link`'s free list is not the size of `kv`'s pool
-    /// or the capacity holds no block, `Io` if the files cannot be opened.
+    /// and starts its I/O thread. A tier written for another identity, KV layout or dtype, or
+    /// whose index is unreadable, is cleared. Fails with `InvalidArgument` if `link`'s free list is
+    /// not the size of `kv`'s pool, or as [`DiskStore::open`] does (an empty path, a capacity
+    /// holding no block or larger than the file system; `OutOfMemory`; `Io` if the directory or
+    /// files are refused or cannot be opened).
     ///
     /// # Safety
     /// The caller drives the tier by the protocol of [`crate::tier`] and keeps the engine to it: no
