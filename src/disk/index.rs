@@ -94,9 +94,18 @@ impl Index {
             Ok(opened) => Ok(opened),
             Err(Unusable::Content(_)) => {
                 let file = open_private(path)?;
+                // Under an flock, which redb holds on an open index (Linux): never empty a file
+                // another process has open as its index (that process found it readable).
+                file.try_lock().map_err(|e| match e {
+                    std::fs::TryLockError::WouldBlock => DiskError::Io(std::io::Error::new(
+                        std::io::ErrorKind::ResourceBusy,
+                        format!("{} is in use by another process", path.display()),
+                    )),
+                    std::fs::TryLockError::Error(e) => e.into(),
+                })?;
                 file.set_len(0)?;
                 file.sync_all()?;
-                drop(file);
+                drop(file); // and its lock
                 match Self::open_guarded(path, identity) {
                     Ok((index, _)) => Ok((index, true)),
                     Err(Unusable::Content(error) | Unusable::Other(error)) => Err(error),
