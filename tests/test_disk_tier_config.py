@@ -4,6 +4,7 @@ and their typed refusals (nothing is built when one is refused)."""
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 import numpy as np
@@ -184,3 +185,31 @@ def test_an_identity_change_clears_the_tier_and_says_so(tmp_path: Path) -> None:
     s = scheduler(emit_kv_events=True)
     assert s.attach_disk_tier(cache(), tmp_path, 1 << 20, b"model B")["cleared"] is True
     assert s.take_kv_events() == [("cleared", "disk")]
+
+
+def test_a_disk_tier_larger_than_its_file_system_is_refused(tmp_path: Path) -> None:
+    """Issue 23 item 5: 2**62 bytes (``--kv-disk-bytes 1000T``) aborted the process (SIGABRT) on
+    allocating the tier's slot table; now a typed error, nothing created, the process alive."""
+    for size in (2**62, 2**63 - 1):
+        with pytest.raises(InvalidArgumentError, match="file system"):
+            Engine.from_pretrained("tiny", kv_disk_path=tmp_path / "tier", kv_disk_bytes=size)
+        with pytest.raises(InvalidArgumentError, match="file system"):
+            scheduler().attach_disk_tier(cache(), tmp_path / "tier", size, b"id")
+    assert not (tmp_path / "tier").exists()
+    assert scheduler().attach_disk_tier(cache(), tmp_path / "tier", 1 << 20, b"id")["recovered"] == 0
+
+
+def test_an_empty_tier_path_is_refused_not_taken_for_the_current_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 23 item 19: ``kv_disk_path=""`` (an unset variable) put the tier in the current
+    directory."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(InvalidArgumentError, match="empty path"):
+        Engine.from_pretrained("tiny", kv_disk_path="")
+    with pytest.raises(InvalidArgumentError, match="empty path"):
+        scheduler().attach_disk_tier(cache(), "", 1 << 20, b"id")
+    with pytest.raises(SystemExit) as exit:
+        main(["demo", "--model", "tiny", "--requests", "1", "--kv-disk-path", ""])
+    assert exit.value.code == 2 and "--kv-disk-path" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == []

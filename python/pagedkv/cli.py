@@ -108,7 +108,10 @@ def trace_source(shipped: Sequence[str]) -> Callable[[str], str | Path]:
 
 
 def output_dir(text: str) -> Path:
-    """A directory to write into: an existing one, or a path where one can be created."""
+    """A directory to write into: an existing one, or a path where one can be created. An empty
+    one (an unset variable) is refused: ``Path("")`` would be the current directory."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty path (an unset variable?)")
     path = Path(text)
     if path.exists() and not path.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r} exists and is not a directory")

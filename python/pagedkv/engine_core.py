@@ -130,8 +130,9 @@ class EngineConfig:
     # EngineCore.kv_events publishes them after every step. Off: nothing is recorded.
     emit_kv_events: bool = False
 
-    def disk_tier(self) -> tuple[Path, int] | None:
-        """The disk tier's directory and capacity, or None without one. Raises
+    def disk_tier(self) -> tuple[str | Path, int] | None:
+        """The disk tier's directory (as given: ``Path("")`` would turn an empty path, which the
+        core refuses, into the current directory) and capacity, or None without one. Raises
         :class:`InvalidArgumentError` for a capacity without a directory, or a value of the wrong
         type (the core checks the size's range and the directory)."""
         if self.kv_disk_path is None:
@@ -141,7 +142,7 @@ class EngineConfig:
         if not isinstance(self.kv_disk_path, (str, Path)):
             raise InvalidArgumentError(f"kv_disk_path must be a str or Path, got {type(self.kv_disk_path).__name__}")
         capacity = DEFAULT_KV_DISK_BYTES if self.kv_disk_bytes is None else self.kv_disk_bytes
-        return Path(self.kv_disk_path), capacity
+        return self.kv_disk_path, capacity
 
 
 @dataclass
