@@ -2,11 +2,14 @@
 load → hit; random workloads on a tiny RAM pool with a disk tier give the tokens of a huge pool,
 every invariant holding after every step; corrupt and truncated data files are dropped and
 recomputed; a warm restart hits the disk tier; a tier of another model is cleared; KV events and
-snapshots agree with the blocks held; the threaded engine, its stats and its metrics."""
+snapshots agree with the blocks held; the threaded engine, its stats and its metrics; the tier's
+files are private and never reached through a planted link, and a damaged index is cleared."""
 
 from __future__ import annotations
 
+import os
 import random
+import stat
 import tempfile
 from pathlib import Path
 
@@ -22,6 +25,7 @@ from pagedkv.model import DenseReference, LlamaWeights, SamplingParams
 from tier_workload import BLOCK_BYTES, BLOCK_SIZE, FIXED, GREEDY, SYSTEMS, greedy, random_prompt, tiny_core, tiny_model
 
 DATA_FILE = "blocks.dat"
+INDEX_FILE = "index.redb"
 
 
 @pytest.fixture(scope="module")
@@ -246,3 +250,80 @@ def test_a_directory_in_use_by_another_engine_is_refused(tiny, tmp_path: Path) -
     finally:
         core.close()
     tiny_core(model, identity, tmp_path, num_blocks=16).close()  # free again once closed
+
+
+@pytest.mark.parametrize("name", [DATA_FILE, INDEX_FILE])
+def test_a_link_planted_in_the_tier_directory_is_refused_and_its_target_unchanged(
+    tiny, tmp_path: Path, name: str
+) -> None:
+    """Issue 23 item 8: a link planted at ``DIR/blocks.dat`` or ``DIR/index.redb`` was followed,
+    its target overwritten with KV bytes or turned into a redb file."""
+    model, identity = tiny
+    directory = tmp_path / "tier"
+    tiny_core(model, identity, directory, num_blocks=16).close()
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"precious" * 1000)
+    (directory / name).unlink()
+    (directory / name).symlink_to(victim)
+    with pytest.raises(pagedkv.KvTierError, match="symbolic link"):
+        tiny_core(model, identity, directory, num_blocks=16)
+    assert victim.read_bytes() == b"precious" * 1000
+    directory.chmod(0o777)  # a directory others can write is refused too: they could plant links
+    (directory / name).unlink()
+    with pytest.raises(pagedkv.KvTierError, match="other users can write it"):
+        tiny_core(model, identity, directory, num_blocks=16)
+
+
+def test_the_tier_directory_and_files_are_private(tiny, tmp_path: Path) -> None:
+    """Issue 23 item 16: the directory was created 0755 and its files 0644, the index holding every
+    cached block's token ids: any local user could read what clients asked."""
+    model, identity = tiny
+    directory = tmp_path / "tier"
+    core = tiny_core(model, identity, directory, num_blocks=16)
+    try:
+        offload_fixed(core)
+    finally:
+        core.close()
+    assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+    assert {name: stat.S_IMODE(os.stat(directory / name).st_mode) for name in (DATA_FILE, INDEX_FILE)} == {
+        DATA_FILE: 0o600,
+        INDEX_FILE: 0o600,
+    }
+
+
+@pytest.mark.parametrize("damage", ["truncate", "zero"])
+def test_a_truncated_or_zeroed_index_is_cleared_and_the_engine_serves(tiny, tmp_path: Path, damage: str) -> None:
+    """Issue 23 items 20 and 12: a truncated or zeroed index.redb failed every later start with
+    KvTierError until the directory was deleted by hand; now it is cleared (the attach report says
+    so) and the engine serves, no stale block of blocks.dat served."""
+    model, identity = tiny
+    expected = greedy(tiny_core(model, identity, None, num_blocks=256), FIXED)
+    core = tiny_core(model, identity, tmp_path, num_blocks=16)
+    try:
+        offload_fixed(core)
+        assert core.stats()["disk_blocks"] >= 10
+    finally:
+        core.close()
+    index = tmp_path / INDEX_FILE
+    size = index.stat().st_size
+    with index.open("r+b") as handle:
+        if damage == "truncate":
+            handle.truncate(size // 3)
+        else:
+            handle.write(bytes(size))
+    core = tiny_core(model, identity, tmp_path, num_blocks=16)
+    try:
+        assert core.disk_tier == {"recovered": 0, "cleared": True}
+        assert greedy(core, FIXED, check=True) == expected
+        stats = core.stats()
+        assert stats["disk_hits"] == stats["disk_loads"] == stats["disk_dropped_corrupt"] == 0
+        offload_fixed(core, seed=1)  # stored again over the old slots
+    finally:
+        core.close()
+    core = tiny_core(model, identity, tmp_path, num_blocks=16)
+    try:
+        assert core.disk_tier is not None and core.disk_tier["recovered"] >= 10 and not core.disk_tier["cleared"]
+        assert greedy(core, FIXED, prefix="again", check=True) == expected
+        assert core.stats()["disk_loads"] > 0
+    finally:
+        core.close()
