@@ -467,7 +467,8 @@ fn the_directory_and_files_are_private() {
 #[test]
 fn a_truncated_or_zeroed_index_is_cleared_and_the_tier_works() {
     // Issue 23 item 20: such an index failed every later open until the directory was deleted.
-    let cases: [(&str, fn(&mut Vec<u8>)); 3] = [
+    type Damage = fn(&mut Vec<u8>);
+    let cases: [(&str, Damage); 3] = [
         ("truncated to half", |b| b.truncate(b.len() / 2)),
         ("truncated to 100 bytes", |b| b.truncate(100)),
         ("zeroed", |b| b.fill(0)),
