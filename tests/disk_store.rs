@@ -408,8 +408,15 @@ fn planted_symlinks_are_refused_and_their_targets_unchanged() {
     // The directory itself a link (to a directory the user owns): refused, nothing made there.
     let dir = fresh_dir("linked");
     std::os::unix::fs::symlink(&outside, &dir).unwrap();
-    let error = try_open(&dir, 8).err().expect("refused");
-    assert!(error.contains("symbolic link"), "{error}");
+    for path in [dir.clone(), dir.join(""), dir.join(".")] {
+        // `dir/` and `dir/.` name the link's target; refused all the same.
+        let error = try_open(&path, 8).err().expect("refused");
+        assert!(
+            error.contains("symbolic link"),
+            "{}: {error}",
+            path.display()
+        );
+    }
     assert!(!outside.join("index.redb").exists() && !outside.join("blocks.dat").exists());
     std::fs::remove_file(&dir).unwrap();
     std::fs::remove_dir_all(&outside).unwrap();

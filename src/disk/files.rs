@@ -19,7 +19,7 @@ use std::fs::{DirBuilder, File, OpenOptions};
 use std::io;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{DirBuilderExt, MetadataExt, OpenOptionsExt, PermissionsExt};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use super::{DiskError, DiskResult};
 
@@ -85,7 +85,9 @@ pub fn prepare_dir(dir: &Path) -> DiskResult<()> {
         Err(e) if e.kind() != io::ErrorKind::AlreadyExists => return Err(e.into()),
         _ => {}
     }
-    let meta = std::fs::symlink_metadata(dir)?;
+    // Without its trailing slash or `.`: `lstat("link/")` would follow the link.
+    let bare: PathBuf = dir.components().collect();
+    let meta = std::fs::symlink_metadata(&bare)?;
     let refuse = |why: &str| {
         Err(DiskError::Io(io::Error::new(
             io::ErrorKind::PermissionDenied,
