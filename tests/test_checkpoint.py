@@ -183,7 +183,11 @@ def test_rope_settings_this_model_does_not_implement_are_refused(checkpoint: Pat
     ({"num_attention_heads": 0, "head_dim": ...}, "num_attention_heads"),  # head_dim derived: no division by 0
     ({"num_attention_heads": -8}, "num_attention_heads"),
     ({"hidden_size": "256"}, "hidden_size must be an integer, got '256'"),
-    ({"vocab_size": None}, "missing required key vocab_size"),
+    ({"vocab_size": ...}, "missing required key vocab_size"),
+    ({"vocab_size": None}, "vocab_size must be an integer, got None"),
+    ({"rms_norm_eps": None}, "rms_norm_eps must be a number, got None"),
+    ({"hidden_act": None}, "hidden_act must be a string, got None"),
+    ({"tie_word_embeddings": None}, "tie_word_embeddings must be true or false, got None"),
     ({"intermediate_size": [[768]]}, "intermediate_size must be an integer"),
     ({"num_hidden_layers": True}, "num_hidden_layers must be an integer, got True"),
     ({"num_key_value_heads": 2.0}, "num_key_value_heads must be an integer"),
@@ -211,6 +215,17 @@ def test_config_fields_of_the_wrong_type_name_the_file_and_field(checkpoint: Pat
     with pytest.raises(CheckpointError, match=rf"config\.json: .*{field}") as error:
         load_checkpoint(checkpoint)
     assert error.value.path == str(checkpoint / "config.json")
+
+
+def test_a_null_where_transformers_gives_null_a_meaning_is_read_as_absent(checkpoint: Path) -> None:
+    """Issue 23 item 25: only these nulls are accepted (each derives its value as transformers does)."""
+    hf = json.loads((checkpoint / "config.json").read_text())
+    hf.update(num_key_value_heads=None, head_dim=None, bos_token_id=None, eos_token_id=None,
+              rope_scaling=None, rope_parameters=None)
+    config = LlamaConfig.from_hf_dict(hf)
+    assert config.num_kv_heads == hf["num_attention_heads"]
+    assert config.head_dim == hf["hidden_size"] // hf["num_attention_heads"]
+    assert config.bos_token_id is None and config.eos_token_ids == () and config.rope_scaling is None
 
 
 @pytest.mark.parametrize("content, message", [

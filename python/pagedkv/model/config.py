@@ -2,8 +2,9 @@
 :class:`RopeScaling`, and how both are read from a Hugging Face ``config.json``.
 
 Invariants: a constructed config is valid (``__post_init__`` checks every range); JSON types are
-checked by one reader, :class:`_Fields`, whose errors name the offending key; a setting the model
-does not implement is refused, never ignored.
+checked by one reader, :class:`_Fields`, whose errors name the offending key; a JSON null is a value
+of the wrong type except for the keys transformers gives a meaning to when null
+(:data:`_NULL_MEANS_ABSENT`); a setting the model does not implement is refused, never ignored.
 """
 
 from __future__ import annotations
@@ -23,6 +24,13 @@ T = TypeVar("T")
 
 # Dataclass field -> its config.json key, where they differ (for error messages).
 _HF_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads", "num_kv_heads": "num_key_value_heads"}
+
+# Keys whose null transformers reads as "derive it" or "none": the K/V heads (= query heads), the
+# head size (= hidden / heads), the special tokens and the rope settings. Any other null (say
+# rms_norm_eps) would reach the model as None in transformers; here it is refused as a wrong type.
+_NULL_MEANS_ABSENT = frozenset(
+    {"num_key_value_heads", "head_dim", "bos_token_id", "eos_token_id", "rope_scaling", "rope_parameters"}
+)
 
 # Keys of a rope settings object (config.json "rope_parameters" or "rope_scaling") this model reads.
 _ROPE_KEYS = {
@@ -158,7 +166,8 @@ class LlamaConfig:
     @classmethod
     def from_hf_dict(cls, hf: Mapping[str, Any]) -> LlamaConfig:
         """Reads a Hugging Face Llama ``config.json`` (already parsed). A JSON null counts as an
-        absent key. Rope settings are read from ``rope_parameters`` (transformers ≥ 5) or
+        absent key only where transformers gives null a meaning (the K/V heads, the head size, the
+        special tokens, the rope settings); elsewhere it is a value of the wrong type. Rope settings are read from ``rope_parameters`` (transformers ≥ 5) or
         ``rope_theta`` + ``rope_scaling`` (earlier), which must agree where both are given.
         ``eos_token_id`` may be an id or a list of ids. Raises :class:`InvalidArgumentError`,
         naming the key, for a missing key, a value of the wrong type or range, or an
@@ -289,8 +298,9 @@ def _check_rope_type(rope_type: str) -> None:
 
 class _Fields:
     """Typed reads of one JSON object: each method returns the value of a key, checked to be of
-    the expected JSON type, or the default when the key is absent or null (no default: the key is
-    required). Errors name the key (``where`` prefixes keys of nested objects)."""
+    the expected JSON type, or the default when the key is absent, or null where null means absent
+    (no default: the key is required). Errors name the key (``where`` prefixes keys of nested
+    objects)."""
 
     def __init__(self, obj: Mapping[str, Any], where: str = "") -> None:
         self._obj = obj
@@ -298,7 +308,7 @@ class _Fields:
 
     def get(self, key: str, check: Callable[[Any], bool], expected: str, default: Any = ...) -> Any:
         value = self._obj.get(key)
-        if value is None:
+        if value is None and (key not in self._obj or (key in _NULL_MEANS_ABSENT and not self._where)):
             if default is ...:
                 raise InvalidArgumentError(f"missing required key {self._where}{key}")
             return default
