@@ -19,6 +19,7 @@ from pagedkv.errors import CheckpointError, InvalidArgumentError, NoChatTemplate
 from pagedkv.model import LlamaConfig, LlamaModel, LlamaWeights, SamplingParams, save_checkpoint
 from pagedkv.model.chat import render_chat
 from pagedkv.model.generation_config import default_sampling_params
+from pagedkv.model.gguf import config_from_gguf
 from pagedkv.model.gguf_file import read_gguf
 from pagedkv.model.pretrained import locate_registered
 from pagedkv.model.tokenizer import ByteTokenizer, HFTokenizer
@@ -29,7 +30,8 @@ SYSTEM_DEFAULT = "<|im_start|>system\nYou are a helpful AI assistant named SmolL
 @pytest.fixture(scope="module")
 def smollm() -> HFTokenizer:
     path = locate_registered("smollm2-135m")
-    return HFTokenizer.from_gguf_metadata(read_gguf(path).metadata, path)
+    header = read_gguf(path)
+    return HFTokenizer.from_gguf_metadata(header.metadata, path, config_from_gguf(header).vocab_size)
 
 
 def render(tokenizer: HFTokenizer, messages, add_generation_prompt: bool = True) -> str:

@@ -19,6 +19,7 @@ from pagedkv.engine_core import EngineConfig, EngineCore
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.model import SamplingParams
 from pagedkv.model.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from pagedkv.model.gguf import config_from_gguf
 from pagedkv.model.gguf_file import read_gguf
 from pagedkv.model.pretrained import locate_registered
 from pagedkv.model.sampling import Samples
@@ -31,7 +32,8 @@ BYTES = ByteTokenizer()
 def smollm() -> HFTokenizer:
     """SmolLM2-135M-Instruct's tokenizer, from its GGUF metadata (no weights loaded)."""
     path = locate_registered("smollm2-135m")
-    return HFTokenizer.from_gguf_metadata(read_gguf(path).metadata, path)
+    header = read_gguf(path)
+    return HFTokenizer.from_gguf_metadata(header.metadata, path, config_from_gguf(header).vocab_size)
 
 
 def stream(decode, tokens: Sequence[int]) -> tuple[list[str], IncrementalDetokenizer]:

@@ -167,8 +167,9 @@ class LlamaConfig:
     def from_hf_dict(cls, hf: Mapping[str, Any]) -> LlamaConfig:
         """Reads a Hugging Face Llama ``config.json`` (already parsed). A JSON null counts as an
         absent key only where transformers gives null a meaning (the K/V heads, the head size, the
-        special tokens, the rope settings); elsewhere it is a value of the wrong type. Rope settings are read from ``rope_parameters`` (transformers ≥ 5) or
-        ``rope_theta`` + ``rope_scaling`` (earlier), which must agree where both are given.
+        special tokens, the rope settings); elsewhere it is a value of the wrong type. Rope
+        settings are read from ``rope_parameters`` (transformers ≥ 5) or ``rope_theta`` +
+        ``rope_scaling`` (earlier), which must agree where both are given.
         ``eos_token_id`` may be an id or a list of ids. Raises :class:`InvalidArgumentError`,
         naming the key, for a missing key, a value of the wrong type or range, or an
         architecture feature this model does not implement (rope types other than default,

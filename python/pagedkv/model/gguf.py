@@ -7,7 +7,7 @@ tensors are renamed to the Hugging Face names the rest of the package uses, dequ
 Q and K projections' rows put back in Hugging Face order (:func:`unpermute_qk`).
 
 Invariants: like the safetensors loader, every tensor the config implies is checked present once,
-with its shape, before any tensor data is read; a setting this model does not implement (another
+with its shape, before any tensor data is read or the tokenizer is built; a setting this model does not implement (another
 architecture, partial rotary embedding, rope scaling other than linear, precomputed rope factors,
 experts) is refused with a :class:`CheckpointError` naming the file, never ignored.
 """
@@ -65,11 +65,6 @@ def stream_gguf(path: PathLike) -> tuple[LlamaConfig, HFTokenizer, Iterator[tupl
     only if the file changes meanwhile."""
     gguf = read_gguf(path)
     config = config_from_gguf(gguf)
-    tokenizer = HFTokenizer.from_gguf_metadata(gguf.metadata, gguf.file.path)
-    if tokenizer.vocab_size > config.vocab_size:
-        raise CheckpointError(
-            gguf.file.path, f"the tokenizer has {tokenizer.vocab_size} ids but the model only {config.vocab_size}"
-        )
     names = _hf_names(gguf, config)
     num_missing = _num_expected(config) - len(names)  # counted: a config may claim a million layers
     if num_missing:
@@ -77,6 +72,9 @@ def stream_gguf(path: PathLike) -> tuple[LlamaConfig, HFTokenizer, Iterator[tupl
         listed = ", ".join(itertools.islice((n for n in _expected_names(config) if n not in found), 3))
         more = f" and {num_missing - 3} more" if num_missing > 3 else ""
         raise CheckpointError(gguf.file.path, f"tensors missing: {listed}{more} (Hugging Face names)")
+    # Built only now, its vocabulary bounded by the embedding just checked: a tokenizer costs ~20
+    # times the metadata it is built from.
+    tokenizer = HFTokenizer.from_gguf_metadata(gguf.metadata, gguf.file.path, config.vocab_size)
     heads = {"attn_q.weight": config.num_heads, "attn_k.weight": config.num_kv_heads}
 
     def unpermute(name: str, raw: np.ndarray) -> np.ndarray:
@@ -156,8 +154,7 @@ def _hf_names(gguf: GGUFFile, config: LlamaConfig) -> dict[str, str]:
         layer = _LAYER_NAME.fullmatch(name)
         hf_name = (f"model.layers.{layer[1]}.{_LAYER_TENSORS[layer[2]]}" if layer and layer[2] in _LAYER_TENSORS
                    else _GLOBAL_TENSORS.get(name))
-        expected = _expected_shape(config, hf_name) if hf_name else None
-        if expected is None:
+        if hf_name is None or (expected := _expected_shape(config, hf_name)) is None:
             continue
         if tensor.shape != expected:
             raise CheckpointError(

@@ -11,7 +11,9 @@ is vectorized over blocks.
 Invariants: the file is opened through :class:`~pagedkv.model.files.CheckpointFile` (a regular
 file); every length, count and offset in the header is checked against the file's size before it
 is used, so a malformed or hostile file raises :class:`CheckpointError` naming it and never makes
-this allocate more than the file holds; only the tensor types in :data:`SUPPORTED_TYPES` are
+this allocate more than the file holds; the metadata's arrays hold at most
+:data:`MAX_METADATA_ITEMS` items in all, so the header's Python objects are bounded whatever the
+file declares; only the tensor types in :data:`SUPPORTED_TYPES` are
 accepted, and their byte sizes are checked against the tensor's shape.
 """
 
@@ -31,13 +33,20 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, quants
 from pagedkv.errors import CheckpointError
 from pagedkv.model.files import CheckpointFile
 
-__all__ = ["GGUFFile", "GGUFTensor", "read_gguf", "SUPPORTED_TYPES"]
+__all__ = ["GGUFFile", "GGUFTensor", "MAX_METADATA_ITEMS", "read_gguf", "SUPPORTED_TYPES"]
 
 _MAGIC = b"GGUF"
 _VERSIONS = (2, 3)  # v1 had 32-bit counts; llama.cpp has written v3 since 2023
 _DEFAULT_ALIGNMENT = 32
 _MAX_DIMS = 4  # GGML_MAX_DIMS
 _MAX_NESTING = 8  # arrays of arrays of ...; the format allows them, no model key uses more than one level
+
+# Array items in all the metadata. The largest tokenizers shipped as GGUF hold under 800k (Gemma 3:
+# 262,144 tokens with their scores and types; Llama 3: 128,256 tokens, 280,147 merges and the
+# types); 2**21 leaves room for 2.5 times that. Each item becomes a Python object (a short str is
+# ~60 bytes), so this bounds the parsed header near 150 MB where the file alone would allow one
+# object per 8 bytes: a 60 MB file declaring 4 M tokens took 13 s and 1.4 GB before (issue 23).
+MAX_METADATA_ITEMS = 2**21
 
 # The tensor types this loader reads (others, e.g. the K-quants, are refused by name).
 SUPPORTED_TYPES = frozenset({
@@ -135,6 +144,7 @@ class _Parser:
         self._data = data
         self._size = len(data)
         self._pos = 0
+        self._items = 0  # array items read so far (MAX_METADATA_ITEMS)
 
     def fail(self, detail: str) -> CheckpointError:
         return CheckpointError(self._file.path, f"not a valid GGUF file: {detail}")
@@ -205,6 +215,9 @@ class _Parser:
         if depth >= _MAX_NESTING:
             raise self.fail(f"metadata {key!r} nests arrays deeper than {_MAX_NESTING}")
         item_type, length = self._scalar("<I"), self._scalar("<Q")
+        self._items += length
+        if self._items > MAX_METADATA_ITEMS:
+            raise self.fail(f"metadata {key!r} brings its arrays past {MAX_METADATA_ITEMS} items in all")
         if item_type in _SCALARS:  # read in one go: vocabularies hold tens of thousands of ids
             dtype = np.dtype(_SCALARS[GGUFValueType(item_type)])
             items = np.frombuffer(self._take(self._count(length, dtype.itemsize) * dtype.itemsize), dtype)

@@ -111,7 +111,7 @@ class HFTokenizer:
         return cls(tokenizer, file.path, *_chat_settings(CheckpointFile.locate(directory, TOKENIZER_CONFIG_FILE)))
 
     @classmethod
-    def from_gguf_metadata(cls, metadata: Mapping[str, Any], path: Path) -> HFTokenizer:
+    def from_gguf_metadata(cls, metadata: Mapping[str, Any], path: Path, model_vocab_size: int) -> HFTokenizer:
         """The byte-level BPE tokenizer a GGUF file describes (``tokenizer.ggml.model`` "gpt2",
         as llama.cpp's converter writes every tokenizer.json BPE): ``tokenizer.ggml.tokens`` are
         the vocabulary in id order, ``merges`` the BPE merges by rank, ``token_type`` marks
@@ -120,8 +120,9 @@ class HFTokenizer:
         :data:`_GGUF_PRE_TOKENIZERS` are supported. ``add_bos_token`` (default false) makes
         :meth:`encode` prepend ``bos_token_id``, ``add_eos_token`` append ``eos_token_id``;
         ``tokenizer.chat_template`` becomes :attr:`chat_template`. Raises :class:`CheckpointError`
-        naming ``path`` for another tokenizer model or pre-tokenizer, or malformed vocabulary
-        metadata."""
+        naming ``path`` for another tokenizer model or pre-tokenizer, malformed vocabulary
+        metadata, or more tokens than the model's ``model_vocab_size`` (checked before anything is
+        built from them)."""
         from tokenizers import AddedToken, decoders, models, processors
         from tokenizers import Tokenizer as _Tokenizer
 
@@ -142,6 +143,8 @@ class HFTokenizer:
             chat_template = f.str_("tokenizer.chat_template", None)
         except InvalidArgumentError as error:
             raise fail(str(error)) from None
+        if len(tokens) > model_vocab_size:
+            raise fail(f"{len(tokens)} tokens, but the model has only {model_vocab_size} ids")
         if kind != "gpt2":
             raise fail(f"tokenizer.ggml.model {kind!r} is not supported (only 'gpt2', a byte-level BPE)")
         if pre not in _GGUF_PRE_TOKENIZERS:
