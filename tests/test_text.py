@@ -8,6 +8,7 @@ blocks freed) in the step its stop string completes."""
 from __future__ import annotations
 
 import codecs
+import sys
 from collections.abc import Sequence
 
 import numpy as np
@@ -18,11 +19,12 @@ from hypothesis import strategies as st
 from pagedkv.engine_core import EngineConfig, EngineCore
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.model import SamplingParams
+from pagedkv.model import detokenizer
 from pagedkv.model.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from pagedkv.model.gguf import config_from_gguf
 from pagedkv.model.gguf_file import read_gguf
 from pagedkv.model.pretrained import locate_registered
-from pagedkv.model.sampling import Samples
+from pagedkv.model.sampling import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, Samples
 from pagedkv.model.tokenizer import ByteTokenizer, HFTokenizer
 
 BYTES = ByteTokenizer()
@@ -140,41 +142,92 @@ def test_each_token_decodes_a_bounded_window(smollm):
 
 
 def cut(text: str, stops: Sequence[str]) -> tuple[str, bool]:
-    """The reference: the text before the earliest occurrence of any stop string in ``text``."""
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return (text[: min(hits)], True) if hits else (text, False)
+    """The reference: the text before the stop string that completes first (of those completing at
+    the same character, the longest), by brute force over every end position."""
+    for end in range(1, len(text) + 1):
+        lengths = [len(s) for s in stops if text[:end].endswith(s)]
+        if lengths:
+            return text[: end - max(lengths)], True
+    return text, False
 
 
 @settings(max_examples=400, deadline=None)
 @given(st.text("ab\u00e9", max_size=30), st.lists(st.text("ab\u00e9", min_size=1, max_size=4), min_size=1, max_size=3),
        st.lists(st.integers(0, 30), max_size=10))
-def test_stop_strings_cut_at_the_earliest_occurrence_whatever_the_chunking(text, stops, splits):
+def test_stop_strings_cut_where_the_first_completes_whatever_the_chunking(text, stops, splits):
     # A two-letter alphabet makes overlapping stop strings and prefixes of them common.
     bounds = sorted({0, len(text), *(min(s, len(text)) for s in splits)})
     chunks = [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
     matcher = StopStringMatcher(stops)
     delivered = seen = ""
+    whole, stops_in_text = cut(text, stops)
     for chunk in chunks:
         delivered += matcher.push(chunk)
         seen += chunk
         before_stop, stopped = cut(seen, stops)
         assert matcher.stopped == stopped
-        if stopped:  # the first chunk completing a stop string ends the text (later ones are moot)
-            assert delivered == before_stop
+        if stopped:  # the same cut as the whole text's, whatever the chunks
+            assert delivered == before_stop == whole
             assert matcher.push("more") == ""
             return
         held = max((k for s in stops for k in range(len(s)) if seen.endswith(s[:k])), default=0)
         assert delivered == seen[: len(seen) - held]  # all but what may still start a stop string
+    assert not stops_in_text
     assert delivered + matcher.finish() == text
 
 
 def test_stop_string_overlapping_another_and_at_the_start():
     matcher = StopStringMatcher(["abcd", "bc"])
     assert matcher.push("ab") == ""  # "ab" may start "abcd", "b" may start "bc"
-    assert matcher.push("c") == "a"  # "bc" completes first: the earliest occurrence wins
+    assert matcher.push("cd") == "a"  # "bc" completes first
     assert matcher.stopped
+    matcher = StopStringMatcher(["abcd", "bc"])
+    assert matcher.push("abcd") == "a"  # the same in one chunk
+    matcher = StopStringMatcher(["b", "ab"])
+    assert matcher.push("xab") == "x"  # both complete at "b": the longest wins
     matcher = StopStringMatcher(["He"])
     assert (matcher.push("Hello"), matcher.stopped) == ("", True)
+
+
+def lines_run(matcher: StopStringMatcher, chunks: Sequence[str]) -> int:
+    """Lines of the detokenizer module run while ``chunks`` are pushed: the matcher's work,
+    counted rather than timed."""
+    count = 0
+
+    def trace(frame, event, arg):
+        nonlocal count
+        if frame.f_code.co_filename == detokenizer.__file__:
+            count += event == "line"
+            return trace
+        return None
+
+    sys.settrace(trace)
+    try:
+        for chunk in chunks:
+            matcher.push(chunk)
+    finally:
+        sys.settrace(None)
+    return count
+
+
+def test_the_work_per_character_does_not_grow_with_the_number_of_stop_strings():
+    """Issue 23 item 15: 100k stop strings cost ~14 ms per token, each searched at every push."""
+    text = ("the quick brown fox jumps over the lazy dog; " * 8)[:300]
+    chunks = [text[i:i + 3] for i in range(0, len(text), 3)]
+    one = lines_run(StopStringMatcher(["<|never|>"]), chunks)
+    # Sixteen long stop strings sharing prefixes with the text, none of them completing.
+    many = [f"the quick brown {word}" + "x" * 200 for word in ("fox", "fix", "fog", "fax")]
+    many += [f"{word} the lazy cat" + "y" * 200 for word in ("over", "ever", "oven", "offer")]
+    many += [c * MAX_STOP_STRING_CHARS for c in "qwzvkjQW"]
+    assert len(many) == MAX_STOP_STRINGS
+    assert lines_run(StopStringMatcher(many), chunks) < 2 * one
+
+
+def test_stop_strings_are_bounded():
+    SamplingParams(stop=["x" * MAX_STOP_STRING_CHARS] * MAX_STOP_STRINGS)
+    for bad in (["x"] * (MAX_STOP_STRINGS + 1), ["x" * (MAX_STOP_STRING_CHARS + 1)], ["y"] * 100_000):
+        with pytest.raises(InvalidArgumentError, match=f"at most {MAX_STOP_STRINGS} strings"):
+            SamplingParams(stop=bad)
 
 
 def test_stop_must_be_nonempty_strings():

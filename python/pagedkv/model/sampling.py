@@ -39,12 +39,18 @@ import numpy as np
 from pagedkv import _core
 from pagedkv.errors import InvalidArgumentError, ShapeError
 
-__all__ = ["MAX_TOP_LOGPROBS", "NO_TOKEN", "SamplingParams", "Samples", "TokenHistory", "sample", "sample_with_logprobs"]
+__all__ = ["MAX_STOP_STRING_CHARS", "MAX_STOP_STRINGS", "MAX_TOP_LOGPROBS", "NO_TOKEN", "SamplingParams", "Samples", "TokenHistory", "sample", "sample_with_logprobs"]
 
 NO_TOKEN = -1  # what `sample` gives a row with nothing to draw from (NaN, or only -inf)
 
 
 MAX_TOP_LOGPROBS = 20  # the most alternatives a token's logprobs list (OpenAI's bound)
+
+# Stop strings a request may give, and their length. OpenAI takes 4; clients such as lm-eval send a
+# handful of few-character strings. The matcher's cost per character does not grow with either
+# (an Aho-Corasick automaton); the bounds keep the automaton built per request small (4,096 states).
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
 
 
 @dataclass(frozen=True)
@@ -67,7 +73,9 @@ class SamplingParams:
     - ``stop``: strings (one, or a sequence) that end generation when the decoded text contains
       one, across token boundaries; the text then ends before it (OpenAI's semantics; the tokens
       keep the one that completed it) and ``finish_reason`` is "stop". Matched by the engine core
-      (:class:`~pagedkv.model.detokenizer.StopStringMatcher`); each must be a non-empty string.
+      (:class:`~pagedkv.model.detokenizer.StopStringMatcher`; the one completing first wins);
+      at most :data:`MAX_STOP_STRINGS`, each a non-empty string of at most
+      :data:`MAX_STOP_STRING_CHARS` characters.
     - ``ignore_eos``: do not stop at the model's end-of-sequence tokens.
     - ``n``: independent samples of the same prompt (parallel sampling, sharing the prompt's
       blocks; ≥ 1 and at most the scheduler's ``max_num_seqs``, checked by the scheduler).
@@ -119,7 +127,11 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))  # frozen: hashable
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         if not isinstance(stop, (list, tuple)) or not all(isinstance(s, str) and s for s in stop):
-            raise InvalidArgumentError(f"stop must be a non-empty string or a sequence of them, got {self.stop!r}")
+            raise InvalidArgumentError(f"stop must be a non-empty string or a sequence of them, got {self.stop!r:.80}")
+        if len(stop) > MAX_STOP_STRINGS or any(len(s) > MAX_STOP_STRING_CHARS for s in stop):
+            raise InvalidArgumentError(
+                f"stop takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_STRING_CHARS} characters each"
+            )
         object.__setattr__(self, "stop", tuple(stop))
 
     @property
