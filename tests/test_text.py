@@ -18,8 +18,7 @@ from hypothesis import strategies as st
 
 from pagedkv.engine_core import EngineConfig, EngineCore
 from pagedkv.errors import InvalidArgumentError
-from pagedkv.model import SamplingParams
-from pagedkv.model import detokenizer
+from pagedkv.model import SamplingParams, detokenizer
 from pagedkv.model.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from pagedkv.model.gguf import config_from_gguf
 from pagedkv.model.gguf_file import read_gguf
