@@ -39,7 +39,10 @@ import numpy as np
 from pagedkv import _core
 from pagedkv.errors import InvalidArgumentError, ShapeError
 
-__all__ = ["MAX_STOP_STRING_CHARS", "MAX_STOP_STRINGS", "MAX_TOP_LOGPROBS", "NO_TOKEN", "SamplingParams", "Samples", "TokenHistory", "sample", "sample_with_logprobs"]
+__all__ = [
+    "MAX_STOP_STRING_CHARS", "MAX_STOP_STRINGS", "MAX_TOP_LOGPROBS", "NO_TOKEN", "SamplingParams", "Samples",
+    "TokenHistory", "sample", "sample_with_logprobs",
+]
 
 NO_TOKEN = -1  # what `sample` gives a row with nothing to draw from (NaN, or only -inf)
 
