@@ -24,16 +24,19 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import httpx
 import pytest
 import ray
 
-from pagedkv.cluster import ray_runtime
+from pagedkv.cluster import frontend, ray_runtime, ray_watchdog
 from pagedkv.cluster.frontend import HEARTBEAT_TIMEOUT, POLL_WAIT, Cluster, spawn_replicas
 from pagedkv.cluster.router import Router
 from pagedkv.engine import Engine, EngineClosedError
+from pagedkv.errors import InvalidArgumentError, ModelError
 from pagedkv.kv_events import KvEventBatch
+from pagedkv.model.detokenizer import SampleText
 from pagedkv.model.sampling import SamplingParams
 
 ENGINE = {"num_blocks": 256, "max_num_seqs": 16, "max_num_batched_tokens": 512}
@@ -260,6 +263,118 @@ def test_a_hung_replica_misses_its_heartbeat_deadline_and_rejoins(cluster_of):
           f"(deadline {POLL_WAIT + HEARTBEAT_TIMEOUT:.2f} s); it rejoined, same process")
     assert victim.pid == pid and victim.deaths >= 1
     assert max(resumed) < 10.0  # a stall, not the 2 s target (measured, as for a death)
+
+
+def test_n_past_max_num_seqs_is_refused_before_any_per_sample_state(cluster_of, monkeypatch):
+    """Issue 23 item 7a: the replica's engine is the one validator of n; the front end builds a
+    sample's state only once a replica has queued the request (n = 10**6 took seconds before)."""
+    built = []
+    monkeypatch.setattr(frontend, "SampleText", lambda *args: built.append(args) or SampleText(*args))
+    cluster = cluster_of("round_robin")
+    with pytest.raises(InvalidArgumentError, match="exceeds max_num_seqs"):
+        run(cluster.submit("many samples", SamplingParams(max_tokens=2, n=10**6)))
+    assert built == []
+    output, _ = run(generate(cluster, "one sample"))
+    assert len(output.token_ids) == GREEDY.max_tokens and len(built) == 1
+
+
+def test_a_request_whose_engine_fails_under_it_fails_alone_and_the_replicas_serve_on(cluster_of, actors):
+    """Issue 23 item 7b: before, the front end took the closed engine for a lost replica and carried
+    the request to the next, closing every replica's engine while their actors answered heartbeats."""
+    poison_prefix = [7] * 12  # a prompt starting so breaks the model of a replica poisoned here
+
+    def poison(replica) -> None:
+        """Run in a replica (``__ray_call__``; nested, so Ray ships it by value): its engine's model
+        raises at the step after a request starting with ``poison_prefix`` is added, as a request
+        that breaks a model would; counted in the actor."""
+        core, armed = replica.engine.core, []
+        add_request, run_step = core.add_request, core.runner.run
+
+        def add_poisoned(request_id, prompt_token_ids, *args, **kwargs):
+            if list(prompt_token_ids[:len(poison_prefix)]) == poison_prefix:
+                armed.append(request_id)
+            return add_request(request_id, prompt_token_ids, *args, **kwargs)
+
+        def run_poisoned(*args, **kwargs):
+            if armed:
+                armed.clear()
+                replica.poisoned_steps = getattr(replica, "poisoned_steps", 0) + 1
+                raise RuntimeError("the model broke on a poisoned request")
+            return run_step(*args, **kwargs)
+
+        core.add_request, core.runner.run = add_poisoned, run_poisoned
+
+    cluster = cluster_of("round_robin")
+    incarnations = {r.id: r.incarnation for r in cluster.replicas()}
+    ray.get([actor.__ray_call__.remote(poison) for actor in actors])
+    with pytest.raises(ModelError, match="the model broke on a poisoned request"):
+        run(generate(cluster, poison_prefix + [11, 12, 13]))
+    fired = ray.get([actor.__ray_call__.remote(lambda replica: getattr(replica, "poisoned_steps", 0)) for actor in actors])
+    assert sorted(fired) == [0, 1]  # one replica's model failed; the request went nowhere else
+    broken = cluster.replicas()[fired.index(1)].id
+
+    def renewed() -> bool:
+        status = {r.id: r for r in cluster.replicas()}
+        return all(r.alive for r in status.values()) and status[broken].incarnation != incarnations[broken]
+
+    until(renewed, 60, "the broken replica's engine replaced")
+    async def four() -> list:
+        return await asyncio.gather(*(generate(cluster, f"after the poison {i}") for i in range(4)))
+
+    outputs = run(four())
+    assert [len(output.token_ids) for output, _ in outputs] == [GREEDY.max_tokens] * 4
+    assert all(r.served > 0 for r in cluster.replicas())
+
+
+def ray_processes_of(pid: int) -> dict[int, int]:
+    """pid -> start time of every process below ``pid`` (the watchdog's own table)."""
+    return ray_watchdog.descendants(ray_watchdog.process_table(), [pid])
+
+
+def test_a_sigkilled_front_end_leaves_no_ray_process_nor_directory(tmp_path):
+    """Issue 23 item 23: after the OOM killer's SIGKILL, Ray's agents ran on and its directory stayed."""
+    before = set(Path("/tmp").glob("pkv-ray-*"))
+    log = tmp_path / "serve.log"
+    command = [sys.executable, "-m", "pagedkv", "serve", "--replicas", "1", "--model", "tiny", "--num-blocks", "64",
+               "--port", "0"]
+    with log.open("w") as out:
+        server = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        def serving() -> bool:
+            assert server.poll() is None, log.read_text()
+            return "pagedkv serving" in log.read_text()
+
+        until(serving, 120, "the server up")
+        left = ray_processes_of(server.pid)
+        (temp_dir,) = set(Path("/tmp").glob("pkv-ray-*")) - before
+        assert any(b"ray::" in Path(f"/proc/{pid}/cmdline").read_bytes() for pid in left)  # its agents and replica
+    finally:
+        server.kill()
+        server.wait(timeout=10)
+
+    def cleared() -> bool:
+        table = ray_watchdog.process_table()
+        return not any(table.get(pid, (0, None))[1] == started for pid, started in left.items()) and not temp_dir.exists()
+
+    until(cleared, 60, "every process of the killed server's Ray gone and its directory removed")
+
+
+def run_serve(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "pagedkv", "serve", *args], capture_output=True, text=True, timeout=180)
+
+
+def test_replica_counts_and_models_that_cannot_serve_are_one_line_errors(tmp_path):
+    """Issue 23 item 24: a Ray traceback before, where one engine prints one line."""
+    too_many = run_serve("--replicas", str(10**20), "--model", "tiny")
+    assert too_many.returncode == 2 and "Traceback" not in too_many.stderr
+    assert too_many.stderr.strip().splitlines()[-1].endswith(f"--replicas {10**20} exceeds the "
+                                                              f"{len(os.sched_getaffinity(0))} CPUs of this machine")
+    corrupt = tmp_path / "corrupt.gguf"
+    corrupt.write_bytes(b"GGUF" + bytes(range(256)) * 4)
+    alone, replicas = run_serve("--model", str(corrupt)), run_serve("--replicas", "2", "--model", str(corrupt))
+    assert alone.returncode == replicas.returncode == 2 and "Traceback" not in replicas.stderr
+    assert replicas.stderr.strip().splitlines()[-1] == alone.stderr.strip().splitlines()[-1]
+    assert "GGUF version" in alone.stderr
 
 
 def test_only_no_replica_alive_is_a_503(actors):

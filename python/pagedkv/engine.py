@@ -392,6 +392,11 @@ class Engine:
         return self.core.stats()
 
     @property
+    def closed(self) -> bool:
+        """Whether the engine no longer accepts requests: it was shut down, or its model failed."""
+        return not self._state.accepting()
+
+    @property
     def kv_events(self) -> KvEventPublisher:
         """The publisher of this engine's KV events (subscribe, ``since``); it publishes only
         when the engine was made with ``emit_kv_events=True``."""

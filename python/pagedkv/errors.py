@@ -61,9 +61,15 @@ class CheckpointError(PagedKVError, OSError):
     def __init__(self, path: object, message: str) -> None:
         super().__init__(f"{path}: {message}")
         self.path = str(path)
+        self.message = message
 
     def __str__(self) -> str:  # OSError would format (errno, strerror) pairs
         return str(self.args[0])
+
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:
+        # Rebuilt from both fields when it crosses processes (a Ray replica's failed load); the
+        # default would call __init__ with the formatted message alone.
+        return type(self), (self.path, self.message)
 
 
 class KvTierError(PagedKVError, OSError):

@@ -26,6 +26,12 @@ Invariants:
   own request, prompt plus the tokens already streamed, ``max_tokens`` reduced by their number, to
   another replica; the consumer sees each token once and in order. A greedy sample's continuation
   is the uninterrupted run's. (A seeded random sample continues from a fresh generator.)
+- A request's own fault is never a replica's: a request its replica refuses (``n`` past
+  ``max_num_seqs``, say) is refused having built nothing here (its samples' state is made once the
+  first replica has queued it), and one whose replica's model failed under it fails with
+  :class:`~pagedkv.errors.ModelError` rather than migrating (it may be what broke the model; the
+  replica replaces its engine). A sample whose replicas are lost more than
+  :data:`MAX_REPLICA_LOSSES` times fails the same way, so no request is carried across every replica.
 - Every request ends exactly once, as an engine's do. Only when no replica is alive for
   ``migration_timeout`` s does a request fail (``EngineClosedError``: a 503).
 """
@@ -55,7 +61,7 @@ from pagedkv.model.detokenizer import SampleText
 from pagedkv.model.prompt import encode_chat, encode_text
 from pagedkv.model.sampling import SamplingParams
 
-__all__ = ["Cluster", "ReplicaStatus", "spawn_replicas"]
+__all__ = ["MAX_REPLICA_LOSSES", "Cluster", "ReplicaStatus", "spawn_replicas"]
 
 T = TypeVar("T")
 
@@ -67,6 +73,10 @@ HEARTBEAT_TIMEOUT = 1.0
 REJOIN_RETRY = 0.1
 # How long a migrating request waits for any replica to be alive before failing (503).
 MIGRATION_TIMEOUT = 30.0
+# Replicas a sample may lose (each loss migrates it) before it fails: one kill or restart under a
+# request is chance, a third in a row is more likely the request's doing (a prompt that crashes
+# the process would otherwise take down every replica in turn).
+MAX_REPLICA_LOSSES = 2
 # How long shutdown(drain=False) waits for the aborted requests to end (each takes a step or so).
 _ABORT_SECONDS = 5.0
 
@@ -120,6 +130,7 @@ class _Sample:
     text: SampleText
     completion: CompletionOutput
     lost_at: float | None = None  # when its replica was lost, until its next token arrives
+    losses: int = 0  # replicas lost under it
 
 
 @dataclass
@@ -131,8 +142,8 @@ class _Flight:
     params: SamplingParams
     cache_salt: str | None
     trace_headers: dict[str, str] | None
-    samples: list[_Sample]
     metrics: RequestMetrics
+    samples: list[_Sample] = field(default_factory=list)  # made once the first replica has queued it
     num_cached_tokens: int = 0
     error: BaseException | None = None
     stopped_here: bool = False  # a stop string ended a sample its replica still runs (it straddled a migration)
@@ -174,7 +185,12 @@ class Cluster:
         size. Blocks until the model's details are known (the first replica to answer)."""
         if not actors:
             raise PagedKVError("a cluster needs at least one replica")
-        info: ReplicaInfo = ray.get(actors[0].info.remote())
+        try:
+            info: ReplicaInfo = ray.get(actors[0].info.remote())
+        except RayTaskError as error:  # the replica could not load the model: its own error, as one engine raises it
+            if isinstance(error.cause, PagedKVError):
+                raise error.cause from None
+            raise
         self.tokenizer = info.tokenizer
         if chat_template is not None:
             self.tokenizer.chat_template = chat_template
@@ -369,17 +385,18 @@ class Cluster:
         request_id = f"req-{next(self._ids)}"
         prompt_ids = list(token_ids)
         handle = _ClusterHandle(self, request_id, text, prompt_ids)  # type: ignore[arg-type]
-        samples = [_Sample(SampleText(self.tokenizer, params.stop),
-                           CompletionOutput(i, logprobs=[] if params.logprobs else None)) for i in range(params.n)]
         flight = _Flight(handle, prompt_ids, params, cache_salt, None if trace_headers is None else dict(trace_headers),
-                         samples, RequestMetrics(time.perf_counter()))
+                         RequestMetrics(time.perf_counter()))
         started = asyncio.run_coroutine_threadsafe(self._start(flight), self._loop)
         await asyncio.wrap_future(started)
         return handle
 
     async def _start(self, flight: _Flight) -> None:
         """Queues the request's first leg (raising what its replica refused), then drives it."""
-        leg = await self._leg(flight, list(range(flight.params.n)), first=True)
+        params = flight.params
+        leg = await self._leg(flight, list(range(params.n)), first=True)
+        flight.samples = [_Sample(SampleText(self.tokenizer, params.stop),
+                                  CompletionOutput(i, logprobs=[] if params.logprobs else None)) for i in range(params.n)]
         self._flights[flight.handle.request_id] = flight
         flight.task = asyncio.ensure_future(self._drive(flight, leg))
 
@@ -406,7 +423,10 @@ class Cluster:
                 self._close(leg)
             indices = flight.unfinished(indices)
             for index in indices:
-                flight.samples[index].lost_at = lost_at
+                sample = flight.samples[index]
+                sample.lost_at, sample.losses = lost_at, sample.losses + 1
+                if sample.losses > MAX_REPLICA_LOSSES:
+                    raise ModelError(f"request {flight.handle.request_id!r}: {sample.losses} replicas were lost under it")
             if len(indices) > 1:  # each sample continues from its own tokens: one request each
                 await asyncio.gather(*(self._run(flight, [i], None) for i in indices))
                 return

@@ -12,20 +12,26 @@ Invariants:
 - Leaving :func:`connect` disconnects; for a local instance that also stops every process it
   started (``ray.shutdown`` stops those of the node this driver started, by their handles, never
   by name) and removes its directory. Joining stops nothing of the cluster's.
+- A local instance outlives no driver, even one killed outright (SIGKILL skips ``ray.shutdown``):
+  a watchdog process (:mod:`pagedkv.cluster.ray_watchdog`) holding a pipe from this one kills what
+  is left of it and removes its directory when the pipe closes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
 
 import ray
 
-__all__ = ["connect"]
+__all__ = ["cluster_cpus", "connect"]
 
 
 @contextlib.contextmanager
@@ -35,7 +41,7 @@ def connect(address: str | None = None, *, num_cpus: int | None = None) -> Itera
     machine's)."""
     started = time.monotonic()
     if address is not None:
-        ray.init(address=address, include_dashboard=False, log_to_driver=False)
+        ray.init(address=address, include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
         try:
             yield time.monotonic() - started
         finally:
@@ -44,12 +50,22 @@ def connect(address: str | None = None, *, num_cpus: int | None = None) -> Itera
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     ray._private.ray_constants.ENABLE_RAY_CLUSTER = False
     temp_dir = tempfile.mkdtemp(prefix="pkv-ray-", dir="/tmp")
+    # Its own session: a signal to this process's group (Ctrl-C) leaves it to clean up after.
+    watchdog = subprocess.Popen([sys.executable, "-m", "pagedkv.cluster.ray_watchdog", str(os.getpid()), temp_dir],
+                                stdin=subprocess.PIPE, start_new_session=True)
     try:
         ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, _temp_dir=temp_dir, num_cpus=num_cpus,
-                 log_to_driver=False)
+                 log_to_driver=False, logging_level=logging.WARNING)  # its INFO lines are not the server's
         try:
             yield time.monotonic() - started
         finally:
             ray.shutdown()
     finally:
         shutil.rmtree(temp_dir, ignore_errors=True)
+        watchdog.stdin.close()  # type: ignore[union-attr]
+        watchdog.wait()  # it finds nothing left: returns at once
+
+
+def cluster_cpus() -> int:
+    """The CPUs of the Ray cluster this process is connected to (every node's)."""
+    return int(ray.cluster_resources().get("CPU", 0))

@@ -13,9 +13,14 @@ Invariants:
   sent at most every :data:`STREAM_INTERVAL` (the first at once: it is the time to first token;
   never a round trip per token); the last is an :class:`Ended`. Cancelling
   it (the front end's ``ray.cancel``) aborts the request: its blocks go back to the pool.
-- A request that fails alone (the model gave NaN logits) ends with ``Ended.error``; an engine
-  that closed under it (its model failed, it shut down) raises ``EngineClosedError``, which the
-  front end treats as the replica's failure.
+- A request that fails alone (the model gave NaN logits) ends with ``Ended.error``, and so does
+  one whose engine's model failed under it: the request may be what broke the model, so the front
+  end fails it rather than carrying it to the next replica. An engine that was shut down under a
+  request raises ``EngineClosedError``, which the front end treats as the replica's failure.
+- An engine whose model failed is replaced, in the same process, by a new one with a new
+  ``incarnation`` before the actor answers again (:meth:`Replica._live_engine`): the actor never
+  answers heartbeats for an engine that refuses every request. (Ray restarts a replica whose
+  process died; this covers one whose process lives on.)
 - :meth:`Replica.poll` is heartbeat, KV event feed and load report in one call, answered within
   ``wait`` seconds: the event batches after ``after_seq`` (waking as soon as one is published), or,
   when the publisher's buffer no longer holds them (or ``after_seq`` is None), a snapshot.
@@ -36,7 +41,7 @@ from dataclasses import dataclass
 
 from pagedkv import tracing
 from pagedkv.cluster.router import ReplicaLoad
-from pagedkv.engine import Engine
+from pagedkv.engine import Engine, EngineClosedError
 from pagedkv.engine_core import TokenEvent, TokenLogprob
 from pagedkv.errors import ModelError, PagedKVError
 from pagedkv.kv_events import KvEventBatch, KvSnapshot
@@ -94,14 +99,34 @@ class Replica:
     """The actor's class (made remote by :func:`pagedkv.cluster.frontend.spawn_replicas`)."""
 
     def __init__(self, model: str, engine_kwargs: dict, otlp_endpoint: str | None = None) -> None:
-        tracer = tracing.configure(otlp_endpoint=otlp_endpoint)
+        self._model = model
         # Its KV events are what the front end's router knows of its cache: always on here.
-        self.engine = Engine.from_pretrained(model, tracer=tracer, **{**engine_kwargs, "emit_kv_events": True})
+        self._engine_kwargs = {**engine_kwargs, "emit_kv_events": True, "tracer": tracing.configure(otlp_endpoint=otlp_endpoint)}
+        # A model that cannot be loaded (a corrupt file) is reported by every call, info() first:
+        # raised here, Ray would report only that the actor died, the error's type and text lost.
+        self._load_error: PagedKVError | None = None
+        try:
+            self._start_engine()
+        except PagedKVError as error:
+            self._load_error = error
+
+    def _start_engine(self) -> None:
+        self.engine = Engine.from_pretrained(self._model, **self._engine_kwargs)
         self.incarnation = uuid.uuid4().hex
         self._news: asyncio.Event | None = None  # set when an event batch is published (for the engine's life)
 
+    def _live_engine(self) -> Engine:
+        """The engine, replaced first if its model failed (the failed one shut down: its blocks
+        and worker go; the new one starts with an empty cache and event sequence)."""
+        if self._load_error is not None:
+            raise self._load_error
+        if self.engine.closed:
+            self.engine.shutdown(drain=False)
+            self._start_engine()
+        return self.engine
+
     def info(self) -> ReplicaInfo:
-        engine = self.engine
+        engine = self._live_engine()
         return ReplicaInfo(engine.tokenizer, engine.default_params, engine.core.max_model_len, engine.core.config.block_size)
 
     def pid(self) -> int:
@@ -109,7 +134,8 @@ class Replica:
 
     async def generate(self, token_ids: Sequence[int], params: SamplingParams, cache_salt: str | None,
                        trace_headers: Mapping[str, str] | None) -> AsyncIterator[list[Token] | Ended]:
-        handle = self.engine.submit(token_ids, params, cache_salt=cache_salt, timeout=0, trace_headers=trace_headers)
+        engine = self._live_engine()
+        handle = engine.submit(token_ids, params, cache_salt=cache_salt, timeout=0, trace_headers=trace_headers)
         ready: asyncio.Queue[TokenEvent | None] = asyncio.Queue()  # None: the handle ended
 
         async def pump() -> None:
@@ -136,9 +162,14 @@ class Replica:
                     sent = time.monotonic()
                     yield [(e.index, e.token_id, e.finish_reason, e.logprob) for e in batch if e is not None]
             try:
-                output = await handle  # EngineClosedError propagates: the replica failed
+                output = await handle
             except ModelError as error:
                 yield Ended(0, str(error))
+                return
+            except EngineClosedError as error:
+                if error.__cause__ is None:
+                    raise  # shut down under it: the replica is going away, the request migrates
+                yield Ended(0, str(error))  # its model failed under it, perhaps because of it
                 return
             yield Ended(output.num_cached_tokens)
         finally:
@@ -146,7 +177,8 @@ class Replica:
             handle.abort()  # a no-op once it has ended
 
     async def poll(self, after_seq: int | None, wait: float) -> PollReply:
-        publisher = self.engine.kv_events
+        engine = self._live_engine()
+        publisher = engine.kv_events
         if self._news is None:
             loop, news = asyncio.get_running_loop(), asyncio.Event()
             self._news = news
@@ -159,15 +191,15 @@ class Replica:
                 pass
         batches = None if after_seq is None else publisher.since(after_seq)
         if batches is None:
-            snapshot = self.engine.kv_snapshot()
+            snapshot = engine.kv_snapshot()
             return PollReply(self.incarnation, os.getpid(), self.load(), None, snapshot, snapshot.seq)
         last_seq = batches[-1].seq if batches else after_seq
         return PollReply(self.incarnation, os.getpid(), self.load(), batches, None, last_seq)
 
     def kv_snapshot(self) -> KvSnapshot:
-        return self.engine.kv_snapshot()
+        return self._live_engine().kv_snapshot()
 
     def load(self) -> ReplicaLoad:
-        core = self.engine.core
+        core = self._live_engine().core
         scheduler, num_blocks = core.scheduler, core.config.num_blocks
         return ReplicaLoad(scheduler.num_waiting, scheduler.num_running, 1 - scheduler.num_free_blocks / num_blocks)

@@ -20,6 +20,7 @@ The process then exits 0. A second SIGINT forces the exit (uvicorn's behaviour).
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import socket
 import threading
@@ -61,7 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--shutdown-timeout", type=seconds, default=30.0,
                         help="seconds in-flight requests may run after SIGTERM before they are aborted")
     parser.add_argument("--replicas", type=positive_int, default=None,
-                        help="run N engine replicas as Ray actors behind this front end (needs pagedkv[cluster])")
+                        help="run N engine replicas as Ray actors behind this front end, at most one per CPU of "
+                             "the machine or of the --ray-address cluster (needs pagedkv[cluster])")
     parser.add_argument("--ray-address", default=None,
                         help="with --replicas: join this Ray cluster (default: start a local Ray on 127.0.0.1)")
     parser.add_argument("--routing-policy", default="prefix_aware", choices=POLICIES,
@@ -143,8 +145,12 @@ def _run_cluster(args: argparse.Namespace) -> int:
     name = args.served_model_name or str(args.model)
     template = None if args.chat_template is None else Path(args.chat_template).read_text()
     replica_kwargs = {**engine_kwargs(args), "max_waiting": args.max_waiting}
+    if args.ray_address is None:
+        _check_replicas(args.replicas, len(os.sched_getaffinity(0)), "this machine")
     with ray_runtime.connect(args.ray_address, num_cpus=args.replicas if args.ray_address is None else None) as took:
         print(f"pagedkv: Ray {'joined' if args.ray_address else 'started on 127.0.0.1'} in {took:.1f} s", flush=True)
+        if args.ray_address is not None:
+            _check_replicas(args.replicas, ray_runtime.cluster_cpus(), f"the Ray cluster at {args.ray_address}")
         actors = spawn_replicas(args.replicas, args.model, replica_kwargs, otlp_endpoint=args.otlp_traces_endpoint)
         cluster = Cluster(actors, policy=args.routing_policy, chat_template=template, metrics=EngineMetrics(name))
         try:
@@ -154,3 +160,10 @@ def _run_cluster(args: argparse.Namespace) -> int:
         finally:
             cluster.shutdown(drain=False)  # a no-op once serve has shut it down
     return 0
+
+
+def _check_replicas(replicas: int, cpus: int, where: str) -> None:
+    """One replica per CPU at most: each is a process stepping its own engine, and more than the
+    CPUs only share them (a local Ray is also sized by the count, and fails past what it can hold)."""
+    if replicas > cpus:
+        raise InvalidArgumentError(f"--replicas {replicas} exceeds the {cpus} CPUs of {where}")
