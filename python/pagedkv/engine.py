@@ -283,6 +283,13 @@ class Engine:
         return cls(model, tokenizer, config, weights_digest=weights_digest, **engine_kwargs)
 
     @property
+    def closed(self) -> bool:
+        """Whether the engine takes no more requests: :meth:`shutdown` was called (requests
+        already submitted may still be finishing) or its model failed. Once True, it stays True
+        and :meth:`submit` raises :class:`EngineClosedError` (what a health check reports)."""
+        return not self._state.accepting()
+
+    @property
     def core(self) -> EngineCore:
         """The core the worker steps (read its scheduler's figures; do not step it)."""
         return self._state.core
@@ -390,11 +397,6 @@ class Engine:
         """The scheduler's cumulative figures, current: once a handle has ended, they include
         the step that ended it. With a disk tier, its figures too (``disk_*`` keys)."""
         return self.core.stats()
-
-    @property
-    def closed(self) -> bool:
-        """Whether the engine no longer accepts requests: it was shut down, or its model failed."""
-        return not self._state.accepting()
 
     @property
     def kv_events(self) -> KvEventPublisher:
