@@ -423,6 +423,7 @@ class _EngineState:
     def __init__(self, core: EngineCore, metrics: EngineMetrics, max_waiting: int) -> None:
         self.core = core
         self.metrics = metrics
+        self.metrics.follow(core.stats)  # the load gauges, read at each scrape
         self.max_waiting = max_waiting
         self.cond = threading.Condition()
         self.handles: dict[str, RequestHandle] = {}  # submitted, not yet ended

@@ -9,10 +9,12 @@ benchmarks) never collide; :meth:`EngineMetrics.serve` exposes it at ``/metrics`
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Callable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from pagedkv.errors import PagedKVError
 from pagedkv.metrics_http import MetricsServer
 
 __all__ = ["EngineMetrics"]
@@ -75,11 +77,27 @@ class EngineMetrics:
         self._last_totals: dict[str, int] = {}
         self._servers: list[MetricsServer] = []
 
+    def follow(self, stats: Callable[[], Mapping[str, float]]) -> None:
+        """Makes the load gauges (running, waiting, KV usage) read ``stats()`` (``Scheduler.stats()``'s
+        keys) at each scrape: current whatever changed since the last step (requests aborted while
+        the engine idles), never the last step's values; NaN once it cannot answer (a failed core)."""
+
+        def reading(key: str) -> Callable[[], float]:
+            def read() -> float:
+                try:
+                    return float(stats()[key])
+                except PagedKVError:
+                    return math.nan
+
+            return read
+
+        for gauge, key in ((self.num_requests_running, "num_running"), (self.num_requests_waiting, "num_waiting"),
+                           (self.kv_cache_usage_perc, "kv_usage")):
+            gauge.set_function(reading(key))
+
     def record_scheduler(self, stats: Mapping[str, float]) -> None:
-        """Updates gauges and counters from ``Scheduler.stats()`` (cumulative totals)."""
-        self.num_requests_running.set(stats["num_running"])
-        self.num_requests_waiting.set(stats["num_waiting"])
-        self.kv_cache_usage_perc.set(stats["kv_usage"])
+        """Updates the counters (and the disk tier's gauge) from ``Scheduler.stats()`` (cumulative
+        totals); the load gauges are :meth:`follow`'s."""
         for key, counter in (
             ("prefix_queried_tokens", self.prefix_cache_queries),
             ("prefix_hit_tokens", self.prefix_cache_hits),

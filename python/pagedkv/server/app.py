@@ -90,10 +90,12 @@ def build_app(engine: Engine | EngineClient, model_name: str, *, default_max_tok
         return {"object": "list", "data": [card]}
 
     @app.get("/health")
-    async def health() -> dict:
-        """Liveness, and what the engine holds now: a test reads the block counts here (a
-        cluster: each replica's state too)."""
-        return client.health()
+    async def health() -> JSONResponse:
+        """Whether requests are served (200, else 503: a load balancer stops routing here once
+        the engine has closed or no replica is alive), and what the engine holds now: a test
+        reads the block counts here (a cluster: each replica's state too)."""
+        state = client.health()
+        return JSONResponse(state, status_code=200 if state["status"] == "ok" else 503)
 
     @app.get("/metrics")
     async def metrics() -> Response:

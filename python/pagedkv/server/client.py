@@ -39,7 +39,8 @@ class EngineClient(Protocol):
                           trace_headers: Mapping[str, str] | None) -> RequestHandle: ...
 
     def health(self) -> dict:
-        """``status`` and what the engine(s) hold now (``num_running``, ``num_waiting``, ...)."""
+        """``status`` ("ok" while it serves requests; anything else is answered 503) and what the
+        engine(s) hold now (``num_running``, ``num_waiting``, ...)."""
         ...
 
     def metrics_text(self) -> str:
@@ -71,6 +72,8 @@ class LocalEngine:
         return self.engine.submit_chat(messages, params, cache_salt=cache_salt, timeout=0, trace_headers=trace_headers)
 
     def health(self) -> dict:
+        if self.engine.closed:  # its scheduler may refuse every call (a core that failed)
+            return {"status": "closed"}
         scheduler = self.engine.core.scheduler
         num_blocks = self.engine.core.config.num_blocks
         return {
