@@ -8,6 +8,18 @@ on 127.0.0.1 where uvicorn's connection handling is.
 
 from __future__ import annotations
 
+import json
+import os
+import resource
+import select
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
@@ -62,3 +74,123 @@ def test_the_load_gauges_are_live_after_an_abort_while_idle():
         assert gauge(text, "pagedkv:num_requests_waiting") == 0
         assert http.get("/health").json()["num_running"] == 0
     engine.shutdown()
+
+
+# ---- a `pagedkv serve` subprocess ------------------------------------------------------------------
+
+
+class Served:
+    """`python -m pagedkv serve` of the tiny model on a free port of 127.0.0.1, with ``flags`` and at
+    most ``nofile`` open files; :meth:`stop` always ends it."""
+
+    def __init__(self, tmp: Path, *flags: str, nofile: int | None = None) -> None:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            self.port = probe.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tmp / f"serve-{self.port}.log"
+        command = [sys.executable, "-m", "pagedkv", "serve", "--model", "tiny", "--served-model-name", MODEL,
+                   "--port", str(self.port), "--num-blocks", "64", *flags]
+
+        def limit_files() -> None:
+            if nofile is not None:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
+        with self.log.open("w") as log:
+            self.process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, preexec_fn=limit_files,
+                                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        until(lambda: self.answers_health(), "the server up")
+
+    def answers_health(self) -> bool:
+        assert self.process.poll() is None, self.log.read_text()
+        try:
+            return httpx.get(f"{self.url}/health", timeout=2).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    def connect(self) -> socket.socket:
+        return socket.create_connection(("127.0.0.1", self.port))
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait(timeout=10)
+
+
+def until(condition, what: str, timeout: float = 60.0) -> None:
+    """A hang guard: waits for ``condition`` (the assertion is on the state it waits for)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not after {timeout} s"
+        time.sleep(0.05)
+
+
+def closed_by_peer(sock: socket.socket) -> bool:
+    """Whether the server has closed ``sock`` (at end of file), without waiting; what it sent
+    before is read and dropped."""
+    try:
+        while select.select([sock], [], [], 0)[0]:
+            if sock.recv(65536) == b"":
+                return True
+    except ConnectionResetError:
+        return True
+    return False
+
+
+def test_a_connection_that_sends_no_complete_request_head_is_closed(tmp_path):
+    """Item 10: a connection that never sent a byte (or half a head) was kept forever."""
+    server = Served(tmp_path, "--head-timeout", "0.5")
+    try:
+        silent, partial, served = server.connect(), server.connect(), server.connect()
+        partial.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        served.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")  # answered, then idle
+        assert served.recv(12) == b"HTTP/1.1 200"
+        for sock in (silent, partial, served):
+            until(lambda sock=sock: closed_by_peer(sock), "an idle connection closed")
+            sock.close()
+        assert server.answers_health()
+    finally:
+        server.stop()
+
+
+def test_connections_past_the_cap_are_closed_and_never_exhaust_the_descriptors(tmp_path):
+    """Item 10: idle connections exhausted the file descriptors, accept() then failed in a loop
+    logging a traceback per attempt, and /health stopped answering. With 256 files the cap is
+    256 - 64 = 192: of 300 idle connections, the server keeps 192 and closes the rest at once."""
+    server = Served(tmp_path, "--head-timeout", "600", nofile=256)
+    idle: list[socket.socket] = []
+    try:
+        idle = [server.connect() for _ in range(300)]
+        until(lambda: sum(map(closed_by_peer, idle)) == 300 - 192, "the connections past the cap closed")
+        kept = [sock for sock in idle if not closed_by_peer(sock)]
+        assert len(kept) == 192
+        for sock in kept[:10]:  # room under the cap again
+            sock.close()
+        until(server.answers_health, "/health answering")
+        log = server.log.read_text()
+        assert "Traceback" not in log and len(log.splitlines()) < 10, log[-3000:]
+    finally:
+        for sock in idle:
+            sock.close()
+        server.stop()
+
+
+def test_a_body_still_arriving_at_sigterm_is_a_503(tmp_path):
+    """Item 22: uvicorn cancelled it at the end of the graceful shutdown: a plain-text 500."""
+    server = Served(tmp_path, "--shutdown-timeout", "0")
+    try:
+        body = json.dumps({"model": MODEL, "prompt": "hello", "max_tokens": 2}).encode()
+        with server.connect() as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n" % len(body) + body[:10])
+            server.process.send_signal(signal.SIGTERM)
+            sock.settimeout(60)
+            response = b""
+            while chunk := sock.recv(65536):
+                response += chunk
+        head, _, payload = response.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503"), response
+        assert json.loads(payload)["error"]["type"] == "ServiceUnavailableError"
+        assert server.process.wait(timeout=60) == 0
+    finally:
+        server.stop()

@@ -10,21 +10,27 @@ Invariants:
   unknown fields: its 422) are answered 400; only a bug in pagedkv is a 500.
 - :func:`error_body` is the one place the JSON is built, for responses and for the error event
   that ends a stream (:mod:`pagedkv.server.streaming`).
+- A request still unanswered when the server cancels it (uvicorn's graceful shutdown ends with
+  the requests still running: a body still arriving) is a 503, as any request the shutdown meets
+  (:class:`CancelledIs503`), not uvicorn's plain-text 500.
 """
 
 from __future__ import annotations
 
+import asyncio
 from http import HTTPStatus
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedkv.engine import EngineClosedError, EngineOverloadedError
 from pagedkv.errors import DuplicateSequenceError, InvalidArgumentError, NoChatTemplateError, PagedKVError
 
-__all__ = ["RETRY_AFTER_SECONDS", "STATUS", "ModelNotFoundError", "error_body", "error_response", "install_handlers"]
+__all__ = ["RETRY_AFTER_SECONDS", "STATUS", "CancelledIs503", "ModelNotFoundError", "error_body", "error_response",
+           "install_handlers"]
 
 RETRY_AFTER_SECONDS = 1  # a full queue drains in a few steps; a restart takes a few seconds either way
 
@@ -76,8 +82,36 @@ def _validation_message(error: RequestValidationError) -> tuple[str, str | None]
     return "; ".join(parts) or "invalid request body", param
 
 
+class CancelledIs503:
+    """ASGI middleware: a request cancelled before its response started is answered 503 (the
+    cancellation is the server's shutdown; it ends here, with the answer)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_tracked(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_tracked)
+        except asyncio.CancelledError:
+            if started:
+                raise
+            response = error_response(HTTPStatus.SERVICE_UNAVAILABLE, "the server is shutting down", "ServiceUnavailableError")
+            await response(scope, receive, send)
+
+
 def install_handlers(app: FastAPI) -> None:
     """Makes every error of ``app`` OpenAI-shaped (see the module doc)."""
+    app.add_middleware(CancelledIs503)
 
     @app.exception_handler(RequestValidationError)
     async def invalid_body(request: Request, error: RequestValidationError) -> JSONResponse:

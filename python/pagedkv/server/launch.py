@@ -20,7 +20,10 @@ The process then exits 0. A second SIGINT forces the exit (uvicorn's behaviour).
 from __future__ import annotations
 
 import argparse
+import asyncio
+import functools
 import os
+import resource
 import signal
 import socket
 import threading
@@ -30,18 +33,23 @@ from types import FrameType
 import uvicorn
 
 from pagedkv import tracing
-from pagedkv.cli import add_engine_arguments, engine_kwargs, existing_file, port, positive_int, seconds
+from pagedkv.cli import add_engine_arguments, engine_kwargs, existing_file, port, positive_float, positive_int, seconds
 from pagedkv.cluster.router import POLICIES
 from pagedkv.engine import Engine
 from pagedkv.errors import InvalidArgumentError, PagedKVError
 from pagedkv.metrics import EngineMetrics
 from pagedkv.server.app import DEFAULT_MAX_TOKENS, build_app
 from pagedkv.server.client import EngineClient
+from pagedkv.server.connections import GuardedH11Protocol, quiet_accept_errors
 
 # How long --replicas waits for every replica to answer its first heartbeat before serving.
 _REPLICA_START_SECONDS = 300.0
 
 __all__ = ["add_arguments", "run", "serve"]
+
+# Descriptors kept free of connections: the engine's files (a disk tier), its log, the listening
+# socket, Ray's pipes; the server starts with about 30 open.
+_SPARE_DESCRIPTORS = 64
 
 # How much longer than --shutdown-timeout uvicorn waits before cancelling what is still open: the
 # streams aborted at the timeout need a moment to send their last events.
@@ -61,6 +69,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a Jinja chat template file, replacing the tokenizer's (needed for a model without one)")
     parser.add_argument("--shutdown-timeout", type=seconds, default=30.0,
                         help="seconds in-flight requests may run after SIGTERM before they are aborted")
+    parser.add_argument("--head-timeout", type=positive_float, default=10.0,
+                        help="seconds a connection has to send a complete request head, from its opening or "
+                             "its previous response, before it is closed")
+    parser.add_argument("--max-connections", type=positive_int, default=1024,
+                        help="open connections at most (a new one past it is closed at once); kept 64 below the "
+                             "process's open-file limit")
     parser.add_argument("--replicas", type=positive_int, default=None,
                         help="run N engine replicas as Ray actors behind this front end, at most one per CPU of "
                              "the machine or of the --ray-address cluster (needs pagedkv[cluster])")
@@ -82,6 +96,7 @@ class _Server(uvicorn.Server):
         self._abort_timer: threading.Timer | None = None
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        quiet_accept_errors(asyncio.get_running_loop())
         await super().startup(sockets)
         for server in self.servers:  # the bound address (with --port 0, the port the system chose)
             for listener in server.sockets:
@@ -101,11 +116,16 @@ class _Server(uvicorn.Server):
 
 
 def serve(engine: Engine | EngineClient, model_name: str, host: str, port: int, *, shutdown_timeout: float = 30.0,
-          default_max_tokens: int = DEFAULT_MAX_TOKENS) -> None:
+          default_max_tokens: int = DEFAULT_MAX_TOKENS, head_timeout: float = 10.0, max_connections: int = 1024) -> None:
     """Serves ``engine`` until SIGTERM / SIGINT, then shuts down as the module doc says (the
-    engine is shut down on return)."""
+    engine is shut down on return). Connections: see :mod:`pagedkv.server.connections`
+    (``max_connections`` lowered to 64 below the open-file limit if it is not already)."""
     app = build_app(engine, model_name, default_max_tokens=default_max_tokens)
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False,
+    soft_limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft_limit != resource.RLIM_INFINITY:
+        max_connections = max(1, min(max_connections, soft_limit - _SPARE_DESCRIPTORS))
+    protocol = functools.partial(GuardedH11Protocol, head_timeout=head_timeout, max_connections=max_connections)
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, http=protocol,  # type: ignore[arg-type]
                             timeout_graceful_shutdown=shutdown_timeout + _BACKSTOP_SECONDS)
     server = _Server(config, engine, model_name, shutdown_timeout)
     try:
@@ -126,8 +146,7 @@ def run(args: argparse.Namespace) -> int:
     if args.chat_template is not None:
         engine.tokenizer.chat_template = Path(args.chat_template).read_text()
     try:
-        serve(engine, name, args.host, args.port, shutdown_timeout=args.shutdown_timeout,
-              default_max_tokens=args.default_max_tokens)
+        serve(engine, name, args.host, args.port, **_serve_options(args))
     finally:
         if tracer is not None:
             tracer.shutdown()  # flushes the spans of the requests served
@@ -155,11 +174,16 @@ def _run_cluster(args: argparse.Namespace) -> int:
         cluster = Cluster(actors, policy=args.routing_policy, chat_template=template, metrics=EngineMetrics(name))
         try:
             cluster.wait_ready(_REPLICA_START_SECONDS)
-            serve(cluster, name, args.host, args.port, shutdown_timeout=args.shutdown_timeout,
-                  default_max_tokens=args.default_max_tokens)
+            serve(cluster, name, args.host, args.port, **_serve_options(args))
         finally:
             cluster.shutdown(drain=False)  # a no-op once serve has shut it down
     return 0
+
+
+def _serve_options(args: argparse.Namespace) -> dict:
+    """:func:`serve`'s options from the flags (one engine or replicas alike)."""
+    return {"shutdown_timeout": args.shutdown_timeout, "default_max_tokens": args.default_max_tokens,
+            "head_timeout": args.head_timeout, "max_connections": args.max_connections}
 
 
 def _check_replicas(replicas: int, cpus: int, where: str) -> None:
