@@ -90,6 +90,52 @@ def test_the_sandbox_stops_escapes_and_mutation():
     assert messages == [{"role": "user", "content": "x"}]
 
 
+@pytest.mark.parametrize("template, match", [
+    ("{{ 1 / 0 }}", "ZeroDivisionError"),
+    ("{{ messages[0].content + 1 }}", "TypeError"),
+    ("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", "RecursionError"),
+    ("{{ messages[0].content.nope() }}", "has no attribute"),
+])
+def test_any_runtime_error_of_a_template_is_an_invalid_argument(template, match):
+    """Issue 23 item 11: only jinja2.TemplateError was mapped; the rest escaped as a plain-text 500."""
+    with pytest.raises(InvalidArgumentError, match=match):
+        render_chat(template, [{"role": "user", "content": "x"}])
+
+
+@pytest.mark.parametrize("template, match", [
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "longer than"),  # 1e10 turns
+    ("{{ 'x' * 10**10 }}", "repeats a str"),
+    ("{{ messages * 10**9 }}", "repeats a list"),
+    ("{{ 7 ** 100000 }}", "bits"),
+    ("{{ (2 ** 60000) * (2 ** 60000) }}", "bits"),
+    ("{{ messages | tojson(indent=10**9) }}", "indent"),
+    ("{% for i in range(100000) %}{{ 'y' * 1000 }}{% endfor %}", "characters"),  # 100 M chars, 1,000 at a time
+])
+def test_a_template_past_its_bounds_is_refused(template, match):
+    """Issue 23 item 4: a template looping ~1e10 times froze every endpoint; these are refused
+    within the rendering's bounds (MAX_RENDER_SECONDS, MAX_RENDERED_CHARS)."""
+    with pytest.raises(InvalidArgumentError, match=match):
+        render_chat(template, [{"role": "user", "content": "x"}])
+    assert render_chat("{{ 'ab' * 3 }}{{ 2 ** 10 }}{{ messages | tojson(indent=2) | length > 0 }}",
+                       [{"role": "user", "content": "x"}]) == "ababab1024True"
+
+
+def test_the_deadline_leaves_the_threads_tracer_as_it_was():
+    import sys
+
+    def tracer(frame, event, arg):
+        return None
+
+    sys.settrace(tracer)
+    try:
+        render_chat("{{ messages[0].content }}", [{"role": "user", "content": "x"}])
+        with pytest.raises(InvalidArgumentError):
+            render_chat("{{ 1 / 0 }}", [{"role": "user", "content": "x"}])
+        assert sys.gettrace() is tracer
+    finally:
+        sys.settrace(None)
+
+
 def test_a_template_that_does_not_compile_names_its_source():
     with pytest.raises(CheckpointError, match="tokenizer_config.json.*does not compile"):
         render_chat("{% for %}", [{"role": "user", "content": "x"}], source="tokenizer_config.json")

@@ -71,6 +71,20 @@ def test_a_bad_flag_is_a_usage_error(argv: list[str], expected: str) -> None:
     assert_usage_error(run_cli(*argv), expected)
 
 
+@pytest.mark.parametrize("content, expected", [
+    (b"{% for m in messages %}{{ m.content }\n", "does not compile"),  # item 17: every chat request a 500
+    (b"\xff\xfe{{ messages }}", "is not UTF-8 text"),  # item 18: a traceback
+])
+def test_a_chat_template_that_cannot_serve_is_refused_at_start_up(tmp_path: Path, content: bytes, expected: str) -> None:
+    """Issue 23 items 17, 18: one line, exit 2, before any engine is built (with --replicas too)."""
+    template = tmp_path / "template.jinja"
+    template.write_bytes(content)
+    for replicas in ([], ["--replicas", "2"]):
+        result = run_cli("serve", "--model", "tiny", "--chat-template", str(template), *replicas)
+        assert_usage_error(result, "--chat-template", expected)
+        assert len(result.stderr.strip().splitlines()[-1]) < 200
+
+
 def test_a_plot_path_that_is_a_file_is_refused(tmp_path: Path) -> None:
     file = tmp_path / "plots"
     file.write_text("")

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import resource
 import select
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -73,6 +75,82 @@ def test_the_load_gauges_are_live_after_an_abort_while_idle():
         assert gauge(text, "pagedkv:num_requests_running") == 0
         assert gauge(text, "pagedkv:num_requests_waiting") == 0
         assert http.get("/health").json()["num_running"] == 0
+    engine.shutdown()
+
+
+def test_a_body_past_the_limit_is_a_413_whether_its_length_is_declared_or_not():
+    """Item 3: no limit before; a 20 MB prompt stalled every client ~5 s."""
+    engine = Engine.from_pretrained("tiny", num_blocks=16)
+    with TestClient(build_app(engine, MODEL, max_request_bytes=4096)) as http:
+        body = json.dumps({"model": MODEL, "prompt": "x" * 5000, "max_tokens": 2}).encode()
+        declared = http.post("/v1/completions", content=body, headers={"content-type": "application/json"})
+        chunked = http.post("/v1/completions", content=iter([body[:3000], body[3000:]]),
+                            headers={"content-type": "application/json"})
+        for response in (declared, chunked):
+            assert response.status_code == 413, response.text
+            assert "exceeds 4096 bytes" in response.json()["error"]["message"]
+        assert http.post("/v1/completions", json={"model": MODEL, "prompt": "x" * 100, "max_tokens": 2}).status_code == 200
+    engine.shutdown()
+
+
+def test_a_prompt_that_cannot_fit_is_refused_before_it_is_tokenized(monkeypatch):
+    """Item 3: it was tokenized (in the event loop's thread) before its length was checked."""
+    engine = Engine.from_pretrained("tiny", num_blocks=16)  # 256 positions, one byte per token
+    encoded: list[int] = []
+    encode = engine.tokenizer.encode
+    monkeypatch.setattr(engine.tokenizer, "encode", lambda text, **kw: encoded.append(len(text)) or encode(text, **kw))
+    with TestClient(build_app(engine, MODEL)) as http:
+        too_long = http.post("/v1/completions", json={"model": MODEL, "prompt": "x" * 257, "max_tokens": 2})
+        assert too_long.status_code == 400 and "cannot fit max_model_len" in too_long.json()["error"]["message"]
+        assert encoded == []
+    engine.shutdown()
+
+
+def test_a_prompt_being_encoded_holds_no_other_client(monkeypatch):
+    """Item 3: tokenizing and rendering ran in the event loop's thread, every client waiting."""
+    engine = Engine.from_pretrained("tiny", num_blocks=64)
+    encoding, release = threading.Event(), threading.Event()
+    encode = engine.tokenizer.encode
+
+    def held(text: str, add_special_tokens: bool = True) -> list[int]:
+        if text.startswith("held"):
+            encoding.set()
+            release.wait(60)
+        return encode(text, add_special_tokens=add_special_tokens)
+
+    monkeypatch.setattr(engine.tokenizer, "encode", held)
+    results: dict[str, httpx.Response] = {}
+    with TestClient(build_app(engine, MODEL)) as http:
+        body = {"model": MODEL, "prompt": "held prompt", "max_tokens": 2}
+        slow = threading.Thread(target=lambda: results.update(slow=http.post("/v1/completions", json=body)))
+        slow.start()
+        assert encoding.wait(60)
+        others = threading.Thread(target=lambda: results.update(
+            health=http.get("/health"),
+            other=http.post("/v1/completions", json={**body, "prompt": "another prompt"})))
+        others.start()
+        others.join(60)  # a hang guard: they are answered while the first prompt is still held
+        answered_while_held = "health" in results and "other" in results
+        release.set()
+        slow.join(60)
+        others.join(60)
+    engine.shutdown()
+    assert answered_while_held
+    assert results["health"].status_code == results["other"].status_code == results["slow"].status_code == 200
+
+
+@pytest.mark.parametrize("template, match", [
+    ("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}", "longer than"),
+    ("{{ 1 / 0 }}", "ZeroDivisionError"),
+])
+def test_a_template_that_loops_or_fails_is_a_400(template, match):
+    """Items 4 and 11: a looping template froze every endpoint; a runtime error was a plain-text 500."""
+    engine = Engine.from_pretrained("tiny", num_blocks=16)
+    engine.tokenizer.chat_template = template
+    with TestClient(build_app(engine, MODEL)) as http:
+        response = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+        assert response.status_code == 400 and re.search(match, response.json()["error"]["message"]), response.text
+        assert http.get("/health").status_code == 200
     engine.shutdown()
 
 

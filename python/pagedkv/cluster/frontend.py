@@ -58,7 +58,7 @@ from pagedkv.engine_core import CompletionOutput, RequestMetrics, RequestOutput,
 from pagedkv.errors import ModelError, PagedKVError
 from pagedkv.metrics import EngineMetrics
 from pagedkv.model.detokenizer import SampleText
-from pagedkv.model.prompt import encode_chat, encode_text
+from pagedkv.model.prompt import encode_text
 from pagedkv.model.sampling import SamplingParams
 
 __all__ = ["MAX_REPLICA_LOSSES", "Cluster", "ReplicaStatus", "spawn_replicas"]
@@ -225,11 +225,6 @@ class Cluster:
         """Queues a request on the replica the router picks; returns once that replica has
         queued it (raising, having queued nothing, what its engine refused)."""
         text, token_ids = (prompt, encode_text(self.tokenizer, prompt)) if isinstance(prompt, str) else (None, prompt)
-        return await self._submit(text, token_ids, params, cache_salt, trace_headers)
-
-    async def submit_chat(self, messages: Sequence[dict[str, str]], params: SamplingParams | None = None, *,
-                          cache_salt: str | None = None, trace_headers: Mapping[str, str] | None = None) -> RequestHandle:
-        text, token_ids = encode_chat(self.tokenizer, messages)
         return await self._submit(text, token_ids, params, cache_salt, trace_headers)
 
     def wait_ready(self, timeout: float) -> None:

@@ -9,9 +9,11 @@ seen while a whole response is still being computed.
 
 Invariants:
 
-- A request names the served model or gets a 404; everything else about it is checked when its
-  submissions are built, in the event loop's thread, before any answer starts: a refused request
-  queues nothing.
+- A request's body is at most ``max_request_bytes`` (else a 413, read no further); it names the
+  served model or gets a 404; everything else about it is checked when its submissions are
+  built, before any answer starts: a refused request queues nothing. Prompts are rendered and
+  tokenized off the event loop (:class:`~pagedkv.server.prompts.PromptEncoder`): nothing a
+  request sends costs the loop more than its validation.
 - The client's going away aborts its generation, streaming or not (:func:`_until_disconnect`).
 - The engine is never stepped here: submissions go through the client's ``submit``, which never
   blocks the event loop (a full queue is a 429 at once).
@@ -30,30 +32,38 @@ from pagedkv import __version__
 from pagedkv.engine import Engine
 from pagedkv.engine_core import RequestOutput
 from pagedkv.server.client import EngineClient, LocalEngine
-from pagedkv.server.errors import ModelNotFoundError, install_handlers
+from pagedkv.server.errors import BodyLimit, ModelNotFoundError, install_handlers
 from pagedkv.server.formats import ChatFormat, CompletionFormat, Format
-from pagedkv.server.generation import Generation, Prompt, TokenText
+from pagedkv.server.generation import Generation, TokenText
+from pagedkv.server.prompts import Prompt, PromptEncoder
 from pagedkv.server.protocol import ChatCompletionRequest, CompletionRequest, sampling_params
 from pagedkv.server.streaming import stream
 
-__all__ = ["DEFAULT_MAX_TOKENS", "build_app"]
+__all__ = ["DEFAULT_MAX_TOKENS", "MAX_REQUEST_BYTES", "build_app"]
 
 # max_tokens of a request that gives none: the scheduler stops a sample earlier when the model's
 # length runs out, so this caps what a request gets by default (vLLM gives all the room left,
 # which on a 4096-token model is minutes of CPU decoding for a client that forgot the field).
 DEFAULT_MAX_TOKENS = 1024
 
+# The largest request body read: 8 MiB holds a prompt of 2 M tokens of English, far past any
+# model's length (the prompt is refused later anyway), and bounds what parsing one body costs.
+MAX_REQUEST_BYTES = 8 * 2**20
+
 # The W3C trace-context headers handed to the engine's tracing.
 _TRACE_HEADERS = ("traceparent", "tracestate")
 
 
-def build_app(engine: Engine | EngineClient, model_name: str, *, default_max_tokens: int = DEFAULT_MAX_TOKENS) -> FastAPI:
+def build_app(engine: Engine | EngineClient, model_name: str, *, default_max_tokens: int = DEFAULT_MAX_TOKENS,
+              max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
     """An app serving ``engine`` (an in-process :class:`Engine`, or any :class:`EngineClient`) as
     the model ``model_name``."""
     client: EngineClient = LocalEngine(engine) if isinstance(engine, Engine) else engine
     app = FastAPI(title="pagedkv", version=__version__)
     install_handlers(app)
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
     text = TokenText(client.tokenizer)
+    encoder = PromptEncoder(client.tokenizer, client.max_model_len)
     completion_format, chat_format = CompletionFormat(model_name, text), ChatFormat(model_name, text)
 
     async def generate(http: Request, body: CompletionRequest | ChatCompletionRequest, prompts: Sequence[Prompt],
@@ -62,8 +72,8 @@ def build_app(engine: Engine | EngineClient, model_name: str, *, default_max_tok
             raise ModelNotFoundError(f"the model {body.model!r} does not exist (this server serves {model_name!r})")
         params = sampling_params(body, client.default_params, default_max_tokens)
         trace = {k: v for k in _TRACE_HEADERS if (v := http.headers.get(k)) is not None}
-        generation = await Generation.submit(client, prompts, params, chat=chat, cache_salt=body.cache_salt,
-                                       trace_headers=trace or None, prefix="chatcmpl" if chat else "cmpl")
+        generation = await Generation.submit(client, encoder, prompts, params, chat=chat, cache_salt=body.cache_salt,
+                                             trace_headers=trace or None, prefix="chatcmpl" if chat else "cmpl")
         if body.stream:
             return StreamingResponse(stream(generation, fmt, body.include_usage), media_type="text/event-stream")
         outputs = await _until_disconnect(http, generation)

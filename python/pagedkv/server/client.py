@@ -4,7 +4,7 @@
 
 Invariants:
 
-- ``submit`` / ``submit_chat`` return a handle (:class:`~pagedkv.engine.RequestHandle`'s API:
+- ``submit`` returns a handle (:class:`~pagedkv.engine.RequestHandle`'s API:
   ``async for`` its :class:`TokenEvent`\\ s, ``await`` its output, ``abort()``) only once the request
   is queued; a refused one raises there (a bad argument, a full queue, a closed engine), having
   queued nothing. They never block the event loop.
@@ -32,11 +32,11 @@ class EngineClient(Protocol):
     @property
     def max_model_len(self) -> int: ...
 
-    async def submit(self, prompt: str | Sequence[int], params: SamplingParams, *, cache_salt: str | None,
-                     trace_headers: Mapping[str, str] | None) -> RequestHandle: ...
-
-    async def submit_chat(self, messages: Sequence[dict[str, str]], params: SamplingParams, *, cache_salt: str | None,
-                          trace_headers: Mapping[str, str] | None) -> RequestHandle: ...
+    async def submit(self, prompt: Sequence[int], params: SamplingParams, *, cache_salt: str | None,
+                     trace_headers: Mapping[str, str] | None) -> RequestHandle:
+        """Queues a prompt's token ids (the server encodes prompts itself:
+        :class:`~pagedkv.server.prompts.PromptEncoder`)."""
+        ...
 
     def health(self) -> dict:
         """``status`` ("ok" while it serves requests; anything else is answered 503) and what the
@@ -63,13 +63,9 @@ class LocalEngine:
     def max_model_len(self) -> int:
         return self.engine.core.max_model_len
 
-    async def submit(self, prompt: str | Sequence[int], params: SamplingParams, *, cache_salt: str | None,
+    async def submit(self, prompt: Sequence[int], params: SamplingParams, *, cache_salt: str | None,
                      trace_headers: Mapping[str, str] | None) -> RequestHandle:
         return self.engine.submit(prompt, params, cache_salt=cache_salt, timeout=0, trace_headers=trace_headers)
-
-    async def submit_chat(self, messages: Sequence[dict[str, str]], params: SamplingParams, *, cache_salt: str | None,
-                          trace_headers: Mapping[str, str] | None) -> RequestHandle:
-        return self.engine.submit_chat(messages, params, cache_salt=cache_salt, timeout=0, trace_headers=trace_headers)
 
     def health(self) -> dict:
         if self.engine.closed:  # its scheduler may refuse every call (a core that failed)

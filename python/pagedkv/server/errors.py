@@ -10,6 +10,7 @@ Invariants:
   unknown fields: its 422) are answered 400; only a bug in pagedkv is a 500.
 - :func:`error_body` is the one place the JSON is built, for responses and for the error event
   that ends a stream (:mod:`pagedkv.server.streaming`).
+- A body past the server's limit is a 413 (:class:`BodyLimit`), read no further.
 - A request still unanswered when the server cancels it (uvicorn's graceful shutdown ends with
   the requests still running: a body still arriving) is a 503, as any request the shutdown meets
   (:class:`CancelledIs503`), not uvicorn's plain-text 500.
@@ -29,8 +30,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from pagedkv.engine import EngineClosedError, EngineOverloadedError
 from pagedkv.errors import DuplicateSequenceError, InvalidArgumentError, NoChatTemplateError, PagedKVError
 
-__all__ = ["RETRY_AFTER_SECONDS", "STATUS", "CancelledIs503", "ModelNotFoundError", "error_body", "error_response",
-           "install_handlers"]
+__all__ = [
+    "RETRY_AFTER_SECONDS", "STATUS", "BodyLimit", "BodyTooLargeError", "CancelledIs503", "ModelNotFoundError",
+    "error_body", "error_response", "install_handlers",
+]
 
 RETRY_AFTER_SECONDS = 1  # a full queue drains in a few steps; a restart takes a few seconds either way
 
@@ -80,6 +83,43 @@ def _validation_message(error: RequestValidationError) -> tuple[str, str | None]
         param = param or location or None
         parts.append(f"{location or 'body'}: {item.get('msg', 'invalid')}")
     return "; ".join(parts) or "invalid request body", param
+
+
+class BodyTooLargeError(HTTPException):
+    """A request body past the server's limit: raised from the body's reading, a 413."""
+
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"the request body exceeds {max_bytes} bytes")
+
+
+class BodyLimit:
+    """ASGI middleware: a request body past ``max_bytes`` is a 413, read no further: at once when
+    its ``Content-Length`` says so, else (a chunked body) when the bytes received pass it."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = dict(scope["headers"]).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_bytes:
+            error = BodyTooLargeError(self.max_bytes)
+            await error_response(error.status_code, error.detail, "RequestEntityTooLarge")(scope, receive, send)
+            return
+        received = 0
+
+        async def receive_counted() -> Message:
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_bytes:
+                raise BodyTooLargeError(self.max_bytes)  # FastAPI's handler answers it (see install_handlers)
+            return message
+
+        await self.app(scope, receive_counted, send)
 
 
 class CancelledIs503:

@@ -31,11 +31,9 @@ from pagedkv.errors import PagedKVError
 from pagedkv.model.sampling import SamplingParams
 from pagedkv.model.tokenizer import Tokenizer
 from pagedkv.server.client import EngineClient
+from pagedkv.server.prompts import Prompt, PromptEncoder
 
-__all__ = ["Generation", "Prompt", "finish_reason", "usage"]
-
-# A text prompt, token ids, or a conversation.
-Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]
+__all__ = ["Generation", "finish_reason", "usage"]
 
 _FINISH = {"stop": "stop", "length": "length", "max_model_len": "length"}
 
@@ -56,19 +54,17 @@ class Generation:
     params: SamplingParams
 
     @classmethod
-    async def submit(cls, client: EngineClient, prompts: Sequence[Prompt], params: SamplingParams, *, chat: bool,
-                     cache_salt: str | None, trace_headers: Mapping[str, str] | None, prefix: str) -> Generation:
-        """Queues each prompt without waiting for room (a full queue raises
+    async def submit(cls, client: EngineClient, encoder: PromptEncoder, prompts: Sequence[Prompt], params: SamplingParams,
+                     *, chat: bool, cache_salt: str | None, trace_headers: Mapping[str, str] | None,
+                     prefix: str) -> Generation:
+        """Encodes every prompt (off the event loop: a refused one raises before anything is
+        queued), then queues each without waiting for room (a full queue raises
         ``EngineOverloadedError`` at once: the client is told to retry rather than held)."""
+        token_ids = [await encoder.encode(prompt, chat) for prompt in prompts]
         handles: list[RequestHandle] = []
         try:
-            for prompt in prompts:
-                if chat:
-                    handles.append(await client.submit_chat(prompt, params, cache_salt=cache_salt,  # type: ignore[arg-type]
-                                                            trace_headers=trace_headers))
-                else:
-                    handles.append(await client.submit(prompt, params, cache_salt=cache_salt,  # type: ignore[arg-type]
-                                                       trace_headers=trace_headers))
+            for ids in token_ids:
+                handles.append(await client.submit(ids, params, cache_salt=cache_salt, trace_headers=trace_headers))
         except BaseException:
             for handle in handles:
                 handle.abort()

@@ -27,18 +27,27 @@ import resource
 import signal
 import socket
 import threading
-from pathlib import Path
 from types import FrameType
 
 import uvicorn
 
 from pagedkv import tracing
-from pagedkv.cli import add_engine_arguments, engine_kwargs, existing_file, port, positive_float, positive_int, seconds
+from pagedkv.cli import (
+    add_engine_arguments,
+    byte_size,
+    engine_kwargs,
+    existing_file,
+    port,
+    positive_float,
+    positive_int,
+    seconds,
+)
 from pagedkv.cluster.router import POLICIES
 from pagedkv.engine import Engine
-from pagedkv.errors import InvalidArgumentError, PagedKVError
+from pagedkv.errors import CheckpointError, InvalidArgumentError, PagedKVError
 from pagedkv.metrics import EngineMetrics
-from pagedkv.server.app import DEFAULT_MAX_TOKENS, build_app
+from pagedkv.model.chat import check_template
+from pagedkv.server.app import DEFAULT_MAX_TOKENS, MAX_REQUEST_BYTES, build_app
 from pagedkv.server.client import EngineClient
 from pagedkv.server.connections import GuardedH11Protocol, quiet_accept_errors
 
@@ -65,10 +74,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="requests waiting for admission before new ones get 429")
     parser.add_argument("--default-max-tokens", type=positive_int, default=DEFAULT_MAX_TOKENS,
                         help="max_tokens of a request that gives none (the model's length still bounds it)")
-    parser.add_argument("--chat-template", type=existing_file, default=None,
+    parser.add_argument("--chat-template", type=chat_template_file, default=None,
                         help="a Jinja chat template file, replacing the tokenizer's (needed for a model without one)")
     parser.add_argument("--shutdown-timeout", type=seconds, default=30.0,
                         help="seconds in-flight requests may run after SIGTERM before they are aborted")
+    parser.add_argument("--max-request-bytes", type=byte_size, default=MAX_REQUEST_BYTES,
+                        help="the largest request body read (a larger one is a 413), e.g. 8M (the default)")
     parser.add_argument("--head-timeout", type=positive_float, default=10.0,
                         help="seconds a connection has to send a complete request head, from its opening or "
                              "its previous response, before it is closed")
@@ -116,11 +127,12 @@ class _Server(uvicorn.Server):
 
 
 def serve(engine: Engine | EngineClient, model_name: str, host: str, port: int, *, shutdown_timeout: float = 30.0,
-          default_max_tokens: int = DEFAULT_MAX_TOKENS, head_timeout: float = 10.0, max_connections: int = 1024) -> None:
+          default_max_tokens: int = DEFAULT_MAX_TOKENS, max_request_bytes: int = MAX_REQUEST_BYTES,
+          head_timeout: float = 10.0, max_connections: int = 1024) -> None:
     """Serves ``engine`` until SIGTERM / SIGINT, then shuts down as the module doc says (the
     engine is shut down on return). Connections: see :mod:`pagedkv.server.connections`
     (``max_connections`` lowered to 64 below the open-file limit if it is not already)."""
-    app = build_app(engine, model_name, default_max_tokens=default_max_tokens)
+    app = build_app(engine, model_name, default_max_tokens=default_max_tokens, max_request_bytes=max_request_bytes)
     soft_limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     if soft_limit != resource.RLIM_INFINITY:
         max_connections = max(1, min(max_connections, soft_limit - _SPARE_DESCRIPTORS))
@@ -144,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
     engine = Engine.from_pretrained(args.model, max_waiting=args.max_waiting, metrics=EngineMetrics(name), tracer=tracer,
                                     **engine_kwargs(args))
     if args.chat_template is not None:
-        engine.tokenizer.chat_template = Path(args.chat_template).read_text()
+        engine.tokenizer.chat_template = args.chat_template
     try:
         serve(engine, name, args.host, args.port, **_serve_options(args))
     finally:
@@ -162,7 +174,6 @@ def _run_cluster(args: argparse.Namespace) -> int:
         raise PagedKVError(f"--replicas needs {error.name}, which is not installed (pip install 'pagedkv[cluster]')") from None
 
     name = args.served_model_name or str(args.model)
-    template = None if args.chat_template is None else Path(args.chat_template).read_text()
     replica_kwargs = {**engine_kwargs(args), "max_waiting": args.max_waiting}
     if args.ray_address is None:
         _check_replicas(args.replicas, len(os.sched_getaffinity(0)), "this machine")
@@ -171,7 +182,7 @@ def _run_cluster(args: argparse.Namespace) -> int:
         if args.ray_address is not None:
             _check_replicas(args.replicas, ray_runtime.cluster_cpus(), f"the Ray cluster at {args.ray_address}")
         actors = spawn_replicas(args.replicas, args.model, replica_kwargs, otlp_endpoint=args.otlp_traces_endpoint)
-        cluster = Cluster(actors, policy=args.routing_policy, chat_template=template, metrics=EngineMetrics(name))
+        cluster = Cluster(actors, policy=args.routing_policy, chat_template=args.chat_template, metrics=EngineMetrics(name))
         try:
             cluster.wait_ready(_REPLICA_START_SECONDS)
             serve(cluster, name, args.host, args.port, **_serve_options(args))
@@ -180,10 +191,24 @@ def _run_cluster(args: argparse.Namespace) -> int:
     return 0
 
 
+def chat_template_file(text: str) -> str:
+    """The ``--chat-template`` flag: the text of a UTF-8 file holding a Jinja template that
+    compiles (checked here: a usage error at start-up, not a failure of every chat request)."""
+    try:
+        template = existing_file(text).read_bytes().decode("utf-8")
+        check_template(template, text)
+    except UnicodeDecodeError as error:
+        raise argparse.ArgumentTypeError(f"{text!r} is not UTF-8 text ({error.reason} at byte {error.start})") from None
+    except (OSError, CheckpointError) as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return template
+
+
 def _serve_options(args: argparse.Namespace) -> dict:
     """:func:`serve`'s options from the flags (one engine or replicas alike)."""
     return {"shutdown_timeout": args.shutdown_timeout, "default_max_tokens": args.default_max_tokens,
-            "head_timeout": args.head_timeout, "max_connections": args.max_connections}
+            "max_request_bytes": args.max_request_bytes, "head_timeout": args.head_timeout,
+            "max_connections": args.max_connections}
 
 
 def _check_replicas(replicas: int, cpus: int, where: str) -> None:

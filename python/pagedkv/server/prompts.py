@@ -1,0 +1,65 @@
+"""A request's prompts turned into token ids off the event loop: :class:`PromptEncoder`.
+
+Tokenizing a long prompt or rendering a chat template is CPU work proportional to what the client
+sent: done in the event loop's thread it stalled every other client (a 20 MB prompt: ~5 s; a
+template looping without end: for good, SIGTERM included; issue 23). Here it runs in a few
+threads of its own, while the loop goes on answering.
+
+Invariants:
+
+- A text longer than ``max_model_len * tokenizer.max_token_chars`` characters is refused (400)
+  before it is tokenized: it cannot fit the model's length, whatever its tokens.
+- Rendering and tokenizing run in at most :data:`ENCODER_THREADS` threads; tokenizing releases
+  the GIL (:meth:`~pagedkv.model.tokenizer.HFTokenizer.encode`) and rendering is bounded in time
+  and size (:mod:`pagedkv.model.chat`), so a thread is never held long.
+- Errors are those of :mod:`pagedkv.model.prompt`: :class:`~pagedkv.errors.InvalidArgumentError`
+  or :class:`~pagedkv.errors.NoChatTemplateError`, raised to the request's handler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+from pagedkv.errors import InvalidArgumentError
+from pagedkv.model.prompt import encode_chat, encode_text
+from pagedkv.model.tokenizer import Tokenizer
+
+__all__ = ["ENCODER_THREADS", "Prompt", "PromptEncoder"]
+
+# Threads encoding prompts at once: more than the 2 cores the engine shares, so one long prompt
+# never queues the short ones behind it.
+ENCODER_THREADS = 4
+
+# A text prompt, token ids, or a conversation.
+Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]
+
+
+class PromptEncoder:
+    """Prompts of one tokenizer as token ids, encoded in a thread pool (see the module doc)."""
+
+    def __init__(self, tokenizer: Tokenizer, max_model_len: int) -> None:
+        self._tokenizer = tokenizer
+        self._max_chars = max_model_len * tokenizer.max_token_chars
+        self._pool = ThreadPoolExecutor(ENCODER_THREADS, thread_name_prefix="pagedkv-prompts")
+
+    async def encode(self, prompt: Prompt, chat: bool) -> Sequence[int]:
+        """The token ids of ``prompt``: a conversation (``chat``) rendered with the tokenizer's
+        chat template then tokenized, a text tokenized, token ids as they are."""
+        loop = asyncio.get_running_loop()
+        if chat:
+            text, token_ids = await loop.run_in_executor(self._pool, encode_chat, self._tokenizer, prompt)
+            self._check_length(text)  # rendered within its bounds; refused here if it cannot fit
+            return token_ids
+        if isinstance(prompt, str):
+            self._check_length(prompt)
+            return await loop.run_in_executor(self._pool, encode_text, self._tokenizer, prompt)
+        return prompt  # type: ignore[return-value]
+
+    def _check_length(self, text: str) -> None:
+        if len(text) > self._max_chars:
+            raise InvalidArgumentError(
+                f"the prompt of {len(text)} characters cannot fit max_model_len: it holds more than "
+                f"{self._max_chars // self._tokenizer.max_token_chars} tokens"
+            )
