@@ -8,12 +8,13 @@ import dataclasses
 import numpy as np
 import pytest
 
+from gated_model import GatedModel
 from pagedkv import ModelError, SamplingParams
 from pagedkv.engine import Engine, EngineClosedError
 from pagedkv.engine_core import EngineConfig, EngineCore, PagedModelRunner
 from pagedkv.model import LlamaModel, load_tokenizer
 from pagedkv.model.sampling import NO_TOKEN, sample
-from test_engine import GREEDY, make_engine, tokens_of
+from test_engine import GREEDY, make_engine
 
 INF, NAN = np.inf, np.nan
 
@@ -43,22 +44,18 @@ def test_a_row_with_nan_or_only_minus_inf_gives_no_token(params, row):
     assert draws(row, count=5, **params) == {NO_TOKEN}
 
 
-class PoisonedModel:
-    """The tiny model, with NaN logits for requests whose id starts with "nan" and a failure on
-    the forward pass once ``fail`` is set."""
+class PoisonedModel(GatedModel):
+    """The tiny model behind an open gate, with NaN logits for requests whose id starts with
+    "nan" and a failure of the forward pass once ``fail`` is set."""
 
     def __init__(self, model: LlamaModel) -> None:
-        self.model = model
-        self.config = model.config
+        super().__init__(model, open=True)
         self.fail = False
 
-    def new_kv_cache(self, *args):
-        return self.model.new_kv_cache(*args)
-
     def forward(self, step, kv_cache):
+        logits = super().forward(step, kv_cache)  # waits at the gate
         if self.fail:
             raise RuntimeError("the model broke")
-        logits = self.model.forward(step, kv_cache)
         for row, request_id in enumerate(step.sample_request_ids):
             if request_id.startswith("nan"):
                 logits[row] = NAN
@@ -90,9 +87,13 @@ def test_a_failing_model_closes_the_engine_in_its_documented_state(weights):
     """The design: every request in flight fails with EngineClosedError caused by the model's
     error, blocks are freed, submit raises EngineClosedError, stats and shutdown still work."""
     engine, model = poisoned_engine(weights, num_blocks=64, max_num_seqs=2)
+    model.close()
     handles = [engine.submit([5, 6, 7 + i], SamplingParams(max_tokens=400, **GREEDY)) for i in range(4)]
-    tokens_of(handles[0], limit=1)  # the engine runs
-    model.fail = True
+    model.held()
+    model.allow(1)  # the first step runs: two requests hold blocks and a token, two wait
+    model.held()
+    model.fail = True  # the second fails
+    model.open()
     for handle in handles:
         with pytest.raises(EngineClosedError) as caught:
             handle.result(timeout=30)
