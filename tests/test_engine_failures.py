@@ -8,8 +8,8 @@ import dataclasses
 import numpy as np
 import pytest
 
-from gated_model import GatedModel
-from pagedkv import ModelError, SamplingParams
+from gated_model import HANG_GUARD_S, GatedModel, gated_engine
+from pagedkv import InvalidArgumentError, ModelError, SamplingParams, _core
 from pagedkv.engine import Engine, EngineClosedError
 from pagedkv.engine_core import EngineConfig, EngineCore, PagedModelRunner
 from pagedkv.model import LlamaModel, load_tokenizer
@@ -100,6 +100,7 @@ def test_a_failing_model_closes_the_engine_in_its_documented_state(weights):
         assert isinstance(caught.value.__cause__, RuntimeError)
     with pytest.raises(EngineClosedError):
         engine.submit([5, 6])
+    assert engine.closed
     assert engine.stats()["num_unfinished_requests"] == 0
     assert engine.core.scheduler.num_free_blocks == 64
     engine.shutdown(timeout=10)
@@ -137,3 +138,44 @@ def test_every_eos_id_stops_generation(weights):
     assert output.token_ids == free[: stop_at + 1]
     assert output.outputs[0].finish_reason == "stop"
     assert ignoring.token_ids == free
+
+
+def test_a_top_k_past_the_kernels_range_is_served_and_the_engine_stays_open(weights):
+    """Issue 23 item 1: top_k = 2**32 - 1 passed every check, then the sampling kernel refused it
+    mid-step and the engine closed for good. It keeps all tokens, as top_k = 0 does."""
+    huge = SamplingParams(max_tokens=6, temperature=0.8, seed=3, top_k=4294967295, ignore_eos=True)
+    with make_engine(weights, num_blocks=64) as engine:
+        output = engine.submit([5, 6, 7], huge).result(timeout=30)
+        plain = engine.submit([5, 6, 7], dataclasses.replace(huge, top_k=0)).result(timeout=30)
+        assert output.token_ids == plain.token_ids and len(output.token_ids) == 6
+        assert not engine.closed
+
+
+def test_a_row_the_sampling_kernel_refuses_fails_its_request_alone(weights, monkeypatch):
+    """Issue 23 item 1, defence in depth: should the kernel refuse a row anyway, the batch is
+    sampled row by row and only that row's request fails (ModelError); the one sharing its step
+    finishes and the engine keeps serving."""
+    real = _core.sample_rows
+    calls: list[tuple[int, bool]] = []  # (rows, whether the marked row is among them)
+
+    def refusing(logits, table, *rest):
+        marked = bool((table[:, 0] == 0.625).any())  # the refused request's temperature
+        calls.append((len(table), marked))
+        if marked:
+            raise InvalidArgumentError("refused for the test")
+        return real(logits, table, *rest)
+
+    monkeypatch.setattr(_core, "sample_rows", refusing)
+    engine, gate = gated_engine(weights, num_blocks=64)
+    good = engine.submit([5, 6, 7], SamplingParams(max_tokens=8, **GREEDY))
+    gate.held()  # good's first step waits: bad is scheduled beside it in the next
+    bad = engine.submit([8, 9], SamplingParams(max_tokens=8, temperature=0.625, ignore_eos=True))
+    gate.open()
+    with pytest.raises(ModelError, match="refused for the test"):
+        bad.result(timeout=HANG_GUARD_S)
+    assert len(good.result(timeout=HANG_GUARD_S).token_ids) == 8
+    assert (2, True) in calls, "the two requests shared a refused batch"
+    assert not engine.closed
+    assert len(engine.submit([8, 9], SamplingParams(max_tokens=3, **GREEDY)).result(timeout=30).token_ids) == 3
+    engine.shutdown()
+    assert engine.core.scheduler.num_free_blocks == 64

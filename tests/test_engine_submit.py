@@ -13,6 +13,7 @@ from pagedkv import DuplicateSequenceError, InvalidArgumentError, SamplingParams
 from pagedkv.engine import Engine
 from pagedkv.engine_core import EngineConfig, EngineCore, PagedModelRunner
 from pagedkv.model import LlamaModel
+from pagedkv.model.sampling import TokenHistory
 from test_engine import GREEDY, make_engine
 
 RUNNING = SamplingParams(max_tokens=40, **GREEDY)
@@ -149,3 +150,30 @@ def test_a_cache_too_large_to_allocate_raises_a_catchable_error():
     except BaseException as error:  # noqa: BLE001 - the point is which class escapes
         pytest.fail(f"raised {type(error).__name__}: {error}")
     pytest.fail("allocated 512 GiB")
+
+
+def test_a_huge_n_is_refused_before_any_per_sample_work(weights, monkeypatch):
+    """Issue 23 item 2: with a penalty, n = 10**7 copied the prompt's history 10**7 times (40 s,
+    2.2 GB) before the scheduler refused n. Now no history is made for a refused request; one
+    accepted gets one per sample."""
+    made: list[str] = []
+    real_init, real_copy = TokenHistory.__init__, TokenHistory.copy
+
+    def counting_init(self, *args, **kwargs) -> None:
+        made.append("new")
+        real_init(self, *args, **kwargs)
+
+    def counting_copy(self) -> TokenHistory:
+        made.append("copy")
+        assert len(made) <= 100, "per-sample copies before n was checked"
+        return real_copy(self)
+
+    monkeypatch.setattr(TokenHistory, "__init__", counting_init)
+    monkeypatch.setattr(TokenHistory, "copy", counting_copy)
+    with make_engine(weights, num_blocks=64, max_num_seqs=8) as engine:
+        with pytest.raises(InvalidArgumentError, match="exceeds max_num_seqs"):
+            engine.submit([5, 6, 7], SamplingParams(n=10**7, presence_penalty=0.5))
+        assert made == []
+        output = engine.submit([5, 6, 7], SamplingParams(n=2, presence_penalty=0.5, max_tokens=3, **GREEDY)).result(timeout=30)
+        assert [len(c.token_ids) for c in output.outputs] == [3, 3]
+    assert made == ["new", "copy"]
