@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from threadpoolctl import threadpool_limits
 
+from gated_model import HANG_GUARD_S, gated_engine
 from pagedkv import DuplicateSequenceError, InvalidArgumentError, SamplingParams
 from pagedkv.engine import Engine, EngineClosedError, EngineOverloadedError
 from pagedkv.engine_core import EngineConfig, EngineCore, PagedModelRunner
@@ -151,18 +152,24 @@ def test_parallel_sampling_returns_n_samples_sharing_the_prompt(weights):
 
 
 def test_abort_and_shutdown_end_every_request(weights):
-    engine = make_engine(weights, num_blocks=128, max_num_seqs=2)
+    """Held at its first step, the engine is told to abort one request and to shut down without
+    draining; released, it ends every request with an abort and frees every block."""
+    engine, gate = gated_engine(weights, num_blocks=128, max_num_seqs=2)
     long = SamplingParams(max_tokens=200, **GREEDY)
     handles = [engine.submit(p, long) for p in prompts(seed=5, count=6)]
+    gate.held()
     handles[0].abort()
-    assert handles[0].result(timeout=30).outputs[0].finish_reason == "abort"
-    engine.shutdown(drain=False)
-    for handle in handles:
-        output = handle.result(timeout=30)
-        assert output.finished
-    assert any(h.result().outputs[0].finish_reason == "abort" for h in handles[1:])
+    engine.shutdown(drain=False, timeout=0)  # the worker is held: it sees both once released
+    assert engine.closed
     with pytest.raises(EngineClosedError):
         engine.submit([5, 6], long)
+    gate.open()
+    for handle in handles:
+        output = handle.result(timeout=HANG_GUARD_S)
+        assert output.finished and output.outputs[0].finish_reason == "abort"
+        assert len(output.token_ids) <= 1, "one step ran: the one held at the gate"
+    engine.shutdown(timeout=HANG_GUARD_S)
+    assert not engine._state.thread.is_alive()
     assert engine.core.scheduler.num_free_blocks == 128, "every block returned"
 
 
@@ -174,14 +181,25 @@ def test_drain_finishes_everything_submitted(weights):
 
 
 def test_back_pressure_bounds_the_waiting_queue(weights):
-    engine = make_engine(weights, num_blocks=64, max_num_seqs=1, max_waiting=1)
-    slow = SamplingParams(max_tokens=50, **GREEDY)
-    engine.submit([5, 6, 7], slow)
-    engine.submit([8, 9], slow)
+    """One request running (held at the gate, so it cannot finish whatever the machine's speed),
+    one waiting: a third submission times out; once the gate opens, a blocked one gets in."""
+    engine, gate = gated_engine(weights, num_blocks=64, max_num_seqs=1, max_waiting=1)
+    slow = SamplingParams(max_tokens=5, **GREEDY)
+    running = engine.submit([5, 6, 7], slow)
+    gate.held()
+    waiting = engine.submit([8, 9], slow)
     with pytest.raises(EngineOverloadedError):
-        for _ in range(3):  # the worker may admit one in between; the queue still fills
-            engine.submit([10, 11], slow, timeout=0.05)
-    engine.shutdown(drain=False)
+        engine.submit([10, 11], slow, timeout=0.05)  # nothing can leave the queue meanwhile
+    assert engine.core.scheduler.num_waiting == 1
+    late: list = []
+    blocked = threading.Thread(target=lambda: late.append(engine.submit([10, 11], slow)), daemon=True)
+    blocked.start()  # waits for room, however long it takes
+    gate.open()
+    blocked.join(HANG_GUARD_S)
+    assert late, "the blocked submission never got in"
+    outputs = [h.result(timeout=HANG_GUARD_S) for h in (running, waiting, late[0])]
+    assert [len(o.token_ids) for o in outputs] == [5, 5, 5]
+    engine.shutdown()
 
 
 @pytest.mark.parametrize(
@@ -200,11 +218,14 @@ def test_bad_prompts_raise_at_submit(weights, prompt, error):
 
 
 def test_duplicate_request_id_is_refused(weights):
-    with make_engine(weights, num_blocks=64) as engine:
-        engine.submit([5, 6], SamplingParams(max_tokens=50, **GREEDY), request_id="same")
-        with pytest.raises(DuplicateSequenceError):
-            engine.submit([5, 6], request_id="same")
-        engine.abort("same")
+    engine, gate = gated_engine(weights, num_blocks=64)
+    first = engine.submit([5, 6], SamplingParams(max_tokens=50, **GREEDY), request_id="same")
+    with pytest.raises(DuplicateSequenceError):  # the gate is closed: "same" is still in flight
+        engine.submit([5, 6], request_id="same")
+    engine.abort("same")
+    gate.open()
+    assert first.result(timeout=HANG_GUARD_S).outputs[0].finish_reason == "abort"
+    engine.shutdown()
 
 
 def test_request_metrics_are_consistent(weights):

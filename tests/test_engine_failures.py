@@ -8,12 +8,13 @@ import dataclasses
 import numpy as np
 import pytest
 
-from pagedkv import ModelError, SamplingParams
+from gated_model import HANG_GUARD_S, GatedModel, gated_engine
+from pagedkv import InvalidArgumentError, ModelError, SamplingParams, _core
 from pagedkv.engine import Engine, EngineClosedError
 from pagedkv.engine_core import EngineConfig, EngineCore, PagedModelRunner
 from pagedkv.model import LlamaModel, load_tokenizer
 from pagedkv.model.sampling import NO_TOKEN, sample
-from test_engine import GREEDY, make_engine, tokens_of
+from test_engine import GREEDY, make_engine
 
 INF, NAN = np.inf, np.nan
 
@@ -43,22 +44,18 @@ def test_a_row_with_nan_or_only_minus_inf_gives_no_token(params, row):
     assert draws(row, count=5, **params) == {NO_TOKEN}
 
 
-class PoisonedModel:
-    """The tiny model, with NaN logits for requests whose id starts with "nan" and a failure on
-    the forward pass once ``fail`` is set."""
+class PoisonedModel(GatedModel):
+    """The tiny model behind an open gate, with NaN logits for requests whose id starts with
+    "nan" and a failure of the forward pass once ``fail`` is set."""
 
     def __init__(self, model: LlamaModel) -> None:
-        self.model = model
-        self.config = model.config
+        super().__init__(model, open=True)
         self.fail = False
 
-    def new_kv_cache(self, *args):
-        return self.model.new_kv_cache(*args)
-
     def forward(self, step, kv_cache):
+        logits = super().forward(step, kv_cache)  # waits at the gate
         if self.fail:
             raise RuntimeError("the model broke")
-        logits = self.model.forward(step, kv_cache)
         for row, request_id in enumerate(step.sample_request_ids):
             if request_id.startswith("nan"):
                 logits[row] = NAN
@@ -90,15 +87,20 @@ def test_a_failing_model_closes_the_engine_in_its_documented_state(weights):
     """The design: every request in flight fails with EngineClosedError caused by the model's
     error, blocks are freed, submit raises EngineClosedError, stats and shutdown still work."""
     engine, model = poisoned_engine(weights, num_blocks=64, max_num_seqs=2)
+    model.close()
     handles = [engine.submit([5, 6, 7 + i], SamplingParams(max_tokens=400, **GREEDY)) for i in range(4)]
-    tokens_of(handles[0], limit=1)  # the engine runs
-    model.fail = True
+    model.held()
+    model.allow(1)  # the first step runs: two requests hold blocks and a token, two wait
+    model.held()
+    model.fail = True  # the second fails
+    model.open()
     for handle in handles:
         with pytest.raises(EngineClosedError) as caught:
             handle.result(timeout=30)
         assert isinstance(caught.value.__cause__, RuntimeError)
     with pytest.raises(EngineClosedError):
         engine.submit([5, 6])
+    assert engine.closed
     assert engine.stats()["num_unfinished_requests"] == 0
     assert engine.core.scheduler.num_free_blocks == 64
     engine.shutdown(timeout=10)
@@ -136,3 +138,44 @@ def test_every_eos_id_stops_generation(weights):
     assert output.token_ids == free[: stop_at + 1]
     assert output.outputs[0].finish_reason == "stop"
     assert ignoring.token_ids == free
+
+
+def test_a_top_k_past_the_kernels_range_is_served_and_the_engine_stays_open(weights):
+    """Issue 23 item 1: top_k = 2**32 - 1 passed every check, then the sampling kernel refused it
+    mid-step and the engine closed for good. It keeps all tokens, as top_k = 0 does."""
+    huge = SamplingParams(max_tokens=6, temperature=0.8, seed=3, top_k=4294967295, ignore_eos=True)
+    with make_engine(weights, num_blocks=64) as engine:
+        output = engine.submit([5, 6, 7], huge).result(timeout=30)
+        plain = engine.submit([5, 6, 7], dataclasses.replace(huge, top_k=0)).result(timeout=30)
+        assert output.token_ids == plain.token_ids and len(output.token_ids) == 6
+        assert not engine.closed
+
+
+def test_a_row_the_sampling_kernel_refuses_fails_its_request_alone(weights, monkeypatch):
+    """Issue 23 item 1, defence in depth: should the kernel refuse a row anyway, the batch is
+    sampled row by row and only that row's request fails (ModelError); the one sharing its step
+    finishes and the engine keeps serving."""
+    real = _core.sample_rows
+    calls: list[tuple[int, bool]] = []  # (rows, whether the marked row is among them)
+
+    def refusing(logits, table, *rest):
+        marked = bool((table[:, 0] == 0.625).any())  # the refused request's temperature
+        calls.append((len(table), marked))
+        if marked:
+            raise InvalidArgumentError("refused for the test")
+        return real(logits, table, *rest)
+
+    monkeypatch.setattr(_core, "sample_rows", refusing)
+    engine, gate = gated_engine(weights, num_blocks=64)
+    good = engine.submit([5, 6, 7], SamplingParams(max_tokens=8, **GREEDY))
+    gate.held()  # good's first step waits: bad is scheduled beside it in the next
+    bad = engine.submit([8, 9], SamplingParams(max_tokens=8, temperature=0.625, ignore_eos=True))
+    gate.open()
+    with pytest.raises(ModelError, match="refused for the test"):
+        bad.result(timeout=HANG_GUARD_S)
+    assert len(good.result(timeout=HANG_GUARD_S).token_ids) == 8
+    assert (2, True) in calls, "the two requests shared a refused batch"
+    assert not engine.closed
+    assert len(engine.submit([8, 9], SamplingParams(max_tokens=3, **GREEDY)).result(timeout=30).token_ids) == 3
+    engine.shutdown()
+    assert engine.core.scheduler.num_free_blocks == 64

@@ -6,11 +6,11 @@ from __future__ import annotations
 import asyncio
 import gc
 import threading
-import time
 import weakref
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
+from gated_model import HANG_GUARD_S, gated_engine
 from pagedkv import SamplingParams
 from test_engine import GREEDY, make_engine, tokens_of
 
@@ -54,26 +54,25 @@ def run_async(main: Callable[[], Coroutine[Any, Any, T]], timeout: float = 30) -
 
 def test_cancelling_await_leaks_no_thread_and_asyncio_run_returns_promptly(weights):
     """Item 8: a cancelled ``await handle`` leaves no executor thread blocked, so asyncio.run
-    returns at once instead of waiting for the request to end."""
-    with make_engine(weights, num_blocks=256) as engine:
-        handle = engine.submit([5, 6, 7], SamplingParams(max_tokens=3000, **GREEDY))
-        before = _threads()
+    returns while the request is still held at the gate instead of waiting for it to end."""
+    engine, gate = gated_engine(weights, num_blocks=256)
+    handle = engine.submit([5, 6, 7], SamplingParams(max_tokens=3000, **GREEDY))
+    before = _threads()
 
-        async def main() -> None:
-            try:
-                await asyncio.wait_for(handle, timeout=0.05)
-            except asyncio.TimeoutError:
-                return
-            raise AssertionError("a 3000-token request ended within 50 ms")
+    async def main() -> None:
+        try:
+            await asyncio.wait_for(handle, timeout=0.05)
+        except asyncio.TimeoutError:
+            return
+        raise AssertionError("a request held at the gate ended")
 
-        start = time.monotonic()
-        run_async(main)
-        elapsed = time.monotonic() - start
-        leaked = _threads() - before
-        assert not handle.done()
-        handle.abort()
-        handle.result(timeout=30)
-    assert elapsed < 1.0, f"asyncio.run took {elapsed:.1f} s after the cancel"
+    run_async(main)  # its hang guard fails the test if asyncio.run waits for the request
+    leaked = _threads() - before
+    assert not handle.done(), "asyncio.run returned while the request was still held"
+    handle.abort()
+    gate.open()
+    handle.result(timeout=HANG_GUARD_S)
+    engine.shutdown()
     assert not leaked, f"threads left behind: {leaked}"
 
 
@@ -125,15 +124,18 @@ def test_asyncio_consumers_of_one_handle_each_get_the_whole_stream(weights):
 
 def test_a_late_abort_never_reaches_a_resubmission_with_the_same_id(weights):
     """Item 9: aborting an ended submission is a no-op, even when its id is reused at once."""
-    with make_engine(weights, num_blocks=64) as engine:
+    engine, gate = gated_engine(weights, open=True, num_blocks=64)
+    with engine:
         for _ in range(20):
             first = engine.submit([5, 6], SamplingParams(max_tokens=1, **GREEDY), request_id="same")
             first.result(timeout=30)
             first.abort()
             second = engine.submit([5, 6], SamplingParams(max_tokens=3, **GREEDY), request_id="same")
             assert second.result(timeout=30).outputs[0].finish_reason == "length"
+        gate.close()  # the engine is idle: its next step waits at the gate
         running = engine.submit([5, 6], SamplingParams(max_tokens=500, **GREEDY), request_id="same")
         engine.abort("same")  # by id: the submission now using it
+        gate.open()
         assert running.result(timeout=30).outputs[0].finish_reason == "abort"
 
 

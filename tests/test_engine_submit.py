@@ -8,11 +8,13 @@ import time
 
 import pytest
 
+from gated_model import GatedModel, gated_engine
 from pagedkv import DuplicateSequenceError, InvalidArgumentError, SamplingParams
 from pagedkv.engine import Engine
 from pagedkv.engine_core import EngineConfig, EngineCore, PagedModelRunner
 from pagedkv.model import LlamaModel
-from test_engine import GREEDY, make_engine, tokens_of
+from pagedkv.model.sampling import TokenHistory
+from test_engine import GREEDY, make_engine
 
 RUNNING = SamplingParams(max_tokens=40, **GREEDY)
 
@@ -33,24 +35,26 @@ def test_empty_steps_keep_the_schedule_update_protocol(weights):
     assert len(b.token_ids) == 2
 
 
-def _abort_after_end(engine: Engine) -> None:
+def _abort_after_end(engine: Engine, gate: GatedModel) -> None:
     h = engine.submit([1, 2, 3], SamplingParams(max_tokens=2, **GREEDY))
     h.result(timeout=30)
     h.abort()
 
 
-def _abort_unknown(engine: Engine) -> None:
+def _abort_unknown(engine: Engine, gate: GatedModel) -> None:
     engine.abort("unknown")
 
 
-def _abort_the_only_running(engine: Engine) -> None:
+def _abort_the_only_running(engine: Engine, gate: GatedModel) -> None:
+    gate.close()
     h = engine.submit([1, 2, 3], SamplingParams(max_tokens=500, **GREEDY))
-    tokens_of(h, limit=1)  # it runs
+    gate.held()  # it runs, and cannot finish before the abort
     h.abort()
+    gate.open()
     assert h.result(timeout=30).outputs[0].finish_reason == "abort"
 
 
-def _rejected_while_idle(engine: Engine) -> None:
+def _rejected_while_idle(engine: Engine, gate: GatedModel) -> None:
     with pytest.raises(InvalidArgumentError):
         engine.submit([1, 2, 3], priority="high")
 
@@ -58,9 +62,10 @@ def _rejected_while_idle(engine: Engine) -> None:
 @pytest.mark.parametrize("idle", [_abort_after_end, _abort_unknown, _abort_the_only_running, _rejected_while_idle])
 def test_the_engine_serves_after_an_idle_step(weights, idle):
     """Item 1: each of the issue's reproductions, then a request that must still be served."""
-    with make_engine(weights, num_blocks=64) as engine:
-        idle(engine)
-        time.sleep(0.2)  # let the worker reach its idle state
+    engine, gate = gated_engine(weights, open=True, num_blocks=64)
+    with engine:
+        idle(engine, gate)
+        time.sleep(0.2)  # lets the worker reach its idle state (if slower, the test checks less, never fails)
         assert len(engine.submit([1, 2, 3], SamplingParams(max_tokens=3, **GREEDY)).result(timeout=30).token_ids) == 3
 
 
@@ -110,16 +115,19 @@ def test_a_bad_submission_raises_in_the_caller_and_harms_nothing(weights, bad, e
 
 def test_generated_ids_skip_ids_callers_chose(weights):
     """Item 10: with "req-0" and "req-1" chosen by a caller and in flight, plain submits still work."""
-    with make_engine(weights, num_blocks=64) as engine:
-        chosen = [engine.submit([5, 6], RUNNING, request_id=f"req-{i}") for i in range(2)]
-        plain = [engine.submit([5, 6], SamplingParams(max_tokens=2, **GREEDY)) for _ in range(3)]
-        ids = [h.request_id for h in chosen + plain]
-        assert len(set(ids)) == 5
-        with pytest.raises(DuplicateSequenceError):
-            engine.submit([5, 6], request_id=plain[0].request_id)
-        for h in chosen + plain:
-            h.abort()
-            h.result(timeout=30)
+    engine, gate = gated_engine(weights, num_blocks=64)  # closed: every submission stays in flight
+    chosen = [engine.submit([5, 6], RUNNING, request_id=f"req-{i}") for i in range(2)]
+    plain = [engine.submit([5, 6], SamplingParams(max_tokens=2, **GREEDY)) for _ in range(3)]
+    ids = [h.request_id for h in chosen + plain]
+    assert len(set(ids)) == 5
+    with pytest.raises(DuplicateSequenceError):
+        engine.submit([5, 6], request_id=plain[0].request_id)
+    for h in chosen + plain:
+        h.abort()
+    gate.open()
+    for h in chosen + plain:
+        h.result(timeout=30)
+    engine.shutdown()
 
 
 def test_max_model_len_past_the_models_positions_is_refused(weights):
@@ -142,3 +150,30 @@ def test_a_cache_too_large_to_allocate_raises_a_catchable_error():
     except BaseException as error:  # noqa: BLE001 - the point is which class escapes
         pytest.fail(f"raised {type(error).__name__}: {error}")
     pytest.fail("allocated 512 GiB")
+
+
+def test_a_huge_n_is_refused_before_any_per_sample_work(weights, monkeypatch):
+    """Issue 23 item 2: with a penalty, n = 10**7 copied the prompt's history 10**7 times (40 s,
+    2.2 GB) before the scheduler refused n. Now no history is made for a refused request; one
+    accepted gets one per sample."""
+    made: list[str] = []
+    real_init, real_copy = TokenHistory.__init__, TokenHistory.copy
+
+    def counting_init(self, *args, **kwargs) -> None:
+        made.append("new")
+        real_init(self, *args, **kwargs)
+
+    def counting_copy(self) -> TokenHistory:
+        made.append("copy")
+        assert len(made) <= 100, "per-sample copies before n was checked"
+        return real_copy(self)
+
+    monkeypatch.setattr(TokenHistory, "__init__", counting_init)
+    monkeypatch.setattr(TokenHistory, "copy", counting_copy)
+    with make_engine(weights, num_blocks=64, max_num_seqs=8) as engine:
+        with pytest.raises(InvalidArgumentError, match="exceeds max_num_seqs"):
+            engine.submit([5, 6, 7], SamplingParams(n=10**7, presence_penalty=0.5))
+        assert made == []
+        output = engine.submit([5, 6, 7], SamplingParams(n=2, presence_penalty=0.5, max_tokens=3, **GREEDY)).result(timeout=30)
+        assert [len(c.token_ids) for c in output.outputs] == [3, 3]
+    assert made == ["new", "copy"]

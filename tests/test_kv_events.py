@@ -110,3 +110,53 @@ def test_bad_input_is_refused_and_changes_nothing():
         KvEventPublisher(replay=-1)
     with pytest.raises(InvalidArgumentError):
         publisher.subscribe(42)  # type: ignore[arg-type]
+
+
+def test_a_subscriber_may_publish_and_read_from_its_callback():
+    """Issue 23 item 6: a callback that publishes (as one calling back into an engine records
+    events) gets the new batch after its own call returns, in order, never nested."""
+    publisher = KvEventPublisher()
+    seen: list[int] = []
+    snapshots: list[int] = []
+
+    def reentrant(batch: KvEventBatch) -> None:
+        if batch.seq == 1:
+            publisher.publish([stored(2)])
+            snapshots.append(publisher.snapshot().seq)
+        seen.append(batch.seq)
+
+    publisher.subscribe(reentrant)
+    publisher.publish([stored(1)])
+    assert seen == [1, 2]
+    assert snapshots == [2]
+
+
+def test_recorded_batches_reach_subscribers_only_when_delivered():
+    """Issue 23 item 6: ``record`` (under an engine's lock) numbers and folds a batch at once but
+    calls nobody; ``deliver`` (after the lock) hands over every batch recorded, in order."""
+    publisher = KvEventPublisher()
+    seen: list[int] = []
+    publisher.subscribe(lambda b: seen.append(b.seq))
+    publisher.record([stored(1)])
+    publisher.record([stored(2)])
+    assert seen == [] and publisher.last_seq == 2 and publisher.snapshot().blocks == {(1, "ram"), (2, "ram")}
+    publisher.deliver()
+    publisher.deliver()
+    assert seen == [1, 2]
+
+
+@pytest.mark.parametrize("error", [SystemExit(3), KeyboardInterrupt()], ids=["SystemExit", "KeyboardInterrupt"])
+def test_a_subscriber_raising_systemexit_or_keyboardinterrupt_is_logged_and_skipped(caplog, error):
+    """Issue 23 item 21: they escaped the publisher and ended the engine's worker."""
+    publisher = KvEventPublisher()
+    seen: list[int] = []
+
+    def exiting(batch: KvEventBatch) -> None:
+        raise error
+
+    publisher.subscribe(exiting)
+    publisher.subscribe(lambda b: seen.append(b.seq))
+    publisher.publish([stored(1)])
+    publisher.publish([stored(2)])
+    assert seen == [1, 2]
+    assert type(error).__name__ in caplog.text

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from pagedkv import _core
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.model.sampling import NO_TOKEN, SamplingParams, TokenHistory, sample, sample_with_logprobs
 
@@ -147,7 +148,48 @@ def test_non_finite_rows_still_give_no_token(row):
                                     dict(frequency_penalty=-3), dict(frequency_penalty=np.nan), dict(repetition_penalty=0),
                                     dict(repetition_penalty=-1.0), dict(logprobs=1), dict(top_logprobs=3),
                                     dict(logprobs=True, top_logprobs=21), dict(logprobs=True, top_logprobs=-1),
-                                    dict(temperature=np.inf), dict(top_p=0.0), dict(top_k=-1), dict(top_k=1.5)])
+                                    dict(temperature=np.inf), dict(top_p=0.0), dict(top_k=-1), dict(top_k=1.5),
+                                    # issue 23 item 1: ints a float64 cannot hold (OverflowError, or rounded)
+                                    dict(temperature=10**400), dict(top_p=-10**400), dict(min_p=10**309),
+                                    dict(presence_penalty=10**400), dict(frequency_penalty=-10**400),
+                                    dict(repetition_penalty=10**400), dict(temperature=2**53 + 1),
+                                    dict(repetition_penalty=np.uint64(2**64 - 1))])
 def test_bad_params_are_refused_typed(kwargs):
     with pytest.raises(InvalidArgumentError):
         SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("top_k", [2**32 - 1, 2**32, 10**30])
+def test_a_top_k_past_the_vocabulary_keeps_all(top_k):
+    """Issue 23 item 1: any k ≥ the vocabulary draws exactly as 0 (keep all); the kernel, which
+    takes k below 2**32, never sees it."""
+    rows = np.tile(SMALL, (50, 1))
+    grid = [Fixed((j + 0.5) / 50) for j in range(50)]
+    want = sample_with_logprobs(rows, [SamplingParams(temperature=0.9)] * 50, grid)
+    got = sample_with_logprobs(rows, [SamplingParams(temperature=0.9, top_k=top_k)] * 50, grid)
+    assert got.tokens.tolist() == want.tokens.tolist()
+    assert not got.refused
+
+
+def test_a_row_the_kernel_refuses_fails_alone(monkeypatch):
+    """Issue 23 item 1, defence in depth: a batch the kernel refuses is sampled row by row; the
+    refused row gets no token and its reason, the others what they draw alone (their one uniform
+    number each, not a second)."""
+    real = _core.sample_rows
+
+    def refusing(logits, table, *rest):
+        if (table[:, 0] == 0.625).any():  # the marked row's temperature
+            raise InvalidArgumentError("top_k must be a non-negative integer, got 1e30")
+        return real(logits, table, *rest)
+
+    monkeypatch.setattr(_core, "sample_rows", refusing)
+    params = [SamplingParams(temperature=0.9, logprobs=True, top_logprobs=2), SamplingParams(temperature=0.625),
+              SamplingParams(temperature=0.0, logprobs=True)]
+    rows = np.tile(SMALL, (3, 1))
+    out = sample_with_logprobs(rows, params, [Fixed(0.3), Fixed(0.3), Fixed(0.3)])
+    assert out.refused == {1: "top_k must be a non-negative integer, got 1e30"}
+    assert out.tokens[1] == NO_TOKEN and np.isnan(out.logprobs[1])
+    alone = [sample_with_logprobs(rows[:1], [params[r]], [Fixed(0.3)]) for r in (0, 2)]
+    assert out.tokens[[0, 2]].tolist() == [a.tokens[0] for a in alone]
+    assert out.logprobs[[0, 2]].tolist() == [a.logprobs[0] for a in alone]
+    assert out.top_ids[0].tolist() == alone[0].top_ids[0].tolist() and out.top_ids.shape == (3, 2)

@@ -13,8 +13,15 @@ Invariants:
   the submissions not yet ended; a request id is in use from ``submit`` until its handle ends.
 - Aborts name a submission (its handle), not an id, and are applied by the worker between steps:
   an abort never reaches a later submission that reuses the id.
-- The worker never dies from one request's fault. A request the model gives NaN logits, or whose
-  tokens cannot be decoded, fails alone with :class:`~pagedkv.errors.ModelError`.
+- The worker never dies from one request's fault. A request the model gives NaN logits, whose
+  sampling parameters the sampling kernel refuses, or whose tokens cannot be decoded, fails alone
+  with :class:`~pagedkv.errors.ModelError`. Nor from a callback's: what a KV-event subscriber,
+  the tracer or the tokenizer raises (``SystemExit`` and ``KeyboardInterrupt`` included) is
+  logged (:mod:`pagedkv.callbacks`).
+- KV-event subscribers run in the worker after each step, holding none of the engine's locks:
+  they may call :meth:`Engine.kv_snapshot`, :meth:`Engine.submit` or abort. They must not wait
+  for a request (the worker they would wait on is the one running them), and ``submit`` from
+  the worker never waits for room: a full queue raises :class:`EngineOverloadedError` at once.
 - A failure of the model itself (the runner raises) leaves the engine **closed**: every request in
   flight fails with :class:`EngineClosedError` (``__cause__``: the model's exception) and its blocks
   are freed; ``submit`` raises :class:`EngineClosedError`; ``stats()`` and ``shutdown()`` still
@@ -450,6 +457,8 @@ class _EngineState:
         trace_headers: Mapping[str, str] | None,
     ) -> RequestHandle:
         deadline = None if timeout is None else time.monotonic() + timeout
+        if threading.current_thread() is self.thread:
+            deadline = time.monotonic()  # a callback in the worker: it would wait for itself
         with self.cond:
             while self.accepting() and self.core.scheduler.num_waiting >= self.max_waiting:
                 remaining = None if deadline is None else deadline - time.monotonic()

@@ -24,7 +24,8 @@ Invariants:
   scheduler in that same step (its blocks freed, never sampled again): alone
   (``Scheduler.finish_sample``) while other samples of its request run, else with its request
   (aborted).
-  A tokenizer that raises fails the request alone, like NaN logits.
+  A tokenizer that raises (anything, ``SystemExit`` included: :mod:`pagedkv.callbacks`) fails
+  the request alone, like NaN logits.
 - Sampling state is per sample: its generator (seeded by (seed, sample index)) and, only for a
   request with a penalty on, its :class:`~pagedkv.model.sampling.TokenHistory` (the prompt's,
   copied for each of the n samples, plus every token appended to its output): a row's draw
@@ -33,17 +34,26 @@ Invariants:
   :class:`TokenEvent`; a token not kept (after a stop string, aborted) leaves neither, so
   ``len(logprobs) == len(token_ids)`` always.
 - A sample row the model left nothing to draw from (:data:`~pagedkv.model.sampling.NO_TOKEN`: NaN
-  logits) fails its request alone: it ends with ``finish_reason == "error"`` and ``error`` set.
+  logits), or whose parameters the sampling kernel refused (:attr:`Samples.refused`), fails its
+  request alone: it ends with ``finish_reason == "error"`` and ``error`` set.
   A runner that raises aborts the requests of its step (their blocks freed, the protocol completed)
   and the exception propagates; what the step wrote to the KV cache is then undefined, so the
   caller should stop using this core (the threaded engine does).
 - :attr:`RequestOutput.num_cached_tokens` is set from the scheduler's "admitted" event of the
   step that first admits the request. With a tracer (:mod:`pagedkv.tracing`), it sees each request
   added, each step (after its update) and each end; without one, each costs one ``is None`` test.
+  What the tracer raises is logged and ignored (:mod:`pagedkv.callbacks`).
+- KV events (``emit_kv_events``) are recorded into :attr:`kv_events` under the lock (a step's
+  after its update, in ``kv_snapshot`` and ``close`` those pending) and delivered to its
+  subscribers after the lock is released, in the thread that recorded them: a subscriber may call
+  ``kv_snapshot``, ``add_request`` or ``abort``.
+- Per-sample state (histories, generators, texts) is built only once the scheduler has accepted
+  the request, and so its ``n``: a refused request costs nothing per sample.
 """
 
 from __future__ import annotations
 
+import logging
 import operator
 import threading
 import time
@@ -55,6 +65,7 @@ from typing import TYPE_CHECKING, Protocol
 import numpy as np
 
 from pagedkv._core import KVCache, Scheduler, SchedulerOutput
+from pagedkv.callbacks import call_guarded
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, KvEventPublisher, KvSnapshot
 from pagedkv.model.detokenizer import SampleText
@@ -81,6 +92,8 @@ __all__ = [
     "VirtualClock",
 ]
 
+
+_log = logging.getLogger(__name__)
 
 # How long a step with nothing to run but sequences loading from the disk tier sleeps: a tiny
 # model's block loads in ~0.05 ms, so a wait rarely costs more than this (spinning cost a core).
@@ -368,8 +381,9 @@ class EngineCore:
         self.max_model_len: int = self.scheduler.max_model_len  # as the scheduler validated it
         if self.max_model_len > runner.max_model_len:
             raise InvalidArgumentError(f"max_model_len {self.max_model_len} exceeds the model's {runner.max_model_len} positions")
-        # KV events (for a router): the scheduler records them only when asked, the core publishes
-        # them after every step, under its lock (so kv_snapshot is consistent with their numbers).
+        # KV events (for a router): the scheduler records them only when asked; the core numbers
+        # them under its lock (so kv_snapshot is consistent with their numbers) after every step,
+        # and hands them to subscribers once it has released the lock.
         self.kv_events = KvEventPublisher(clock=clock)
         self._emit_kv_events = config.emit_kv_events
         # What attaching the disk tier reported (blocks recovered, whether a foreign tier was
@@ -414,11 +428,9 @@ class EngineCore:
         if params.stop and self.tokenizer is None:
             raise InvalidArgumentError("stop strings need text: this engine core has no tokenizer")
         arrival = self.clock() if arrival_time is None else arrival_time
-        histories = None
-        if params.penalized:  # O(prompt) once, outside the lock; presence/frequency see only the output
-            history = TokenHistory(token_ids, with_prompt=params.repetition_penalty != 1)
-            histories = [history] + [history.copy() for _ in range(params.n - 1)]
         with self._lock:
+            # The scheduler validates n (with every other limit) before any per-sample work:
+            # n = 10**7 with a penalty cost 40 s and 2.2 GB of history copies when they came first.
             self.scheduler.add_request(
                 request_id,
                 token_ids,
@@ -430,20 +442,37 @@ class EngineCore:
                 arrival_time=arrival,
                 cache_salt=cache_salt,
             )
-            output = RequestOutput(
-                request_id=request_id,
-                prompt_token_ids=token_ids,
-                outputs=[CompletionOutput(index=i, logprobs=[] if params.logprobs else None) for i in range(params.n)],
-                metrics=RequestMetrics(arrival_time=arrival),
-                prompt=prompt,
-            )
-            generators = [params.make_generator(i) for i in range(params.n)]
-            tokenizer = self.tokenizer
-            texts = None if tokenizer is None else [SampleText(tokenizer, params.stop) for _ in range(params.n)]
-            self._requests[request_id] = _Request(params, generators, output, texts, histories)
+            try:
+                request = self._new_request(request_id, token_ids, params, prompt, arrival)
+            except BaseException:
+                self.scheduler.abort(request_id)  # e.g. MemoryError: the refused request leaves no trace
+                raise
+            self._requests[request_id] = request
             if self._tracer is not None:
-                self._tracer.queued(output, params, trace_headers)
-        return output
+                call_guarded(self._tracer.queued, request.output, params, trace_headers, what="tracer")
+        return request.output
+
+    def _new_request(
+        self, request_id: str, token_ids: list[int], params: SamplingParams, prompt: str | None, arrival: float
+    ) -> _Request:
+        """The per-sample state of a request the scheduler has accepted (so ``params.n`` is at
+        most ``max_num_seqs``): its outputs, generators, texts and (with a penalty) histories."""
+        n = params.n
+        histories = None
+        if params.penalized:  # O(prompt) once; presence/frequency see only the output
+            history = TokenHistory(token_ids, with_prompt=params.repetition_penalty != 1)
+            histories = [history] + [history.copy() for _ in range(n - 1)]
+        output = RequestOutput(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            outputs=[CompletionOutput(index=i, logprobs=[] if params.logprobs else None) for i in range(n)],
+            metrics=RequestMetrics(arrival_time=arrival),
+            prompt=prompt,
+        )
+        generators = [params.make_generator(i) for i in range(n)]
+        tokenizer = self.tokenizer
+        texts = None if tokenizer is None else [SampleText(tokenizer, params.stop) for _ in range(n)]
+        return _Request(params, generators, output, texts, histories)
 
     def abort(self, request_id: str) -> RequestOutput:
         """Stops a request in any state, freeing its blocks; returns its final output. Raises
@@ -472,8 +501,8 @@ class EngineCore:
                 if kind == "admitted":
                     self._requests[request_id].output.num_cached_tokens = hit
         updated = False
+        samples = None
         try:
-            samples = None
             if step.num_scheduled_tokens == 0:
                 tokens = np.empty(0, dtype=np.int64)
             else:
@@ -485,17 +514,18 @@ class EngineCore:
                 tokens = np.asarray(samples.tokens, dtype=np.int64)
             now = self.clock()
             with self._lock:
-                failed = self._fail_unsampled(step, tokens)
+                failed = self._fail_unsampled(step, tokens, {} if samples is None else samples.refused)
                 # The failed requests' rows are skipped: any valid id stands in for their tokens.
                 update = self.scheduler.update(step, np.where(tokens == NO_TOKEN, 0, tokens))
                 updated = True
                 if self._tracer is not None:
-                    self._tracer.step(step, update.request_ids, started, now)
+                    call_guarded(self._tracer.step, step, update.request_ids, started, now, what="tracer")
                 events, finished = self._record(update, now, _logprobs_by_sample(step, requests, samples))
-                self._publish_kv_events()
+                self._record_kv_events()
         finally:
             if not updated:
                 self._abandon(step)
+        self.kv_events.deliver()  # outside the lock: a subscriber may call back into the engine
         for output in failed:
             self._finish(output, now)
         if step.num_scheduled_tokens == 0 and self.scheduler.num_loading:
@@ -504,19 +534,28 @@ class EngineCore:
             time.sleep(_LOAD_WAIT_SECONDS)
         return events, failed + finished
 
-    def _fail_unsampled(self, step: SchedulerOutput, tokens: np.ndarray) -> list[RequestOutput]:
-        """Aborts (in the scheduler) the requests with a sample row the model left no token for,
-        so the coming update skips their rows; returns their outputs, marked failed."""
+    def _fail_unsampled(self, step: SchedulerOutput, tokens: np.ndarray, refused: Mapping[int, str]) -> list[RequestOutput]:
+        """Aborts (in the scheduler) the requests with a sample row the model left no token for
+        (or the sampler ``refused``, by row), so the coming update skips their rows; returns
+        their outputs, marked failed."""
         failed: list[RequestOutput] = []
         if not (tokens == NO_TOKEN).any():
             return failed
-        unsampled = [rid for rid, token in zip(step.sample_request_ids, tokens.tolist(), strict=True) if token == NO_TOKEN]
-        for request_id in dict.fromkeys(unsampled):
+        unsampled: dict[str, str] = {}  # request id -> why, its first failed row's reason
+        for row, (request_id, token) in enumerate(zip(step.sample_request_ids, tokens.tolist(), strict=True)):
+            if token == NO_TOKEN and request_id not in unsampled:
+                reason = refused.get(row)
+                unsampled[request_id] = (
+                    "the model gave NaN logits, or no token a finite logit"
+                    if reason is None
+                    else f"the sampler refused its parameters: {reason}"
+                )
+        for request_id, why in unsampled.items():
             request = self._requests.pop(request_id, None)
             if request is None:
                 continue  # aborted by another thread since the step was scheduled
             self.scheduler.abort(request_id)
-            request.output.error = "the model gave NaN logits, or no token a finite logit"
+            request.output.error = why
             for completion in request.output.outputs:
                 completion.finish_reason = "error"
             failed.append(request.output)
@@ -554,7 +593,8 @@ class EngineCore:
             if request.texts is not None:
                 try:
                     delta = request.texts[index].push(token, last=reason is not None)
-                except Exception as error:  # noqa: BLE001 - whatever the tokenizer raises fails this request only
+                except BaseException as error:  # noqa: BLE001 - whatever the tokenizer raises fails this request only
+                    _log.error("the tokenizer raised %r decoding request %r", error, request_id, exc_info=error)
                     request.output.error = f"its tokens cannot be decoded: {error!r}"
                     for failed in request.output.outputs:
                         failed.finish_reason = "error"
@@ -596,26 +636,30 @@ class EngineCore:
         output.finished = True
         output.metrics.finished_time = self.clock() if now is None else now
         if self._tracer is not None:
-            self._tracer.finished(output)
+            call_guarded(self._tracer.finished, output, what="tracer")
 
     def stats(self) -> dict[str, float]:
         """The scheduler's cumulative stats, current (they include every completed step), with
         the disk tier's (``disk_*``) when it has one."""
         return self.scheduler.stats()
 
-    def _publish_kv_events(self) -> None:
-        """Publishes the KV events the scheduler recorded since the last call (under the lock)."""
+    def _record_kv_events(self) -> None:
+        """Records the KV events the scheduler made since the last call (under the lock, so
+        batch numbers follow the scheduler's order); the caller delivers them once it has
+        released the lock."""
         if self._emit_kv_events:
-            self.kv_events.publish([_kv_event(raw) for raw in self.scheduler.take_kv_events()])
+            self.kv_events.record([_kv_event(raw) for raw in self.scheduler.take_kv_events()])
 
     def kv_snapshot(self) -> KvSnapshot:
         """The blocks findable now, as ``(block_hash, medium)`` pairs, tagged with the number of
         the last event batch they include: a router that applied batches up to ``seq`` and then
-        every later one holds the engine's blocks. Taken under the lock that publishes events,
-        after publishing those pending."""
+        every later one holds the engine's blocks. Taken under the lock that records events,
+        after recording those pending (delivered to subscribers once the lock is released)."""
         with self._lock:
-            self._publish_kv_events()
-            return KvSnapshot(self.kv_events.last_seq, frozenset(self.scheduler.kv_blocks()))
+            self._record_kv_events()
+            snapshot = KvSnapshot(self.kv_events.last_seq, frozenset(self.scheduler.kv_blocks()))
+        self.kv_events.deliver()
+        return snapshot
 
     def close(self) -> None:
         """Flushes and closes the disk tier, if any (its pending writes committed, its files
@@ -626,7 +670,8 @@ class EngineCore:
                 self._tier_attached = False
                 last = self.scheduler.detach_disk_tier()  # the tier's last events, then its medium cleared
                 if self._emit_kv_events:
-                    self.kv_events.publish([_kv_event(raw) for raw in [*self.scheduler.take_kv_events(), *last]])
+                    self.kv_events.record([_kv_event(raw) for raw in [*self.scheduler.take_kv_events(), *last]])
+        self.kv_events.deliver()
 
 
 def _logprobs_by_sample(

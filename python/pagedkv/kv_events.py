@@ -16,21 +16,29 @@ Invariants of a :class:`KvEventPublisher`:
   engine's truth.
 - ``since(s)`` returns batches ``s+1 .. last_seq`` in order while the replay buffer (the last
   ``replay`` batches) still holds ``s+1``, else None: the caller must then take a snapshot.
-- Subscribers are called with each batch, in publishing order, outside the publisher's lock (so a
-  callback may call ``since`` or ``snapshot``). A callback that raises is logged and skipped for
-  that batch; it does not stop the publisher (the engine thread calls ``publish``).
+- Publishing is two halves: ``record`` numbers a batch, folds it and queues it for delivery (an
+  engine calls it under its own lock, so its snapshots agree with the numbering); ``deliver``
+  hands the queued batches to the subscribers, and must be called holding no lock of the
+  caller's (an engine calls it after releasing its lock, so a callback may call back into the
+  engine: ``kv_snapshot``, ``submit``). ``publish`` is both.
+- Subscribers get every batch recorded while they are subscribed, once, in numbering order, from
+  one thread at a time: a ``deliver`` called while another runs (in another thread, or from a
+  callback) returns at once, and the running one delivers what was queued meanwhile.
+- A callback that raises is logged and skipped for that batch; it stops neither the publisher nor
+  the thread delivering (an engine's worker), whatever it raises, ``SystemExit`` and
+  ``KeyboardInterrupt`` included (:mod:`pagedkv.callbacks`).
 """
 
 from __future__ import annotations
 
 import itertools
-import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from pagedkv.callbacks import call_guarded
 from pagedkv.errors import InvalidArgumentError
 
 __all__ = [
@@ -43,8 +51,6 @@ __all__ = [
     "KvEventPublisher",
     "KvSnapshot",
 ]
-
-_log = logging.getLogger(__name__)
 
 # Where a block is held: the names src/kv_events.rs gives its `Medium` variants.
 MEDIA = ("ram", "disk")
@@ -133,21 +139,23 @@ class KvEventPublisher:
     """Numbers an engine's KV events into batches, keeps the last ``replay`` of them for
     :meth:`since`, folds them into the state :meth:`snapshot` reports, and calls subscribers.
 
-    ``publish`` is meant for one thread (the engine's, under its lock); every other method may be
-    called from any thread. ``clock`` stamps batches (wall time by default; a simulation passes
-    its virtual clock).
+    ``record`` is meant for one thread at a time (the engine's calls hold its lock); every other
+    method may be called from any thread. ``clock`` stamps batches (wall time by default; a
+    simulation passes its virtual clock).
     """
 
     def __init__(self, replay: int = 1024, clock: Callable[[], float] = time.time) -> None:
         if isinstance(replay, bool) or not isinstance(replay, int) or replay < 0:
             raise InvalidArgumentError(f"replay must be an int ≥ 0 (batches kept), got {replay!r}")
         self._clock = clock
-        self._lock = threading.Lock()  # guards _seq, _buffer, _blocks, _subscribers
+        self._lock = threading.Lock()  # guards every field below
         self._seq = 0
         self._buffer: deque[KvEventBatch] = deque(maxlen=replay)
         self._blocks: set[tuple[int, str]] = set()
         self._subscribers: dict[int, Callable[[KvEventBatch], None]] = {}
         self._ids = itertools.count()
+        self._undelivered: deque[KvEventBatch] = deque()  # recorded, not yet handed to subscribers
+        self._delivering = False  # a deliver() is running (in some thread)
 
     @property
     def last_seq(self) -> int:
@@ -155,9 +163,17 @@ class KvEventPublisher:
         return self._seq
 
     def publish(self, events: Sequence[KvEvent]) -> KvEventBatch | None:
-        """Makes ``events`` batch ``last_seq + 1`` and hands it to every subscriber; None (and no
-        number used) for no events. Raises :class:`InvalidArgumentError`, publishing nothing, if
-        an item is not a KV event."""
+        """Records ``events`` (:meth:`record`) and delivers them (:meth:`deliver`): for a caller
+        holding no lock a subscriber might need."""
+        batch = self.record(events)
+        self.deliver()
+        return batch
+
+    def record(self, events: Sequence[KvEvent]) -> KvEventBatch | None:
+        """Makes ``events`` batch ``last_seq + 1`` (in :meth:`since` and :meth:`snapshot` at
+        once) and queues it for the subscribers; None (and no number used) for no events. Calls
+        no subscriber: :meth:`deliver` does. Raises :class:`InvalidArgumentError`, recording
+        nothing, if an item is not a KV event."""
         if not events:
             return None
         with self._lock:
@@ -165,13 +181,32 @@ class KvEventPublisher:
             _apply_events(self._blocks, batch.events)
             self._seq = batch.seq
             self._buffer.append(batch)
-            subscribers = list(self._subscribers.values())
-        for callback in subscribers:
-            try:
-                callback(batch)
-            except Exception:  # noqa: BLE001 - a subscriber's bug must not stop the engine thread
-                _log.exception("KV event subscriber %r failed on batch %d", callback, batch.seq)
+            if self._subscribers:
+                self._undelivered.append(batch)
         return batch
+
+    def deliver(self) -> None:
+        """Hands every recorded batch not yet delivered to the subscribers, in order, unless a
+        delivery is already running (in another thread, or this call comes from a callback):
+        that one then delivers them. Call it holding no lock a callback may need."""
+        with self._lock:
+            if self._delivering:
+                return
+            self._delivering = True
+        try:
+            while True:
+                with self._lock:
+                    if not self._undelivered:
+                        self._delivering = False
+                        return
+                    batch = self._undelivered.popleft()
+                    subscribers = list(self._subscribers.values())
+                for callback in subscribers:
+                    call_guarded(callback, batch, what=f"KV event subscriber (batch {batch.seq})")
+        except BaseException:
+            with self._lock:  # only call_guarded's own failure gets here: leave a deliverable state
+                self._delivering = False
+            raise
 
     def subscribe(self, callback: Callable[[KvEventBatch], None]) -> Callable[[], None]:
         """Calls ``callback(batch)`` for every batch published from now on; returns a function

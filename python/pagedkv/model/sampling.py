@@ -23,6 +23,10 @@ Non-finite logits: a row holding +inf draws uniformly among its +inf tokens (the
 softmax), greedy takes the first of them; a row holding a NaN, or only -inf, has no token to give
 and gets :data:`NO_TOKEN` (the engine fails that request alone).
 
+A batch the kernel refuses (a row's parameters it cannot take: ``SamplingParams`` should have
+refused them) is sampled again row by row; a row refused alone gets :data:`NO_TOKEN` and its
+reason in :attr:`Samples.refused`, the others their tokens (the engine fails that request alone).
+
 :class:`SamplingParams` checks only what the sampler uses and ``stop``; ``max_tokens``, ``n``,
 ``stop_token_ids`` and ``ignore_eos`` are the scheduler's, checked by it when the request is
 submitted.
@@ -31,8 +35,8 @@ submitted.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -62,7 +66,8 @@ class SamplingParams:
 
     - ``max_tokens``: most tokens to generate (≥ 1, checked by the scheduler).
     - ``temperature``: 0 for greedy (argmax), else > 0; higher flattens the distribution.
-    - ``top_k``: keep the k most likely tokens; 0 keeps all.
+    - ``top_k``: keep the k most likely tokens; 0, or any k at least the vocabulary's size,
+      keeps all.
     - ``top_p``: keep the smallest most-likely set whose probability reaches top_p, in (0, 1].
     - ``min_p``: keep tokens at least min_p × as likely as the most likely, in [0, 1]; 0 keeps all.
     - ``presence_penalty``, ``frequency_penalty``: in [-2, 2]; subtracted from the logit of each
@@ -82,6 +87,9 @@ class SamplingParams:
     - ``ignore_eos``: do not stop at the model's end-of-sequence tokens.
     - ``n``: independent samples of the same prompt (parallel sampling, sharing the prompt's
       blocks; ≥ 1 and at most the scheduler's ``max_num_seqs``, checked by the scheduler).
+
+    The float parameters must be numbers a float64 holds exactly (the kernel's parameter matrix
+    is float64): an int past 2**53, or past the float range, is refused.
     """
 
     max_tokens: int = 16
@@ -106,9 +114,10 @@ class SamplingParams:
 
         def number_in(name: str, low: float, high: float, low_open: bool = False) -> None:
             value = getattr(self, name)
+            bound = f"({low}, {high}]" if low_open else f"[{low}, {high}]"
             ok = isinstance(value, (int, float, np.floating, np.integer)) and not isinstance(value, bool)
-            if not ok or not math.isfinite(value) or value > high or value < low or (low_open and value == low):
-                bound = f"({low}, {high}]" if low_open else f"[{low}, {high}]"
+            x = _float64(name, value) if ok else math.nan
+            if not math.isfinite(x) or x > high or x < low or (low_open and x == low):
                 raise InvalidArgumentError(f"{name} must be a number in {bound}, got {value!r}")
 
         number_in("temperature", 0.0, math.inf)
@@ -153,6 +162,19 @@ class SamplingParams:
         if self.seed is None:
             return np.random.default_rng()
         return np.random.default_rng([self.seed, sample_index])
+
+
+def _float64(name: str, value: float | int | np.number) -> float:
+    """``value`` as the float64 the sampling kernel's parameter matrix holds it, or
+    :class:`InvalidArgumentError` for an integer a float64 cannot hold exactly (past 2**53, or
+    past the float range: ``float`` raises OverflowError)."""
+    try:
+        x = float(value)
+    except OverflowError:
+        raise InvalidArgumentError(f"{name} {value!r} does not fit a float64") from None
+    if isinstance(value, (int, np.integer)) and int(value) != x:
+        raise InvalidArgumentError(f"{name} {value!r} is not exactly a float64 (integers past 2**53 are rounded)")
+    return x
 
 
 class TokenHistory:
@@ -206,12 +228,14 @@ class Samples:
     """What :func:`sample` gives: ``tokens`` int64 ``[rows]`` (:data:`NO_TOKEN` for a row with
     nothing to draw from); ``logprobs`` float32 ``[rows]`` (NaN for a row that asked for none);
     ``top_ids`` int64 and ``top_logprobs`` float32 ``[rows, n]`` (n the largest ``top_logprobs``
-    asked; a row's unused entries -1 and NaN)."""
+    asked; a row's unused entries -1 and NaN); ``refused``: the rows the kernel refused to sample
+    (their token :data:`NO_TOKEN`), by row, with its reason."""
 
     tokens: np.ndarray
     logprobs: np.ndarray
     top_ids: np.ndarray
     top_logprobs: np.ndarray
+    refused: Mapping[int, str] = field(default_factory=dict)
 
     @classmethod
     def certain(cls, tokens: np.ndarray, params: Sequence[SamplingParams]) -> Samples:
@@ -257,22 +281,62 @@ def sample_with_logprobs(
             f"logits {logits.shape}, {rows} params, {len(generators)} generators and "
             f"{len(histories)} histories must agree in rows"
         )
+    vocab = logits.shape[1]
     table = np.empty((rows, len(_COLUMNS)), dtype=np.float64)
     for r, (p, g) in enumerate(zip(params, generators, strict=True)):
         table[r] = [getattr(p, name) for name in _PARAM_COLUMNS] + [
             0.0 if p.greedy else g.random(),
             p.top_logprobs if p.logprobs else -1,
         ]
+        # Any k ≥ vocab keeps all; the kernel takes k as a count (< 2**32), so it gets at most vocab.
+        table[r, _TOP_K] = min(p.top_k, vocab)
     present = [h for h in histories if h is not None]
     offsets = np.zeros(rows + 1, dtype=np.int64)
     offsets[1:] = np.cumsum([0 if h is None else len(h.tokens) for h in histories])
     tokens = np.concatenate([h.tokens for h in present]) if present else np.empty(0, np.int32)
     counts = np.concatenate([h.counts for h in present]) if present else np.empty(0, np.int32)
-    result = _core.sample_rows(logits.astype(np.float32, copy=False), table, offsets, tokens, counts)
-    return Samples(*result)
+    logits = logits.astype(np.float32, copy=False)
+    try:
+        return Samples(*_core.sample_rows(logits, table, offsets, tokens, counts))
+    except ShapeError:
+        raise  # the arrays disagree: the caller's bug, not one row's
+    except InvalidArgumentError:
+        return _sample_rows_alone(logits, table, offsets, tokens, counts)
+
+
+def _sample_rows_alone(
+    logits: np.ndarray, table: np.ndarray, offsets: np.ndarray, tokens: np.ndarray, counts: np.ndarray
+) -> Samples:
+    """The kernel refused a batch (a row's parameters it cannot take, which ``SamplingParams``
+    should have refused): samples each row alone, from the same table (so each row's uniform
+    number is the one drawn for it), and marks the rows the kernel refuses again
+    (:attr:`Samples.refused`, token :data:`NO_TOKEN`) instead of failing the rest."""
+    rows, vocab = logits.shape
+    width = min(vocab, max(0, int(table[:, -1].max(initial=0))))
+    tokens_out = np.full(rows, NO_TOKEN, dtype=np.int64)
+    logprobs_out = np.full(rows, np.nan, dtype=np.float32)
+    top_ids_out = np.full((rows, width), -1, dtype=np.int64)
+    top_logprobs_out = np.full((rows, width), np.nan, dtype=np.float32)
+    refused: dict[int, str] = {}
+    for r in range(rows):
+        start, end = int(offsets[r]), int(offsets[r + 1])
+        history_offsets = np.array([0, end - start], dtype=np.int64)
+        try:
+            token, logprob, top_ids, top_logprobs = _core.sample_rows(
+                logits[r : r + 1], table[r : r + 1], history_offsets, tokens[start:end], counts[start:end]
+            )
+        except ShapeError:
+            raise
+        except InvalidArgumentError as error:
+            refused[r] = str(error)
+            continue
+        tokens_out[r], logprobs_out[r] = token[0], logprob[0]
+        top_ids_out[r, : top_ids.shape[1]], top_logprobs_out[r, : top_logprobs.shape[1]] = top_ids[0], top_logprobs[0]
+    return Samples(tokens_out, logprobs_out, top_ids_out, top_logprobs_out, refused)
 
 
 _COLUMNS: tuple[str, ...] = tuple(_core.SAMPLING_COLUMNS)
 _PARAM_COLUMNS = _COLUMNS[:-2]  # the kernel's last two: the row's uniform number, its top_logprobs
 assert _COLUMNS[-2:] == ("uniform", "top_logprobs"), _COLUMNS
+_TOP_K = _COLUMNS.index("top_k")
 assert NO_TOKEN == _core.NO_TOKEN
