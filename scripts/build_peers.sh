@@ -40,7 +40,7 @@ for tool in "${TOOLS[@]}"; do cp -f "$BUILD/bin/$tool" "$PEERS/bin/"; done
 
 # The same model at three precisions: the shipped Q4_1 and requantized F16 / F32 (from Q4_1, so
 # the three hold the same values up to rounding; --allow-requantize because Q4_1 is quantized).
-GGUF=$("$PROJECT_PY" -c 'from pagedkv.model.pretrained import locate_registered; print(locate_registered("smollm2-135m"))')
+GGUF=$("$PROJECT_PY" -c 'from pagedkv.loaders.registry import locate_registered; print(locate_registered("smollm2-135m"))')
 mkdir -p "$PEERS/models"
 ln -sf "$GGUF" "$PEERS/models/smollm2-Q4_1.gguf"
 for type in F16 F32; do

@@ -2,7 +2,7 @@
 
 Runs in the project venv, on the record that scripts/parity_golden.py has just made in the peers
 venv from the same GGUF file (its tokens and every step's logits). pagedkv runs through
-:class:`~pagedkv.engine_core.EngineCore` with a runner that keeps the logits it samples from, in
+:class:`~pagedkv.engine.EngineCore` with a runner that keeps the logits it samples from, in
 two configurations: every prompt in one batch, and the long prompt in small prefill chunks twice
 (the second a prefix-cache hit). Each must give transformers' tokens, with logits within
 ``--atol`` (default 1e-4) at every step up to the first differing token. The committed golden
@@ -20,8 +20,10 @@ from pathlib import Path
 
 import numpy as np
 
-from pagedkv.engine_core import EngineConfig, EngineCore, PagedModelRunner
-from pagedkv.model import LlamaModel, SamplingParams, load_pretrained, sample
+from pagedkv.engine import EngineConfig, EngineCore, PagedModelRunner
+from pagedkv.loaders import load_pretrained
+from pagedkv.models import LlamaModel
+from pagedkv.sampling import SamplingParams, sample
 
 
 class RecordingRunner(PagedModelRunner):

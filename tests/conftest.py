@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedkv.model import LlamaConfig, LlamaWeights
+from pagedkv.models import LlamaConfig, LlamaWeights
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,9 @@ from __future__ import annotations
 import math
 import threading
 
-from pagedkv.engine import Engine
-from pagedkv.engine_core import EngineConfig
-from pagedkv.model import LlamaModel, LlamaWeights, load_tokenizer
+from pagedkv.engine import Engine, EngineConfig
+from pagedkv.loaders import load_tokenizer
+from pagedkv.models import LlamaModel, LlamaWeights
 
 HANG_GUARD_S = 60.0
 

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from pagedkv.model import LlamaModel
+from pagedkv.models import LlamaModel
 
 
 def prefill_logits(model: LlamaModel, tokens: Sequence[int]) -> np.ndarray:

@@ -13,16 +13,18 @@ from pathlib import Path
 
 import pytest
 
-from pagedkv.engine import Engine
-from pagedkv.engine_core import EngineConfig
+from pagedkv.engine import Engine, EngineConfig
 from pagedkv.errors import CheckpointError, InvalidArgumentError, NoChatTemplateError
-from pagedkv.model import LlamaConfig, LlamaModel, LlamaWeights, SamplingParams, save_checkpoint
-from pagedkv.model.chat import render_chat
-from pagedkv.model.generation_config import default_sampling_params
-from pagedkv.model.gguf import config_from_gguf
-from pagedkv.model.gguf_file import read_gguf
-from pagedkv.model.pretrained import locate_registered
-from pagedkv.model.tokenizer import ByteTokenizer, HFTokenizer
+from pagedkv.loaders import save_checkpoint
+from pagedkv.loaders.generation_config import default_sampling_params
+from pagedkv.loaders.gguf import config_from_gguf
+from pagedkv.loaders.gguf_file import read_gguf
+from pagedkv.loaders.registry import locate_registered
+from pagedkv.loaders.tokenizers import tokenizer_from_file, tokenizer_from_gguf_metadata
+from pagedkv.models import LlamaConfig, LlamaModel, LlamaWeights
+from pagedkv.sampling import SamplingParams
+from pagedkv.text.chat import render_chat
+from pagedkv.text.tokenizer import ByteTokenizer, HFTokenizer
 
 SYSTEM_DEFAULT = "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
 
@@ -31,7 +33,7 @@ SYSTEM_DEFAULT = "<|im_start|>system\nYou are a helpful AI assistant named SmolL
 def smollm() -> HFTokenizer:
     path = locate_registered("smollm2-135m")
     header = read_gguf(path)
-    return HFTokenizer.from_gguf_metadata(header.metadata, path, config_from_gguf(header).vocab_size)
+    return tokenizer_from_gguf_metadata(header.metadata, path, config_from_gguf(header).vocab_size)
 
 
 def render(tokenizer: HFTokenizer, messages, add_generation_prompt: bool = True) -> str:
@@ -216,17 +218,17 @@ def test_tokenizer_config_gives_the_template_and_token_text(tmp_path, smollm):
     directory = checkpoint(tmp_path, smollm, tokenizer_config={
         "chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}],
         "bos_token": {"content": "<|im_start|>", "lstrip": False}, "eos_token": "<|im_end|>"})
-    tokenizer = HFTokenizer.from_file(directory / "tokenizer.json")
+    tokenizer = tokenizer_from_file(directory / "tokenizer.json")
     assert (tokenizer.chat_template, tokenizer.bos_token, tokenizer.eos_token) == ("D", "<|im_start|>", "<|im_end|>")
     (directory / "tokenizer_config.json").unlink()
-    assert HFTokenizer.from_file(directory / "tokenizer.json").chat_template is None
+    assert tokenizer_from_file(directory / "tokenizer.json").chat_template is None
 
 
 @pytest.mark.parametrize("config", [[], {"chat_template": 5}, {"chat_template": "x", "eos_token": {"content": 3}}])
 def test_a_malformed_tokenizer_config_is_refused(tmp_path, smollm, config):
     directory = checkpoint(tmp_path, smollm, tokenizer_config=config)
     with pytest.raises(CheckpointError, match="tokenizer_config.json"):
-        HFTokenizer.from_file(directory / "tokenizer.json")
+        tokenizer_from_file(directory / "tokenizer.json")
 
 
 def test_a_tokenizer_config_outside_the_directory_is_refused(tmp_path, smollm):
@@ -235,7 +237,7 @@ def test_a_tokenizer_config_outside_the_directory_is_refused(tmp_path, smollm):
     (tmp_path / "secret.json").write_text("{}")
     (directory / "tokenizer_config.json").symlink_to(tmp_path / "secret.json")
     with pytest.raises(CheckpointError, match="outside the checkpoint directory"):
-        HFTokenizer.from_file(directory / "tokenizer.json")
+        tokenizer_from_file(directory / "tokenizer.json")
 
 
 def test_generation_config_gives_the_default_sampling_params(tmp_path):

@@ -21,17 +21,9 @@ import numpy as np
 import pytest
 
 from pagedkv import CheckpointError
-from pagedkv.model import (
-    DenseReference,
-    LlamaConfig,
-    LlamaModel,
-    LlamaWeights,
-    load_checkpoint,
-    load_config,
-    load_tokenizer,
-    save_checkpoint,
-)
-from pagedkv.model.rope import rope_frequencies
+from pagedkv.loaders import load_checkpoint, load_config, load_tokenizer, save_checkpoint
+from pagedkv.models import DenseReference, LlamaConfig, LlamaModel, LlamaWeights
+from pagedkv.models.rope import rope_frequencies
 
 TINY = LlamaConfig.tiny().replace(num_layers=1)
 

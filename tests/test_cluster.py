@@ -36,8 +36,8 @@ from pagedkv.cluster.router import Router
 from pagedkv.engine import Engine, EngineClosedError
 from pagedkv.errors import InvalidArgumentError, ModelError
 from pagedkv.kv_events import KvEventBatch
-from pagedkv.model.detokenizer import SampleText
-from pagedkv.model.sampling import SamplingParams
+from pagedkv.sampling import SamplingParams
+from pagedkv.text.detokenizer import SampleText
 
 ENGINE = {"num_blocks": 256, "max_num_seqs": 16, "max_num_batched_tokens": 512}
 BLOCK = 16

@@ -21,7 +21,8 @@ from threadpoolctl import threadpool_limits
 import pagedkv
 from pagedkv.engine import Engine
 from pagedkv.kv_events import BlockStored, KvEventBatch
-from pagedkv.model import DenseReference, LlamaWeights, SamplingParams
+from pagedkv.models import DenseReference, LlamaWeights
+from pagedkv.sampling import SamplingParams
 from tier_workload import BLOCK_BYTES, BLOCK_SIZE, FIXED, GREEDY, SYSTEMS, greedy, random_prompt, tiny_core, tiny_model
 
 DATA_FILE = "blocks.dat"

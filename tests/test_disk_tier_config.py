@@ -13,11 +13,11 @@ import pytest
 from pagedkv import InvalidArgumentError, KVCache, Scheduler
 from pagedkv.__main__ import main
 from pagedkv.cli import add_engine_arguments, byte_size, engine_kwargs
-from pagedkv.engine import Engine
-from pagedkv.engine_core import DEFAULT_KV_DISK_BYTES, EngineConfig
+from pagedkv.engine import DEFAULT_KV_DISK_BYTES, Engine, EngineConfig
 from pagedkv.errors import KvTierError
-from pagedkv.model import LlamaConfig, LlamaModel, LlamaWeights, load_model, load_tokenizer
-from pagedkv.model.identity import WeightsDigest, kv_identity
+from pagedkv.loaders import load_model, load_tokenizer
+from pagedkv.loaders.identity import WeightsDigest, kv_identity
+from pagedkv.models import LlamaConfig, LlamaModel, LlamaWeights
 
 
 def digest_of(seed: int) -> str:

@@ -15,9 +15,9 @@ from threadpoolctl import threadpool_limits
 
 from gated_model import HANG_GUARD_S, gated_engine
 from pagedkv import DuplicateSequenceError, InvalidArgumentError, SamplingParams
-from pagedkv.engine import Engine, EngineClosedError, EngineOverloadedError
-from pagedkv.engine_core import EngineConfig, EngineCore, PagedModelRunner
-from pagedkv.model import DenseReference, LlamaModel, LlamaWeights, load_tokenizer
+from pagedkv.engine import Engine, EngineClosedError, EngineConfig, EngineCore, EngineOverloadedError, PagedModelRunner
+from pagedkv.loaders import load_tokenizer
+from pagedkv.models import DenseReference, LlamaModel, LlamaWeights
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 

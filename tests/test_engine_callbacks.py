@@ -8,10 +8,9 @@ import pytest
 
 from gated_model import HANG_GUARD_S
 from pagedkv import ModelError, SamplingParams
-from pagedkv.engine import Engine
-from pagedkv.engine_core import EngineConfig
-from pagedkv.model import LlamaModel
-from pagedkv.model.tokenizer import ByteTokenizer
+from pagedkv.engine import Engine, EngineConfig
+from pagedkv.models import LlamaModel
+from pagedkv.text.tokenizer import ByteTokenizer
 from test_engine import GREEDY, make_engine
 
 INTERRUPTS = pytest.mark.parametrize("error", [SystemExit(3), KeyboardInterrupt()], ids=["SystemExit", "KeyboardInterrupt"])

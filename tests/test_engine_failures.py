@@ -10,10 +10,10 @@ import pytest
 
 from gated_model import HANG_GUARD_S, GatedModel, gated_engine
 from pagedkv import InvalidArgumentError, ModelError, SamplingParams, _core
-from pagedkv.engine import Engine, EngineClosedError
-from pagedkv.engine_core import EngineConfig, EngineCore, PagedModelRunner
-from pagedkv.model import LlamaModel, load_tokenizer
-from pagedkv.model.sampling import NO_TOKEN, sample
+from pagedkv.engine import Engine, EngineClosedError, EngineConfig, EngineCore, PagedModelRunner
+from pagedkv.loaders import load_tokenizer
+from pagedkv.models import LlamaModel
+from pagedkv.sampling import NO_TOKEN, sample
 from test_engine import GREEDY, make_engine
 
 INF, NAN = np.inf, np.nan

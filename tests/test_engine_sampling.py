@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 
 from pagedkv import Engine, InvalidArgumentError, Scheduler, TokenLogprob, UnknownSequenceError
-from pagedkv.engine_core import EngineConfig, EngineCore, SimulatedRunner, VirtualClock
-from pagedkv.model import DenseReference, LlamaModel, SimulatedModel, load_tokenizer
-from pagedkv.model.sampling import Samples, SamplingParams, TokenHistory, sample_with_logprobs
-from pagedkv.model.tokenizer import ByteTokenizer
+from pagedkv.engine import EngineConfig, EngineCore, SimulatedRunner, VirtualClock
+from pagedkv.loaders import load_tokenizer
+from pagedkv.models import DenseReference, LlamaModel, SimulatedModel
+from pagedkv.sampling import Samples, SamplingParams, TokenHistory, sample_with_logprobs
+from pagedkv.text.tokenizer import ByteTokenizer
 
 VOCAB = 259  # ByteTokenizer's
 LETTERS = np.arange(ord("a") + 3, ord("z") + 4)  # ByteTokenizer ids of a..z
@@ -34,7 +35,7 @@ def logits_at(position: int, token: int) -> np.ndarray:
 
 class LogitsRunner:
     """A model whose logits are :func:`logits_at` each row's last input, sampled as
-    :class:`~pagedkv.engine_core.PagedModelRunner` samples."""
+    :class:`~pagedkv.engine.PagedModelRunner` samples."""
 
     vocab_size = VOCAB
     max_model_len = 4096

@@ -10,10 +10,9 @@ import pytest
 
 from gated_model import GatedModel, gated_engine
 from pagedkv import DuplicateSequenceError, InvalidArgumentError, SamplingParams
-from pagedkv.engine import Engine
-from pagedkv.engine_core import EngineConfig, EngineCore, PagedModelRunner
-from pagedkv.model import LlamaModel
-from pagedkv.model.sampling import TokenHistory
+from pagedkv.engine import Engine, EngineConfig, EngineCore, PagedModelRunner
+from pagedkv.models import LlamaModel
+from pagedkv.sampling import TokenHistory
 from test_engine import GREEDY, make_engine
 
 RUNNING = SamplingParams(max_tokens=40, **GREEDY)

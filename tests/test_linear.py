@@ -14,7 +14,7 @@ import pytest
 
 from pagedkv import InvalidArgumentError, ShapeError
 from pagedkv._core import Linear, available_linear_kernels
-from pagedkv.model.weights import _encode, _widen
+from pagedkv.loaders.checkpoint import _encode, _widen
 
 DTYPES = ["float32", "float16", "bfloat16"]
 KERNELS = available_linear_kernels()

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 import pytest
 
 from pagedkv.errors import InvalidArgumentError
-from pagedkv.metrics import EngineMetrics
+from pagedkv.observability.metrics import EngineMetrics
 
 TIMEOUT = 1.5  # the server's per-connection timeout in these tests
 

@@ -19,21 +19,10 @@ from threadpoolctl import threadpool_limits
 
 import pagedkv
 from pagedkv import BlockManager, CheckpointError, InvalidArgumentError
-from pagedkv.model import (
-    ByteTokenizer,
-    DenseReference,
-    HFTokenizer,
-    LlamaConfig,
-    LlamaModel,
-    LlamaWeights,
-    SamplingParams,
-    SimulatedModel,
-    StepCostModel,
-    load_checkpoint,
-    load_tokenizer,
-    sample,
-    save_checkpoint,
-)
+from pagedkv.loaders import load_checkpoint, load_tokenizer, save_checkpoint
+from pagedkv.models import DenseReference, LlamaConfig, LlamaModel, LlamaWeights, SimulatedModel, StepCostModel
+from pagedkv.sampling import SamplingParams, sample
+from pagedkv.text import ByteTokenizer, HFTokenizer
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 from pagedkv.errors import InvalidArgumentError
-from pagedkv.model import DEFAULT_WEIGHT_DTYPE, LlamaModel, load_model, load_pretrained
+from pagedkv.loaders import load_model, load_pretrained
+from pagedkv.models import DEFAULT_WEIGHT_DTYPE, LlamaModel
 from prefill import prefill_logits
 
 LIMIT = 1.2

@@ -22,9 +22,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pagedkv.engine import Engine
-from pagedkv.engine_core import EngineConfig
-from pagedkv.model import DEFAULT_WEIGHT_DTYPE, SamplingParams, load_model
+from pagedkv.engine import Engine, EngineConfig
+from pagedkv.loaders import load_model
+from pagedkv.models import DEFAULT_WEIGHT_DTYPE
+from pagedkv.sampling import SamplingParams
 from prefill import prefill_logits
 
 GOLDEN = json.loads((Path(__file__).parent / "data" / "smollm2_golden.json").read_text())

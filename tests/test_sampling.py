@@ -9,7 +9,7 @@ import pytest
 
 from pagedkv import _core
 from pagedkv.errors import InvalidArgumentError
-from pagedkv.model.sampling import NO_TOKEN, SamplingParams, TokenHistory, sample, sample_with_logprobs
+from pagedkv.sampling import NO_TOKEN, SamplingParams, TokenHistory, sample, sample_with_logprobs
 
 
 class Fixed:

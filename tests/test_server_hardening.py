@@ -26,7 +26,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from pagedkv.engine import Engine, EngineClosedError
-from pagedkv.model.sampling import SamplingParams
+from pagedkv.sampling import SamplingParams
 from pagedkv.server import build_app
 
 MODEL = "tiny-served"

@@ -15,8 +15,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pagedkv.__main__ import main
-from pagedkv.engine_core import EngineConfig, EngineCore, SimulatedRunner
-from pagedkv.model.simulated import SimulatedModel, StepCostModel
+from pagedkv.engine import EngineConfig, EngineCore, SimulatedRunner
+from pagedkv.models.simulated import SimulatedModel, StepCostModel
 from pagedkv.serving.replay import PagedPolicy, SimulatedTime, replay
 from pagedkv.serving.report import summarize
 from pagedkv.serving.reservation import ContinuousReservationPolicy, StaticBatchingPolicy
@@ -213,7 +213,7 @@ def scrape(port: int) -> dict[str, float]:
 
 def test_prometheus_endpoint_matches_the_engine_counts():
     from pagedkv.engine import Engine
-    from pagedkv.model import SamplingParams
+    from pagedkv.sampling import SamplingParams
 
     shared = list(range(10, 74))  # 64 tokens: four full blocks shared by every prompt
     prompts = [shared + [100 + i, 200 + i, 300 + i] for i in range(6)]

@@ -16,15 +16,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pagedkv.engine_core import EngineConfig, EngineCore
+from pagedkv.engine import EngineConfig, EngineCore
 from pagedkv.errors import InvalidArgumentError
-from pagedkv.model import SamplingParams, detokenizer
-from pagedkv.model.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from pagedkv.model.gguf import config_from_gguf
-from pagedkv.model.gguf_file import read_gguf
-from pagedkv.model.pretrained import locate_registered
-from pagedkv.model.sampling import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, Samples
-from pagedkv.model.tokenizer import ByteTokenizer, HFTokenizer
+from pagedkv.loaders.gguf import config_from_gguf
+from pagedkv.loaders.gguf_file import read_gguf
+from pagedkv.loaders.registry import locate_registered
+from pagedkv.loaders.tokenizers import tokenizer_from_gguf_metadata
+from pagedkv.sampling import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, Samples, SamplingParams
+from pagedkv.text import detokenizer
+from pagedkv.text.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from pagedkv.text.tokenizer import ByteTokenizer, HFTokenizer
 
 BYTES = ByteTokenizer()
 
@@ -34,7 +35,7 @@ def smollm() -> HFTokenizer:
     """SmolLM2-135M-Instruct's tokenizer, from its GGUF metadata (no weights loaded)."""
     path = locate_registered("smollm2-135m")
     header = read_gguf(path)
-    return HFTokenizer.from_gguf_metadata(header.metadata, path, config_from_gguf(header).vocab_size)
+    return tokenizer_from_gguf_metadata(header.metadata, path, config_from_gguf(header).vocab_size)
 
 
 def stream(decode, tokens: Sequence[int]) -> tuple[list[str], IncrementalDetokenizer]:

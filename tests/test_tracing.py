@@ -1,4 +1,4 @@
-"""Request traces (pagedkv.tracing) through the SDK's in-memory exporter, and the prefix hit the
+"""Request traces (pagedkv.observability.tracing) through the SDK's in-memory exporter, and the prefix hit the
 core reports as RequestOutput.num_cached_tokens: one request's events in order with their
 attributes, preemption then resumption, W3C traceparent propagation, and nothing when off."""
 
@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from pagedkv import SamplingParams, tracing
-from pagedkv.engine import Engine
-from pagedkv.engine_core import EngineConfig, EngineCore, PagedModelRunner
-from pagedkv.model import LlamaModel, load_tokenizer
+from pagedkv import SamplingParams
+from pagedkv.engine import Engine, EngineConfig, EngineCore, PagedModelRunner
+from pagedkv.loaders import load_tokenizer
+from pagedkv.models import LlamaModel
+from pagedkv.observability import tracing
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 

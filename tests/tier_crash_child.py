@@ -16,7 +16,7 @@ import random
 import sys
 from pathlib import Path
 
-from pagedkv.model import SamplingParams
+from pagedkv.sampling import SamplingParams
 from tier_workload import FIXED, GREEDY, greedy, random_prompt, tiny_core, tiny_model
 
 

@@ -8,9 +8,10 @@ import random
 from collections.abc import Sequence
 from pathlib import Path
 
-from pagedkv.engine_core import EngineConfig, EngineCore, PagedModelRunner
-from pagedkv.model import LlamaConfig, LlamaModel, LlamaWeights, SamplingParams
-from pagedkv.model.identity import WeightsDigest, kv_identity
+from pagedkv.engine import EngineConfig, EngineCore, PagedModelRunner
+from pagedkv.loaders.identity import WeightsDigest, kv_identity
+from pagedkv.models import LlamaConfig, LlamaModel, LlamaWeights
+from pagedkv.sampling import SamplingParams
 
 BLOCK_SIZE = 16
 # Bytes of one tiny-model block (4 layers x 2 KV heads x 32 dims x K and V x 16 tokens x float32).

@@ -22,11 +22,14 @@ from pagedkv._core import (
     measure_read_bandwidth,
     set_num_threads,
 )
-from pagedkv.engine import Engine, EngineClosedError, EngineOverloadedError, RequestHandle
-from pagedkv.engine_core import (
+from pagedkv.engine import (
     CompletionOutput,
+    Engine,
+    EngineClosedError,
     EngineConfig,
     EngineCore,
+    EngineOverloadedError,
+    RequestHandle,
     RequestMetrics,
     RequestOutput,
     TokenEvent,
@@ -46,7 +49,8 @@ from pagedkv.errors import (
     UnknownSequenceError,
 )
 from pagedkv.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEventBatch, KvEventPublisher, KvSnapshot
-from pagedkv.model import LlamaConfig, LlamaModel, SamplingParams, SimulatedModel
+from pagedkv.models import LlamaConfig, LlamaModel, SimulatedModel
+from pagedkv.sampling import SamplingParams
 
 __all__ = [
     "BlockManager",

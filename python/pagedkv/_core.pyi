@@ -531,4 +531,4 @@ def sample_rows(
     """One token per row of ``logits`` ``[rows, vocab]`` under that row of ``params`` ``[rows,
     len(SAMPLING_COLUMNS)]``, the rows' token histories in CSR form (``history_offsets`` ``[rows +
     1]`` into ``history_tokens`` and ``history_counts``): ``(tokens, logprobs, top_ids,
-    top_logprobs)``; unused entries hold -1 and NaN. Used by :func:`pagedkv.model.sampling.sample`."""
+    top_logprobs)``; unused entries hold -1 and NaN. Used by :func:`pagedkv.sampling.sample`."""

@@ -19,9 +19,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
-from pagedkv.engine_core import DEFAULT_KV_DISK_BYTES, EngineConfig
-from pagedkv.model.llama import DEFAULT_WEIGHT_DTYPE, WEIGHT_DTYPES
-from pagedkv.model.pretrained import REGISTRY
+from pagedkv.engine import DEFAULT_KV_DISK_BYTES, EngineConfig
+from pagedkv.loaders.registry import REGISTRY
+from pagedkv.models.llama import DEFAULT_WEIGHT_DTYPE, WEIGHT_DTYPES
 
 __all__ = [
     "positive_int",
@@ -80,7 +80,7 @@ def existing_file(text: str) -> Path:
 
 def model_source(text: str) -> str:
     """``tiny`` (the built-in model), a registered model name, a ``.gguf`` file or an existing
-    checkpoint directory (what :func:`pagedkv.model.load_pretrained` takes)."""
+    checkpoint directory (what :func:`pagedkv.loaders.load_pretrained` takes)."""
     if text == "tiny" or text in REGISTRY:
         return text
     path = Path(text)
@@ -171,7 +171,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, default_model: str 
     ``--num-blocks``, ``--max-num-seqs``, ``--max-num-batched-tokens``, ``--kv-dtype``, ``--weight-dtype``,
     ``--eviction-policy``, ``--kv-disk-path``, ``--kv-disk-bytes``, ``--seed``
     (read back by :func:`engine_kwargs`) and ``--otlp-traces-endpoint`` (for
-    :func:`pagedkv.tracing.configure`)."""
+    :func:`pagedkv.observability.tracing.configure`)."""
     parser.add_argument(
         "--model",
         type=model_source,

@@ -28,12 +28,11 @@ from rich.live import Live
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from pagedkv import tracing
 from pagedkv.cli import add_engine_arguments, engine_kwargs, port, positive_int, seconds
-from pagedkv.engine import Engine, RequestHandle
-from pagedkv.engine_core import RequestOutput
+from pagedkv.engine import Engine, RequestHandle, RequestOutput
 from pagedkv.errors import InvalidArgumentError
-from pagedkv.model import SamplingParams
+from pagedkv.observability import tracing
+from pagedkv.sampling import SamplingParams
 from pagedkv.traces import load_trace
 
 # A request's prompt: token ids (trace workload) or a conversation (chat workload).

@@ -299,7 +299,7 @@ def llama_server_command(args: argparse.Namespace, port: int, slot_tokens: int) 
 
 def gguf_of(model: str) -> Path:
     """The GGUF file llama-server loads for ``model`` (a registered name or a .gguf path)."""
-    from pagedkv.model.pretrained import REGISTRY, locate_registered
+    from pagedkv.loaders.registry import REGISTRY, locate_registered
 
     if model in REGISTRY:
         return locate_registered(model)
@@ -413,8 +413,8 @@ def run(args: argparse.Namespace) -> int:
     import httpx
 
     import pagedkv
-    from pagedkv import tracing
     from pagedkv.engine import Engine
+    from pagedkv.observability import tracing
 
     for key, value in (QUICK if args.quick else FULL).items():
         if getattr(args, key) is None:

@@ -32,7 +32,7 @@ from threadpoolctl import threadpool_limits
 import pagedkv
 from pagedkv import _core
 from pagedkv.cli import comma_list, one_of, positive_int
-from pagedkv.model import LlamaConfig, LlamaModel, LlamaWeights
+from pagedkv.models import LlamaConfig, LlamaModel, LlamaWeights
 
 MIB = 1 << 20
 DTYPES = ("float32", "bfloat16", "float16")

@@ -34,9 +34,11 @@ import numpy as np
 import pagedkv
 from pagedkv import _core
 from pagedkv.cli import comma_list, positive_int
-from pagedkv.engine_core import EngineConfig, EngineCore, PagedModelRunner
-from pagedkv.model import DEFAULT_WEIGHT_DTYPE, WEIGHT_DTYPES, LlamaConfig, LlamaModel, SamplingParams, load_model
-from pagedkv.model.pretrained import locate_registered
+from pagedkv.engine import EngineConfig, EngineCore, PagedModelRunner
+from pagedkv.loaders import load_model
+from pagedkv.loaders.registry import locate_registered
+from pagedkv.models import DEFAULT_WEIGHT_DTYPE, WEIGHT_DTYPES, LlamaConfig, LlamaModel
+from pagedkv.sampling import SamplingParams
 
 MODEL = "smollm2-135m"
 PROMPT_TOKENS = 512

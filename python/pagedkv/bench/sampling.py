@@ -1,4 +1,4 @@
-"""The sampler (``pagedkv.model.sampling.sample``, the Rust kernel) against the numpy sampler it
+"""The sampler (``pagedkv.sampling.sample``, the Rust kernel) against the numpy sampler it
 replaced, on the same random logits, one case per line: greedy, temperature, top-p, top-k, min-p,
 all filters together, and penalties over a 256-token history per row. Both run in the same process,
 interleaved; the median of ``--repeats`` calls is reported, with the machine's load average
@@ -21,7 +21,7 @@ import time
 import numpy as np
 
 from pagedkv.cli import positive_int
-from pagedkv.model.sampling import SamplingParams, TokenHistory, sample
+from pagedkv.sampling import SamplingParams, TokenHistory, sample
 
 CASES: dict[str, dict] = {
     "greedy": dict(temperature=0.0),

@@ -2,7 +2,7 @@
 reservations), paged continuous batching, and paged with prefix caching, at the same KV memory.
 
 Each policy replays the same trace requests on the same simulated cost model (a 7B model on an
-A100-class GPU, :class:`~pagedkv.model.simulated.StepCostModel`) and its own virtual clock; the
+A100-class GPU, :class:`~pagedkv.models.simulated.StepCostModel`) and its own virtual clock; the
 paged policies run pagedkv's Rust scheduler for real. By default the trace's own arrival times are
 replayed: the first 2000 conversation requests arrive at about 4.7 requests/s, more than any of
 the four policies sustains with 65,536 token slots of KV, so the run measures each policy's
@@ -177,9 +177,9 @@ def _sweep(args: argparse.Namespace, setup: ServingSetup, progress: _Progress) -
 def _real_model(args: argparse.Namespace, progress: _Progress) -> dict[str, object]:
     """Policies 3 and 4 on the real tiny model (wall clock): trace lengths scaled by 1/8, system
     prompts likewise, every request arriving at once."""
-    from pagedkv.engine_core import EngineCore, PagedModelRunner
-    from pagedkv.model import LlamaConfig, LlamaModel
-    from pagedkv.model.weights import LlamaWeights
+    from pagedkv.engine import EngineCore, PagedModelRunner
+    from pagedkv.models import LlamaConfig, LlamaModel
+    from pagedkv.models.weights import LlamaWeights
     from pagedkv.serving.replay import PagedPolicy, WallTime, replay
 
     count = min(args.real_requests, 8) if args.quick else args.real_requests

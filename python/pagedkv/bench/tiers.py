@@ -11,7 +11,7 @@ turns of a session its blocks are evicted by the others': RAM-only recomputes th
 loads them back.
 
 Every variant runs the same requests in the same closed-loop order on the same model (real
-compute, wall clock, greedy) through :class:`~pagedkv.engine_core.EngineCore` stepped here, one
+compute, wall clock, greedy) through :class:`~pagedkv.engine.EngineCore` stepped here, one
 thread. Reported per variant: prefix hit rate (prompt tokens served from cache, RAM or disk),
 TTFT p50/p99, output tokens/s, and the disk tier's figures. Then the restart: the RAM + disk
 engine is closed (its tier flushed), and the first ``--restart-requests`` requests of the workload
@@ -37,10 +37,12 @@ from pathlib import Path
 import numpy as np
 
 from pagedkv.cli import byte_size, comma_list, model_source, non_negative_int, positive_float, positive_int, trace_source
-from pagedkv.engine_core import EngineConfig, EngineCore, PagedModelRunner, RequestOutput
+from pagedkv.engine import EngineConfig, EngineCore, PagedModelRunner, RequestOutput
 from pagedkv.errors import InvalidArgumentError
-from pagedkv.model import LlamaModel, SamplingParams, load_model
-from pagedkv.model.identity import WeightsDigest, kv_identity
+from pagedkv.loaders import load_model
+from pagedkv.loaders.identity import WeightsDigest, kv_identity
+from pagedkv.models import LlamaModel
+from pagedkv.sampling import SamplingParams
 from pagedkv.traces import SHIPPED_TRACES, TraceRequest, load_trace
 
 TARGET_TTFT_P50_SPEEDUP = 2.0

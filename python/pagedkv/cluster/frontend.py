@@ -53,13 +53,21 @@ from ray.exceptions import RayError, RayTaskError
 
 from pagedkv.cluster.replica import Ended, PollReply, Replica, ReplicaInfo
 from pagedkv.cluster.router import NoReplicaError, Router
-from pagedkv.engine import EngineClosedError, EngineOverloadedError, RequestHandle
-from pagedkv.engine_core import CompletionOutput, RequestMetrics, RequestOutput, TokenEvent, TokenLogprob
+from pagedkv.engine import (
+    CompletionOutput,
+    EngineClosedError,
+    EngineOverloadedError,
+    RequestHandle,
+    RequestMetrics,
+    RequestOutput,
+    TokenEvent,
+    TokenLogprob,
+)
 from pagedkv.errors import ModelError, PagedKVError
-from pagedkv.metrics import EngineMetrics
-from pagedkv.model.detokenizer import SampleText
-from pagedkv.model.prompt import encode_text
-from pagedkv.model.sampling import SamplingParams
+from pagedkv.observability.metrics import EngineMetrics
+from pagedkv.sampling import SamplingParams
+from pagedkv.text.detokenizer import SampleText
+from pagedkv.text.prompt import encode_text
 
 __all__ = ["MAX_REPLICA_LOSSES", "Cluster", "ReplicaStatus", "spawn_replicas"]
 

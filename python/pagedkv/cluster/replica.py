@@ -39,14 +39,13 @@ import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 
-from pagedkv import tracing
 from pagedkv.cluster.router import ReplicaLoad
-from pagedkv.engine import Engine, EngineClosedError
-from pagedkv.engine_core import TokenEvent, TokenLogprob
+from pagedkv.engine import Engine, EngineClosedError, TokenEvent, TokenLogprob
 from pagedkv.errors import ModelError, PagedKVError
 from pagedkv.kv_events import KvEventBatch, KvSnapshot
-from pagedkv.model.sampling import SamplingParams
-from pagedkv.model.tokenizer import Tokenizer
+from pagedkv.observability import tracing
+from pagedkv.sampling import SamplingParams
+from pagedkv.text.tokenizer import Tokenizer
 
 __all__ = ["STREAM_INTERVAL", "Ended", "PollReply", "Replica", "ReplicaInfo", "Token"]
 

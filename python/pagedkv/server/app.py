@@ -29,8 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from pagedkv import __version__
-from pagedkv.engine import Engine
-from pagedkv.engine_core import RequestOutput
+from pagedkv.engine import Engine, RequestOutput
 from pagedkv.server.client import EngineClient, LocalEngine
 from pagedkv.server.errors import BodyLimit, ModelNotFoundError, install_handlers
 from pagedkv.server.formats import ChatFormat, CompletionFormat, Format

@@ -17,8 +17,8 @@ from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from pagedkv.engine import Engine, RequestHandle
-from pagedkv.model.sampling import SamplingParams
-from pagedkv.model.tokenizer import Tokenizer
+from pagedkv.sampling import SamplingParams
+from pagedkv.text.tokenizer import Tokenizer
 
 __all__ = ["EngineClient", "LocalEngine"]
 

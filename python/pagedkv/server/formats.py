@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from pagedkv.engine_core import CompletionOutput, RequestOutput, TokenEvent
+from pagedkv.engine import CompletionOutput, RequestOutput, TokenEvent
 from pagedkv.server.generation import Generation, TokenText, chat_logprobs, completion_logprobs, finish_reason, usage
 
 __all__ = ["ChatFormat", "CompletionFormat", "Format"]

@@ -25,13 +25,12 @@ import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 
-from pagedkv.engine import EngineClosedError, RequestHandle
-from pagedkv.engine_core import RequestOutput, TokenEvent, TokenLogprob
+from pagedkv.engine import EngineClosedError, RequestHandle, RequestOutput, TokenEvent, TokenLogprob
 from pagedkv.errors import PagedKVError
-from pagedkv.model.sampling import SamplingParams
-from pagedkv.model.tokenizer import Tokenizer
+from pagedkv.sampling import SamplingParams
 from pagedkv.server.client import EngineClient
 from pagedkv.server.prompts import Prompt, PromptEncoder
+from pagedkv.text.tokenizer import Tokenizer
 
 __all__ = ["Generation", "finish_reason", "usage"]
 

@@ -31,7 +31,6 @@ from types import FrameType
 
 import uvicorn
 
-from pagedkv import tracing
 from pagedkv.cli import (
     add_engine_arguments,
     byte_size,
@@ -45,11 +44,12 @@ from pagedkv.cli import (
 from pagedkv.cluster.router import POLICIES
 from pagedkv.engine import Engine
 from pagedkv.errors import CheckpointError, InvalidArgumentError, PagedKVError
-from pagedkv.metrics import EngineMetrics
-from pagedkv.model.chat import check_template
+from pagedkv.observability import tracing
+from pagedkv.observability.metrics import EngineMetrics
 from pagedkv.server.app import DEFAULT_MAX_TOKENS, MAX_REQUEST_BYTES, build_app
 from pagedkv.server.client import EngineClient
 from pagedkv.server.connections import GuardedH11Protocol, quiet_accept_errors
+from pagedkv.text.chat import check_template
 
 # How long --replicas waits for every replica to answer its first heartbeat before serving.
 _REPLICA_START_SECONDS = 300.0

@@ -10,9 +10,9 @@ Invariants:
 - A text longer than ``max_model_len * tokenizer.max_token_chars`` characters is refused (400)
   before it is tokenized: it cannot fit the model's length, whatever its tokens.
 - Rendering and tokenizing run in at most :data:`ENCODER_THREADS` threads; tokenizing releases
-  the GIL (:meth:`~pagedkv.model.tokenizer.HFTokenizer.encode`) and rendering is bounded in time
-  and size (:mod:`pagedkv.model.chat`), so a thread is never held long.
-- Errors are those of :mod:`pagedkv.model.prompt`: :class:`~pagedkv.errors.InvalidArgumentError`
+  the GIL (:meth:`~pagedkv.text.tokenizer.HFTokenizer.encode`) and rendering is bounded in time
+  and size (:mod:`pagedkv.text.chat`), so a thread is never held long.
+- Errors are those of :mod:`pagedkv.text.prompt`: :class:`~pagedkv.errors.InvalidArgumentError`
   or :class:`~pagedkv.errors.NoChatTemplateError`, raised to the request's handler.
 """
 
@@ -23,8 +23,8 @@ from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from pagedkv.errors import InvalidArgumentError
-from pagedkv.model.prompt import encode_chat, encode_text
-from pagedkv.model.tokenizer import Tokenizer
+from pagedkv.text.prompt import encode_chat, encode_text
+from pagedkv.text.tokenizer import Tokenizer
 
 __all__ = ["ENCODER_THREADS", "Prompt", "PromptEncoder"]
 

@@ -5,7 +5,7 @@ Invariants:
 - These models check shape and type only: an unknown field is refused (``extra="forbid"``), and
   no value is coerced across types (``strict``: "3" is not an int, true is not a number; an int
   is a float). Ranges (temperature ≥ 0, n ≥ 1, top_p in (0, 1], …) are checked once, by
-  :class:`~pagedkv.model.sampling.SamplingParams` and the scheduler, when the request is built
+  :class:`~pagedkv.sampling.SamplingParams` and the scheduler, when the request is built
   (:func:`sampling_params`), so the server and the library can never disagree.
 - A refused body becomes FastAPI's ``RequestValidationError``, which :mod:`pagedkv.server.errors`
   answers with OpenAI's 400.
@@ -22,7 +22,7 @@ from typing import Annotated
 from pydantic import BaseModel, ConfigDict, Field
 
 from pagedkv.errors import InvalidArgumentError
-from pagedkv.model.sampling import SamplingParams
+from pagedkv.sampling import SamplingParams
 
 __all__ = ["ChatCompletionRequest", "ChatMessage", "CompletionRequest", "StreamOptions", "sampling_params"]
 

@@ -3,7 +3,7 @@ in virtual time, with delayed and lossy KV events, replica failures, and request
 
 Design (a discrete-event simulation over one virtual timeline):
 
-- Each replica is an :class:`~pagedkv.engine_core.EngineCore` over a :class:`SimulatedRunner` (the
+- Each replica is an :class:`~pagedkv.engine.EngineCore` over a :class:`SimulatedRunner` (the
   Rust scheduler and block manager run for real) on its own :class:`VirtualClock`. A replica step
   is computed when its start event comes up (its clock set to that time, the runner advancing it
   by the modelled duration); what the step produced (tokens, finishes, its load report) becomes
@@ -42,11 +42,11 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from pagedkv.cluster.router import NoReplicaError, ReplicaLoad, Router
-from pagedkv.engine_core import EngineCore, RequestOutput, SimulatedRunner, TokenEvent, VirtualClock
+from pagedkv.engine import EngineCore, RequestOutput, SimulatedRunner, TokenEvent, VirtualClock
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.kv_events import KvEventBatch
-from pagedkv.model.sampling import SamplingParams
-from pagedkv.model.simulated import SimulatedModel
+from pagedkv.models.simulated import SimulatedModel
+from pagedkv.sampling import SamplingParams
 from pagedkv.serving.simulation import ServingSetup
 from pagedkv.serving.workload import Workload
 

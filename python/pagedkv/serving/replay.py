@@ -2,7 +2,7 @@
 records what every step did and when every request finished.
 
 A policy is any :class:`ServingPolicy`: the paged engine (:class:`PagedPolicy`, wrapping an
-:class:`~pagedkv.engine_core.EngineCore`) or a reservation baseline
+:class:`~pagedkv.engine.EngineCore`) or a reservation baseline
 (:mod:`pagedkv.serving.reservation`). Time comes from a :class:`ReplayClock`: simulated seconds
 (:class:`SimulatedTime`, advanced by the model's cost per step and jumped forward over idle gaps)
 or wall seconds (:class:`WallTime`, which sleeps over idle gaps).
@@ -15,8 +15,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from pagedkv.engine_core import EngineCore, RequestMetrics, VirtualClock
-from pagedkv.model.sampling import SamplingParams
+from pagedkv.engine import EngineCore, RequestMetrics, VirtualClock
+from pagedkv.sampling import SamplingParams
 from pagedkv.serving.workload import ServingRequest
 
 __all__ = [

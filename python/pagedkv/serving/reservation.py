@@ -9,7 +9,7 @@ paging: every admitted request holds ``max_model_len`` token slots until it rele
 
 Both run the same iteration as the paged scheduler (running requests first, one decode token or
 their next prompt chunk, under the same token budget and sequence cap; then admissions), and
-charge each step to the same :class:`~pagedkv.model.simulated.StepCostModel` on the same virtual
+charge each step to the same :class:`~pagedkv.models.simulated.StepCostModel` on the same virtual
 clock, so the only difference from paging is how memory is reserved. They are generous to the
 static baseline: prompts are not padded to the batch's longest, and finished rows stop computing.
 """
@@ -20,9 +20,9 @@ from collections import deque
 from dataclasses import dataclass
 from typing import ClassVar
 
-from pagedkv.engine_core import RequestMetrics
+from pagedkv.engine import RequestMetrics
 from pagedkv.errors import InvalidArgumentError
-from pagedkv.model.simulated import StepCostModel
+from pagedkv.models.simulated import StepCostModel
 from pagedkv.serving.replay import PolicyTotals, SimulatedTime, StepRecord
 from pagedkv.serving.workload import ServingRequest
 

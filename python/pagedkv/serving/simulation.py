@@ -6,9 +6,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pagedkv.engine_core import EngineConfig, EngineCore, SimulatedRunner
+from pagedkv.engine import EngineConfig, EngineCore, SimulatedRunner
 from pagedkv.errors import InvalidArgumentError
-from pagedkv.model.simulated import SimulatedModel, StepCostModel
+from pagedkv.models.simulated import SimulatedModel, StepCostModel
 from pagedkv.serving.replay import PagedPolicy, ReplayResult, ServingPolicy, SimulatedTime, replay
 from pagedkv.serving.reservation import ContinuousReservationPolicy, StaticBatchingPolicy
 from pagedkv.serving.workload import Workload

@@ -16,7 +16,7 @@ Invariants:
   what the scheduler cannot know (the vocabulary, the type of the sampling parameters, the model's
   longest position).
 - With a tokenizer, each sample's text is built here, incrementally
-  (:mod:`pagedkv.model.detokenizer`): every :class:`TokenEvent` carries its text delta, the deltas
+  (:mod:`pagedkv.text.detokenizer`): every :class:`TokenEvent` carries its text delta, the deltas
   concatenate to :attr:`CompletionOutput.text`, and that is ``tokenizer.decode(token_ids)`` unless
   a stop string cut it (or the sample ended without a last token — aborted, failed — when the
   text still held back is dropped, as it was never streamed). A sample whose stop string
@@ -27,20 +27,20 @@ Invariants:
   A tokenizer that raises (anything, ``SystemExit`` included: :mod:`pagedkv.callbacks`) fails
   the request alone, like NaN logits.
 - Sampling state is per sample: its generator (seeded by (seed, sample index)) and, only for a
-  request with a penalty on, its :class:`~pagedkv.model.sampling.TokenHistory` (the prompt's,
+  request with a penalty on, its :class:`~pagedkv.sampling.TokenHistory` (the prompt's,
   copied for each of the n samples, plus every token appended to its output): a row's draw
   depends on nothing else in its batch. With ``logprobs`` asked, each token appended to a
   sample's ``token_ids`` appends its :class:`TokenLogprob` to ``logprobs`` and rides its
   :class:`TokenEvent`; a token not kept (after a stop string, aborted) leaves neither, so
   ``len(logprobs) == len(token_ids)`` always.
-- A sample row the model left nothing to draw from (:data:`~pagedkv.model.sampling.NO_TOKEN`: NaN
+- A sample row the model left nothing to draw from (:data:`~pagedkv.sampling.NO_TOKEN`: NaN
   logits), or whose parameters the sampling kernel refused (:attr:`Samples.refused`), fails its
   request alone: it ends with ``finish_reason == "error"`` and ``error`` set.
   A runner that raises aborts the requests of its step (their blocks freed, the protocol completed)
   and the exception propagates; what the step wrote to the KV cache is then undefined, so the
   caller should stop using this core (the threaded engine does).
 - :attr:`RequestOutput.num_cached_tokens` is set from the scheduler's "admitted" event of the
-  step that first admits the request. With a tracer (:mod:`pagedkv.tracing`), it sees each request
+  step that first admits the request. With a tracer (:mod:`pagedkv.observability.tracing`), it sees each request
   added, each step (after its update) and each end; without one, each costs one ``is None`` test.
   What the tracer raises is logged and ignored (:mod:`pagedkv.callbacks`).
 - KV events (``emit_kv_events``) are recorded into :attr:`kv_events` under the lock (a step's
@@ -58,39 +58,26 @@ import operator
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from pagedkv._core import KVCache, Scheduler, SchedulerOutput
 from pagedkv.callbacks import call_guarded
+from pagedkv.engine.config import EngineConfig
+from pagedkv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenEvent, TokenLogprob
+from pagedkv.engine.runners import ModelRunner
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, KvEventPublisher, KvSnapshot
-from pagedkv.model.detokenizer import SampleText
-from pagedkv.model.sampling import NO_TOKEN, Samples, SamplingParams, TokenHistory, sample_with_logprobs
-from pagedkv.model.simulated import SimulatedModel
-from pagedkv.model.step import ModelStep
-from pagedkv.model.tokenizer import Tokenizer
+from pagedkv.sampling import NO_TOKEN, Samples, SamplingParams, TokenHistory
+from pagedkv.text.detokenizer import SampleText
+from pagedkv.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from pagedkv.tracing import RequestTracer
+    from pagedkv.observability.tracing import RequestTracer
 
-__all__ = [
-    "CompletionOutput",
-    "DEFAULT_KV_DISK_BYTES",
-    "EngineCore",
-    "ModelRunner",
-    "PagedModelRunner",
-    "RequestMetrics",
-    "RequestOutput",
-    "EngineConfig",
-    "SimulatedRunner",
-    "TokenEvent",
-    "TokenLogprob",
-    "VirtualClock",
-]
+__all__ = ["EngineCore"]
 
 
 _log = logging.getLogger(__name__)
@@ -98,232 +85,6 @@ _log = logging.getLogger(__name__)
 # How long a step with nothing to run but sequences loading from the disk tier sleeps: a tiny
 # model's block loads in ~0.05 ms, so a wait rarely costs more than this (spinning cost a core).
 _LOAD_WAIT_SECONDS = 0.0002
-
-# The disk tier's capacity when only its directory is given: 1 GiB, 1456 blocks (23k tokens) of
-# SmolLM2-135M in float32 (30 layers x 3 KV heads x 64 dims x K and V x 16 tokens x 4 B = 737 kB).
-DEFAULT_KV_DISK_BYTES = 1 << 30
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    """Memory and batching limits of an engine."""
-
-    num_blocks: int = 1024
-    block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    # None: the model's longest position, capped by the cache; more than the model's is refused.
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    policy: str = "fcfs"
-    long_prefill_token_threshold: int = 0
-    # Admission headroom: admit a waiting request only if the running sequences (and it) can still
-    # finish their prompts and grow this many tokens each; None admits whenever the first chunk
-    # fits now (memory fills, and growth then preempts the request just admitted). See Scheduler.
-    admission_lookahead_tokens: int | None = 32
-    # "lru" or "slru" (segmented LRU: cached blocks a prefix lookup hit outlive never-hit ones).
-    # slru by default: replaying 1000 requests of the Azure traces with 8 shared system prompts on
-    # the simulated model, it hit more of the prefix cache than lru in every case measured (conv
-    # 0.244 vs 0.230 and code 0.106 vs 0.087 at 1024 blocks; equal within 0.4 points at 4096).
-    eviction_policy: str = "slru"
-    kv_dtype: str = "float32"
-    # The disk tier (issue 13): evicted cached blocks are offloaded to a store in this directory
-    # (created if missing) and loaded back on a prefix hit, across restarts. None: RAM only.
-    kv_disk_path: str | Path | None = None
-    # The tier's capacity in bytes of K/V data (None with a path: DEFAULT_KV_DISK_BYTES); a size
-    # without a path is refused.
-    kv_disk_bytes: int | None = None
-    # With a disk tier: clean RAM blocks kept ahead of need by offloading the next eviction
-    # victims early (None: the scheduler's default, one step's token budget in blocks, at most a
-    # sixteenth of the pool); an allocation finding no clean block drops a cached block unsaved.
-    offload_watermark_blocks: int | None = None
-    # With a disk tier: a run of fewer disk hits than this is recomputed instead of loaded.
-    min_load_blocks: int = 1
-    # Record KV events (BlockStored / BlockRemoved / AllBlocksCleared, per medium) for a router:
-    # EngineCore.kv_events publishes them after every step. Off: nothing is recorded.
-    emit_kv_events: bool = False
-
-    def disk_tier(self) -> tuple[str | Path, int] | None:
-        """The disk tier's directory (as given: ``Path("")`` would turn an empty path, which the
-        core refuses, into the current directory) and capacity, or None without one. Raises
-        :class:`InvalidArgumentError` for a capacity without a directory, or a value of the wrong
-        type (the core checks the size's range and the directory)."""
-        if self.kv_disk_path is None:
-            if self.kv_disk_bytes is not None:
-                raise InvalidArgumentError("kv_disk_bytes needs kv_disk_path (the directory of the disk tier)")
-            return None
-        if not isinstance(self.kv_disk_path, (str, Path)):
-            raise InvalidArgumentError(f"kv_disk_path must be a str or Path, got {type(self.kv_disk_path).__name__}")
-        capacity = DEFAULT_KV_DISK_BYTES if self.kv_disk_bytes is None else self.kv_disk_bytes
-        return self.kv_disk_path, capacity
-
-
-@dataclass
-class RequestMetrics:
-    """Timestamps of one request (seconds of the engine's clock) and what they imply."""
-
-    arrival_time: float
-    first_token_time: float | None = None
-    finished_time: float | None = None
-    num_output_tokens: int = 0
-
-    @property
-    def ttft(self) -> float | None:
-        """Time to first token."""
-        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
-
-    @property
-    def tpot(self) -> float | None:
-        """Mean time per output token after the first."""
-        if self.first_token_time is None or self.finished_time is None or self.num_output_tokens < 2:
-            return None
-        return (self.finished_time - self.first_token_time) / (self.num_output_tokens - 1)
-
-    @property
-    def e2e_latency(self) -> float | None:
-        """Arrival to last token."""
-        return None if self.finished_time is None else self.finished_time - self.arrival_time
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """A generated token's log-probability under the model's raw logits (before penalties,
-    temperature and filters), and ``top``: the request's ``top_logprobs`` most likely tokens as
-    ``(token_id, logprob)``, most likely first (empty when it asked for none)."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...] = ()
-
-
-@dataclass
-class CompletionOutput:
-    """One sample of a request. ``finish_reason``: None while it runs, else "stop", "length",
-    "max_model_len", "abort", or "error" (its request failed: see :attr:`RequestOutput.error`).
-    ``logprobs``: None unless the request asked for them, else one entry per token of
-    ``token_ids``."""
-
-    index: int
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    text: str = ""
-    logprobs: list[TokenLogprob] | None = None
-
-
-@dataclass
-class RequestOutput:
-    """A request's prompt and samples so far (all of them once ``finished``). ``error`` says why
-    a request failed (its samples then end with ``finish_reason == "error"``), None otherwise."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    metrics: RequestMetrics
-    prompt: str | None = None
-    finished: bool = False
-    error: str | None = None
-    # Prompt tokens served from the prefix cache at its first admission (OpenAI's
-    # usage.prompt_tokens_details.cached_tokens); 0 until then.
-    num_cached_tokens: int = 0
-
-    @property
-    def text(self) -> str:
-        """Text of the first sample."""
-        return self.outputs[0].text
-
-    @property
-    def token_ids(self) -> list[int]:
-        """Tokens of the first sample."""
-        return self.outputs[0].token_ids
-
-
-@dataclass(frozen=True)
-class TokenEvent:
-    """One token produced by a step, for streaming; ``text`` is the text it adds to its sample
-    (empty without a tokenizer, and while a character or a possible stop string is incomplete);
-    ``logprob``: the token's, when its request asked for logprobs."""
-
-    request_id: str
-    index: int
-    token_id: int
-    finish_reason: str | None
-    text: str = ""
-    logprob: TokenLogprob | None = None
-
-
-class ModelRunner(Protocol):
-    """Turns a scheduled step into one sampled token per sample row."""
-
-    vocab_size: int
-    max_model_len: int
-
-    def run(
-        self,
-        step: ModelStep,
-        params: Sequence[SamplingParams],
-        generators: Sequence[np.random.Generator],
-        histories: Sequence[TokenHistory | None],
-    ) -> Samples:
-        """The samples of ``step.logits_indices``: row r drawn under ``params[r]`` from
-        ``generators[r]``, penalised by ``histories[r]`` (None: no penalty), with the logprobs
-        ``params[r]`` asks for (:func:`~pagedkv.model.sampling.sample_with_logprobs`);
-        :data:`~pagedkv.model.sampling.NO_TOKEN` for a row with nothing to draw from."""
-        ...
-
-
-class VirtualClock:
-    """A clock that only moves when told: simulated runs measure latency in modelled seconds."""
-
-    def __init__(self, start: float = 0.0) -> None:
-        self.now = start
-
-    def __call__(self) -> float:
-        return self.now
-
-    def advance(self, seconds: float) -> None:
-        self.now += seconds
-
-
-class PagedModelRunner:
-    """A model computing logits over a paged :class:`KVCache` (e.g. :class:`pagedkv.LlamaModel`)."""
-
-    def __init__(self, model, num_blocks: int, block_size: int, kv_dtype: str = "float32") -> None:
-        self.model = model
-        self.kv_cache: KVCache = model.new_kv_cache(num_blocks, block_size, kv_dtype)
-        self.vocab_size = model.config.vocab_size
-        self.max_model_len = model.config.max_position_embeddings
-
-    def run(
-        self,
-        step: ModelStep,
-        params: Sequence[SamplingParams],
-        generators: Sequence[np.random.Generator],
-        histories: Sequence[TokenHistory | None],
-    ) -> Samples:
-        logits = self.model.forward(step, self.kv_cache)
-        return sample_with_logprobs(logits, params, generators, histories)
-
-
-class SimulatedRunner:
-    """A :class:`SimulatedModel`: no arithmetic; each step advances ``clock`` by the modelled time."""
-
-    def __init__(self, model: SimulatedModel, clock: VirtualClock, max_model_len: int = 1 << 20) -> None:
-        self.model = model
-        self.clock = clock
-        self.vocab_size = model.vocab_size
-        self.max_model_len = max_model_len
-
-    def run(
-        self,
-        step: ModelStep,
-        params: Sequence[SamplingParams],
-        generators: Sequence[np.random.Generator],
-        histories: Sequence[TokenHistory | None],
-    ) -> Samples:
-        """The simulated model's tokens, each certain (it has no logits: no penalty applies)."""
-        self.clock.advance(self.model.step_seconds(step))
-        return Samples.certain(self.model.sample(step), params)
-
 
 @dataclass
 class _Request:
@@ -351,9 +112,9 @@ class EngineCore:
         """Raises :class:`InvalidArgumentError` for a ``max_model_len`` past the model's longest
         position (``runner.max_model_len``), and whatever the scheduler refuses in ``config``.
         With a ``tokenizer``, outputs carry text and requests may have stop strings. With a
-        ``tracer`` (:func:`pagedkv.tracing.configure`), each request is traced. A disk tier
+        ``tracer`` (:func:`pagedkv.observability.tracing.configure`), each request is traced. A disk tier
         (``config.kv_disk_path``) needs a runner with a KV cache and the ``model_identity``
-        (:func:`pagedkv.model.identity.kv_identity`) it records; one that cannot be opened raises
+        (:func:`pagedkv.loaders.identity.kv_identity`) it records; one that cannot be opened raises
         :class:`~pagedkv.errors.KvTierError`."""
         self.runner = runner
         self.tokenizer = tokenizer

@@ -1,6 +1,6 @@
 """The threaded engine: submit requests from any thread, stream their tokens, or generate a batch.
 
-A background worker steps an :class:`~pagedkv.engine_core.EngineCore`, sleeping on a condition
+A background worker steps an :class:`~pagedkv.engine.EngineCore`, sleeping on a condition
 variable while there is nothing to do; results flow back through per-request handles.
 
 Invariants:
@@ -32,9 +32,9 @@ Invariants:
   referenced (by the caller or by a handle) is collected, and its finalizer stops the worker.
 
 Text: the core detokenizes as it steps (every :class:`TokenEvent` carries its text delta) and
-matches stop strings (:class:`~pagedkv.engine_core.EngineCore`). Chat
+matches stop strings (:class:`~pagedkv.engine.EngineCore`). Chat
 (:meth:`Engine.submit_chat`, :meth:`Engine.chat`) renders the conversation with the tokenizer's
-chat template (:mod:`pagedkv.model.chat`) in the caller's thread, then submits its tokens.
+chat template (:mod:`pagedkv.text.chat`) in the caller's thread, then submits its tokens.
 
 Sampling parameters: a request's own :class:`SamplingParams`, else the engine's
 ``default_params`` (:meth:`Engine.from_pretrained` reads them from a checkpoint's
@@ -64,13 +64,10 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from pagedkv.engine_core import (
-    EngineConfig,
-    EngineCore,
-    PagedModelRunner,
-    RequestOutput,
-    TokenEvent,
-)
+from pagedkv.engine.config import EngineConfig
+from pagedkv.engine.core import EngineCore
+from pagedkv.engine.outputs import RequestOutput, TokenEvent
+from pagedkv.engine.runners import PagedModelRunner
 from pagedkv.errors import (
     DuplicateSequenceError,
     InvalidArgumentError,
@@ -78,17 +75,18 @@ from pagedkv.errors import (
     PagedKVError,
 )
 from pagedkv.kv_events import KvEventPublisher, KvSnapshot
-from pagedkv.metrics import EngineMetrics
-from pagedkv.model import LlamaModel, SamplingParams
-from pagedkv.model.generation_config import default_sampling_params
-from pagedkv.model.identity import WeightsDigest, kv_identity
-from pagedkv.model.llama import DEFAULT_WEIGHT_DTYPE
-from pagedkv.model.pretrained import load_model
-from pagedkv.model.prompt import encode_chat, encode_text
-from pagedkv.model.tokenizer import Tokenizer
+from pagedkv.loaders.generation_config import default_sampling_params
+from pagedkv.loaders.identity import WeightsDigest, kv_identity
+from pagedkv.loaders.registry import load_model
+from pagedkv.models import LlamaModel
+from pagedkv.models.llama import DEFAULT_WEIGHT_DTYPE
+from pagedkv.observability.metrics import EngineMetrics
+from pagedkv.sampling import SamplingParams
+from pagedkv.text.prompt import encode_chat, encode_text
+from pagedkv.text.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
-    from pagedkv.tracing import RequestTracer
+    from pagedkv.observability.tracing import RequestTracer
 
 __all__ = ["Engine", "EngineClosedError", "EngineOverloadedError", "RequestHandle"]
 
@@ -239,8 +237,8 @@ class Engine:
         weights_digest: str | None = None,
     ) -> None:
         """``default_params``: what a request submitted without parameters samples with (None:
-        ``SamplingParams()``). ``tracer``: traces each request (:func:`pagedkv.tracing.configure`).
-        ``weights_digest``: the :class:`~pagedkv.model.identity.WeightsDigest` of the model's
+        ``SamplingParams()``). ``tracer``: traces each request (:func:`pagedkv.observability.tracing.configure`).
+        ``weights_digest``: the :class:`~pagedkv.loaders.identity.WeightsDigest` of the model's
         tensors as loaded, which a disk tier (``config.kv_disk_path``) needs to record whose
         blocks it holds (:meth:`from_pretrained` computes it). Raises
         :class:`InvalidArgumentError` (or ``MemoryError``) for a configuration the model, the KV
@@ -270,10 +268,10 @@ class Engine:
     def from_pretrained(
         cls, path: str | Path = "tiny", *, seed: int = 0, weight_dtype: str = DEFAULT_WEIGHT_DTYPE, **kwargs
     ) -> Engine:
-        """An engine over a model named as :func:`pagedkv.model.load_pretrained` takes it: the
+        """An engine over a model named as :func:`pagedkv.loaders.load_pretrained` takes it: the
         built-in ``"tiny"`` (seeded random weights), a registry name such as ``"smollm2-135m"``, a
         ``.gguf`` file, or a Hugging Face Llama checkpoint directory, loaded tensor by tensor
-        (:func:`pagedkv.model.load_model`) with its projections stored as ``weight_dtype``
+        (:func:`pagedkv.loaders.load_model`) with its projections stored as ``weight_dtype``
         ("float32", "float16" or "bfloat16"). Keyword arguments go to :class:`EngineConfig` or the
         engine: ``kv_disk_path=DIR, kv_disk_bytes=N`` add a disk tier for this model (its
         identity: the config, a digest of the tensors as loaded, the weight and KV dtypes and the

@@ -22,11 +22,13 @@ from pathlib import Path
 import numpy as np
 
 from pagedkv.errors import CheckpointError
-from pagedkv.model.config import LlamaConfig
-from pagedkv.model.identity import WeightsDigest
-from pagedkv.model.llama import DEFAULT_WEIGHT_DTYPE, LlamaModel
-from pagedkv.model.tokenizer import Tokenizer, load_tokenizer
-from pagedkv.model.weights import LlamaWeights, stream_checkpoint
+from pagedkv.loaders.checkpoint import stream_checkpoint
+from pagedkv.loaders.identity import WeightsDigest
+from pagedkv.loaders.tokenizers import load_tokenizer
+from pagedkv.models.config import LlamaConfig
+from pagedkv.models.llama import DEFAULT_WEIGHT_DTYPE, LlamaModel
+from pagedkv.models.weights import LlamaWeights
+from pagedkv.text.tokenizer import Tokenizer
 
 __all__ = ["PackagedModel", "REGISTRY", "load_pretrained", "load_model", "locate_registered"]
 
@@ -98,7 +100,7 @@ def load_model(
     """The model :func:`load_pretrained` names, packed as a :class:`LlamaModel` with its
     projections stored in ``weight_dtype`` ("float32", "float16" or "bfloat16"), streamed tensor
     by tensor (see the module doc), and its tokenizer. With a ``digest``, every tensor is hashed
-    into it as it streams past (the model's identity, :mod:`pagedkv.model.identity`). Raises
+    into it as it streams past (the model's identity, :mod:`pagedkv.loaders.identity`). Raises
     :class:`CheckpointError` as :func:`load_pretrained` does, :class:`InvalidArgumentError` for an
     unknown ``weight_dtype`` (before any tensor is read)."""
     LlamaModel.check_weight_dtype(weight_dtype)
@@ -120,7 +122,7 @@ def _stream(name_or_path: PathLike, seed: int) -> tuple[LlamaConfig, Tokenizer, 
         config, tensors = stream_checkpoint(path)
         return config, load_tokenizer(path, config.vocab_size), tensors
     if path.suffix == ".gguf":
-        from pagedkv.model.gguf import stream_gguf  # imports the optional gguf package
+        from pagedkv.loaders.gguf import stream_gguf  # imports the optional gguf package
 
         return stream_gguf(path)
     names = ", ".join(["tiny", *REGISTRY])

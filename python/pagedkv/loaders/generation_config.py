@@ -16,8 +16,8 @@ import dataclasses
 from pathlib import Path
 
 from pagedkv.errors import CheckpointError, InvalidArgumentError
-from pagedkv.model.files import CheckpointFile, is_present
-from pagedkv.model.sampling import SamplingParams
+from pagedkv.loaders.files import CheckpointFile, is_present
+from pagedkv.sampling import SamplingParams
 
 __all__ = ["GENERATION_CONFIG_FILE", "default_sampling_params"]
 

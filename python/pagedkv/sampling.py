@@ -81,7 +81,7 @@ class SamplingParams:
     - ``stop``: strings (one, or a sequence) that end generation when the decoded text contains
       one, across token boundaries; the text then ends before it (OpenAI's semantics; the tokens
       keep the one that completed it) and ``finish_reason`` is "stop". Matched by the engine core
-      (:class:`~pagedkv.model.detokenizer.StopStringMatcher`; the one completing first wins);
+      (:class:`~pagedkv.text.detokenizer.StopStringMatcher`; the one completing first wins);
       at most :data:`MAX_STOP_STRINGS`, each a non-empty string of at most
       :data:`MAX_STOP_STRING_CHARS` characters.
     - ``ignore_eos``: do not stop at the model's end-of-sequence tokens.

@@ -6,7 +6,7 @@ The detokenizer decodes a bounded window of the latest tokens, never the whole o
 prefix-offset technique of incremental detokenizers, e.g. vLLM's and TGI's). Its model of a
 decode: the text of tokens is the lossy UTF-8 decoding of their concatenated bytes (special tokens
 have none), an incomplete sequence at the end rendered as U+FFFD (one, as byte-level BPE and
-:class:`~pagedkv.model.tokenizer.ByteTokenizer` do, or one per byte, as a byte-fallback decoder
+:class:`~pagedkv.text.tokenizer.ByteTokenizer` do, or one per byte, as a byte-fallback decoder
 does) until it completes; except that the window's first token may render differently (a
 tokenizer may strip its leading space), which the window's context tokens absorb.
 
@@ -42,7 +42,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from pagedkv.model.tokenizer import Tokenizer
+    from pagedkv.text.tokenizer import Tokenizer
 
 __all__ = ["IncrementalDetokenizer", "SampleText", "StopStringMatcher", "StopStrings"]
 
@@ -128,8 +128,8 @@ class StopStrings:
 @functools.lru_cache(maxsize=16)
 def _automaton(stops: tuple[str, ...]) -> StopStrings:
     """Shared by a request's samples and by requests with the same stops (at most 16 kept: with
-    :data:`~pagedkv.model.sampling.MAX_STOP_STRINGS` strings of at most
-    :data:`~pagedkv.model.sampling.MAX_STOP_STRING_CHARS` chars, 4,096 states each)."""
+    :data:`~pagedkv.sampling.MAX_STOP_STRINGS` strings of at most
+    :data:`~pagedkv.sampling.MAX_STOP_STRING_CHARS` chars, 4,096 states each)."""
     return StopStrings(stops)
 
 

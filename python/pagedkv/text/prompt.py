@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from pagedkv.errors import InvalidArgumentError, NoChatTemplateError
-from pagedkv.model.chat import render_chat
-from pagedkv.model.tokenizer import Tokenizer
+from pagedkv.text.chat import render_chat
+from pagedkv.text.tokenizer import Tokenizer
 
 __all__ = ["encode_chat", "encode_text"]
 

@@ -3,7 +3,7 @@
 
 Each :class:`EngineMetrics` owns its own registry, so several engines in one process (tests,
 benchmarks) never collide; :meth:`EngineMetrics.serve` exposes it at ``/metrics`` over HTTP
-(:class:`~pagedkv.metrics_http.MetricsServer`: bounded threads, idle connections timed out) until
+(:class:`~pagedkv.observability.metrics_http.MetricsServer`: bounded threads, idle connections timed out) until
 :meth:`EngineMetrics.close`.
 """
 
@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from pagedkv.errors import PagedKVError
-from pagedkv.metrics_http import MetricsServer
+from pagedkv.observability.metrics_http import MetricsServer
 
 __all__ = ["EngineMetrics"]
 

@@ -1,9 +1,9 @@
 """A dense reference of the Llama forward pass: :class:`DenseReference`, the oracle of the tests.
 
 No KV cache and no batching: every call recomputes the whole sequence in float64 with a dense
-causal mask. It is written independently of :mod:`pagedkv.model.llama` (rotary embedding as a
+causal mask. It is written independently of :mod:`pagedkv.models.llama` (rotary embedding as a
 complex rotation, K/V heads repeated for grouped-query attention) so that the two agree only if
-both are right. Both take the rotary frequencies from :func:`pagedkv.model.rope.rope_frequencies`,
+both are right. Both take the rotary frequencies from :func:`pagedkv.models.rope.rope_frequencies`,
 which the tests check on their own against the formulas.
 """
 
@@ -14,8 +14,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from pagedkv.errors import InvalidArgumentError
-from pagedkv.model.rope import rope_frequencies
-from pagedkv.model.weights import LlamaWeights
+from pagedkv.models.rope import rope_frequencies
+from pagedkv.models.weights import LlamaWeights
 
 __all__ = ["DenseReference"]
 

@@ -47,7 +47,7 @@ _ROPE_KEYS = {
 @dataclass(frozen=True)
 class RopeScaling:
     """A rescaling of the rotary frequencies for contexts longer than pretraining, as transformers
-    defines it (the frequencies are computed by :func:`pagedkv.model.rope.rope_frequencies`).
+    defines it (the frequencies are computed by :func:`pagedkv.models.rope.rope_frequencies`).
 
     - ``"linear"``: every frequency divided by ``factor``; the other fields are None.
     - ``"llama3"`` (Llama 3.1 and later): wavelengths shorter than

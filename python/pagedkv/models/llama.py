@@ -26,10 +26,10 @@ from threadpoolctl import ThreadpoolController
 
 from pagedkv._core import KVCache, Linear
 from pagedkv.errors import InvalidArgumentError, ShapeError
-from pagedkv.model.config import LlamaConfig
-from pagedkv.model.rope import apply_rope, rope_cos_sin, rope_frequencies
-from pagedkv.model.step import ModelStep
-from pagedkv.model.weights import _LAYER_TENSORS, LlamaWeights
+from pagedkv.models.config import LlamaConfig
+from pagedkv.models.rope import apply_rope, rope_cos_sin, rope_frequencies
+from pagedkv.models.step import ModelStep
+from pagedkv.models.weights import LAYER_TENSORS, LlamaWeights
 
 __all__ = ["LlamaModel", "rms_norm", "DEFAULT_WEIGHT_DTYPE", "WEIGHT_DTYPES"]
 
@@ -46,7 +46,7 @@ WEIGHT_DTYPES = ("float32", "float16", "bfloat16")
 DEFAULT_WEIGHT_DTYPE = "float16"
 
 # Hugging Face tensor suffix inside ``model.layers.{i}.`` -> LayerWeights field.
-_LAYER_FIELDS = {suffix: field for field, suffix in _LAYER_TENSORS.items()}
+_LAYER_FIELDS = {suffix: field for field, suffix in LAYER_TENSORS.items()}
 
 
 def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pagedkv.errors import InvalidArgumentError
-from pagedkv.model.step import ModelStep
+from pagedkv.models.step import ModelStep
 
 __all__ = ["StepCostModel", "SimulatedModel"]
 
@@ -47,7 +47,7 @@ class StepCostModel:
 
 
 class SimulatedModel:
-    """Reads the same :class:`~pagedkv.model.step.ModelStep` as the real model, but returns a
+    """Reads the same :class:`~pagedkv.models.step.ModelStep` as the real model, but returns a
     modelled step time and pseudo-random tokens instead of logits.
 
     Tokens lie in ``[first_token_id, vocab_size)`` and are never one of ``stop_token_ids``, except

@@ -3,7 +3,7 @@ tier written for one model is never served to another (the core clears a tier wh
 identity differs, `src/disk/index.rs`).
 
 Invariants: two engines get equal identities only if they have the same architecture
-(:class:`~pagedkv.model.config.LlamaConfig`), the same weights as loaded (a digest of every tensor
+(:class:`~pagedkv.models.config.LlamaConfig`), the same weights as loaded (a digest of every tensor
 in load order: name, dtype, shape and bytes), the same projection storage (``weight_dtype``: the
 K/V are computed through it), the same KV dtype and the same block size. The identity is canonical
 JSON (sorted keys), readable when a tier is refused.
@@ -23,7 +23,7 @@ from collections.abc import Iterable, Iterator
 
 import numpy as np
 
-from pagedkv.model.config import LlamaConfig
+from pagedkv.models.config import LlamaConfig
 
 __all__ = ["WeightsDigest", "kv_identity"]
 

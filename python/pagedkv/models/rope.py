@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from pagedkv.model.config import LlamaConfig
+from pagedkv.models.config import LlamaConfig
 
 __all__ = ["rope_frequencies", "rope_cos_sin", "apply_rope"]
 

@@ -1,5 +1,5 @@
 """A Llama model from one GGUF file (llama.cpp's format): :func:`load_gguf` gives its float32
-:class:`~pagedkv.model.weights.LlamaWeights` and its tokenizer; :func:`stream_gguf` gives the
+:class:`~pagedkv.models.weights.LlamaWeights` and its tokenizer; :func:`stream_gguf` gives the
 config, the tokenizer and the tensors one at a time (what a streaming load packs from).
 
 The file's ``llama.*`` metadata becomes the :class:`LlamaConfig` (:func:`config_from_gguf`); its
@@ -23,10 +23,11 @@ from pathlib import Path
 import numpy as np
 
 from pagedkv.errors import CheckpointError, InvalidArgumentError
-from pagedkv.model.config import LlamaConfig, RopeScaling, _Fields, union_token_ids
-from pagedkv.model.gguf_file import GGUFFile, read_gguf
-from pagedkv.model.tokenizer import HFTokenizer
-from pagedkv.model.weights import LlamaWeights, _expected_names, _expected_shape, _num_expected
+from pagedkv.loaders.gguf_file import GGUFFile, read_gguf
+from pagedkv.loaders.tokenizers import tokenizer_from_gguf_metadata
+from pagedkv.models.config import LlamaConfig, RopeScaling, _Fields, union_token_ids
+from pagedkv.models.weights import LlamaWeights, expected_names, expected_shape, num_expected
+from pagedkv.text.tokenizer import HFTokenizer
 
 __all__ = ["load_gguf", "stream_gguf", "config_from_gguf", "unpermute_qk"]
 
@@ -35,7 +36,7 @@ PathLike = str | Path
 # GGUF tensor name -> Hugging Face name ({i}: the layer).
 _GLOBAL_TENSORS = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
                    "output.weight": "lm_head.weight"}
-_LAYER_TENSORS = {
+LAYER_TENSORS = {
     "attn_norm.weight": "input_layernorm.weight",
     "attn_q.weight": "self_attn.q_proj.weight",
     "attn_k.weight": "self_attn.k_proj.weight",
@@ -66,15 +67,15 @@ def stream_gguf(path: PathLike) -> tuple[LlamaConfig, HFTokenizer, Iterator[tupl
     gguf = read_gguf(path)
     config = config_from_gguf(gguf)
     names = _hf_names(gguf, config)
-    num_missing = _num_expected(config) - len(names)  # counted: a config may claim a million layers
+    num_missing = num_expected(config) - len(names)  # counted: a config may claim a million layers
     if num_missing:
         found = set(names.values())
-        listed = ", ".join(itertools.islice((n for n in _expected_names(config) if n not in found), 3))
+        listed = ", ".join(itertools.islice((n for n in expected_names(config) if n not in found), 3))
         more = f" and {num_missing - 3} more" if num_missing > 3 else ""
         raise CheckpointError(gguf.file.path, f"tensors missing: {listed}{more} (Hugging Face names)")
     # Built only now, its vocabulary bounded by the embedding just checked: a tokenizer costs ~20
     # times the metadata it is built from.
-    tokenizer = HFTokenizer.from_gguf_metadata(gguf.metadata, gguf.file.path, config.vocab_size)
+    tokenizer = tokenizer_from_gguf_metadata(gguf.metadata, gguf.file.path, config.vocab_size)
     heads = {"attn_q.weight": config.num_heads, "attn_k.weight": config.num_kv_heads}
 
     def unpermute(name: str, raw: np.ndarray) -> np.ndarray:
@@ -152,9 +153,9 @@ def _hf_names(gguf: GGUFFile, config: LlamaConfig) -> dict[str, str]:
     names: dict[str, str] = {}
     for name, tensor in gguf.tensors.items():
         layer = _LAYER_NAME.fullmatch(name)
-        hf_name = (f"model.layers.{layer[1]}.{_LAYER_TENSORS[layer[2]]}" if layer and layer[2] in _LAYER_TENSORS
+        hf_name = (f"model.layers.{layer[1]}.{LAYER_TENSORS[layer[2]]}" if layer and layer[2] in LAYER_TENSORS
                    else _GLOBAL_TENSORS.get(name))
-        if hf_name is None or (expected := _expected_shape(config, hf_name)) is None:
+        if hf_name is None or (expected := expected_shape(config, hf_name)) is None:
             continue
         if tensor.shape != expected:
             raise CheckpointError(

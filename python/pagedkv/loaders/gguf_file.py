@@ -8,7 +8,7 @@ on this 2-core machine, against 0.2 to 0.4 s here. The ``gguf`` package (the one
 llama.cpp) still supplies the format's constants and the dequantization (``gguf.quants``), which
 is vectorized over blocks.
 
-Invariants: the file is opened through :class:`~pagedkv.model.files.CheckpointFile` (a regular
+Invariants: the file is opened through :class:`~pagedkv.loaders.files.CheckpointFile` (a regular
 file); every length, count and offset in the header is checked against the file's size before it
 is used, so a malformed or hostile file raises :class:`CheckpointError` naming it and never makes
 this allocate more than the file holds; the metadata's arrays hold at most
@@ -31,7 +31,7 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, quants
 
 from pagedkv.errors import CheckpointError
-from pagedkv.model.files import CheckpointFile
+from pagedkv.loaders.files import CheckpointFile
 
 __all__ = ["GGUFFile", "GGUFTensor", "MAX_METADATA_ITEMS", "read_gguf", "SUPPORTED_TYPES"]
 

@@ -36,8 +36,8 @@ if TYPE_CHECKING:
     from opentelemetry.sdk.trace.export import SpanExporter
 
     from pagedkv._core import SchedulerOutput
-    from pagedkv.engine_core import RequestOutput
-    from pagedkv.model.sampling import SamplingParams
+    from pagedkv.engine import RequestOutput
+    from pagedkv.sampling import SamplingParams
 
 __all__ = ["RequestTracer", "configure"]
 

@@ -1,0 +1,95 @@
+"""Model runners: what turns a scheduled step into one sampled token per sample row — a model on
+the paged KV cache, or a simulated model on virtual time.
+
+Invariants: a runner's ``run`` returns one row per ``step.logits_indices`` entry, drawn under that
+row's parameters and generator; a simulated runner advances its clock by the modelled step time
+and computes nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+
+from pagedkv._core import KVCache
+from pagedkv.models.simulated import SimulatedModel
+from pagedkv.models.step import ModelStep
+from pagedkv.sampling import Samples, SamplingParams, TokenHistory, sample_with_logprobs
+
+__all__ = ["ModelRunner", "PagedModelRunner", "SimulatedRunner", "VirtualClock"]
+
+
+class ModelRunner(Protocol):
+    """Turns a scheduled step into one sampled token per sample row."""
+
+    vocab_size: int
+    max_model_len: int
+
+    def run(
+        self,
+        step: ModelStep,
+        params: Sequence[SamplingParams],
+        generators: Sequence[np.random.Generator],
+        histories: Sequence[TokenHistory | None],
+    ) -> Samples:
+        """The samples of ``step.logits_indices``: row r drawn under ``params[r]`` from
+        ``generators[r]``, penalised by ``histories[r]`` (None: no penalty), with the logprobs
+        ``params[r]`` asks for (:func:`~pagedkv.sampling.sample_with_logprobs`);
+        :data:`~pagedkv.sampling.NO_TOKEN` for a row with nothing to draw from."""
+        ...
+
+
+class VirtualClock:
+    """A clock that only moves when told: simulated runs measure latency in modelled seconds."""
+
+    def __init__(self, start: float = 0.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class PagedModelRunner:
+    """A model computing logits over a paged :class:`KVCache` (e.g. :class:`pagedkv.LlamaModel`)."""
+
+    def __init__(self, model, num_blocks: int, block_size: int, kv_dtype: str = "float32") -> None:
+        self.model = model
+        self.kv_cache: KVCache = model.new_kv_cache(num_blocks, block_size, kv_dtype)
+        self.vocab_size = model.config.vocab_size
+        self.max_model_len = model.config.max_position_embeddings
+
+    def run(
+        self,
+        step: ModelStep,
+        params: Sequence[SamplingParams],
+        generators: Sequence[np.random.Generator],
+        histories: Sequence[TokenHistory | None],
+    ) -> Samples:
+        logits = self.model.forward(step, self.kv_cache)
+        return sample_with_logprobs(logits, params, generators, histories)
+
+
+class SimulatedRunner:
+    """A :class:`SimulatedModel`: no arithmetic; each step advances ``clock`` by the modelled time."""
+
+    def __init__(self, model: SimulatedModel, clock: VirtualClock, max_model_len: int = 1 << 20) -> None:
+        self.model = model
+        self.clock = clock
+        self.vocab_size = model.vocab_size
+        self.max_model_len = max_model_len
+
+    def run(
+        self,
+        step: ModelStep,
+        params: Sequence[SamplingParams],
+        generators: Sequence[np.random.Generator],
+        histories: Sequence[TokenHistory | None],
+    ) -> Samples:
+        """The simulated model's tokens, each certain (it has no logits: no penalty applies)."""
+        self.clock.advance(self.model.step_seconds(step))
+        return Samples.certain(self.model.sample(step), params)
