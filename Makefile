@@ -74,7 +74,7 @@ clean:
 PEERS_VENV := .venv-peers
 PEERS_PY := $(PEERS_VENV)/bin/python
 PARITY_DEPS := torch==2.15.0 transformers==5.24.0 accelerate==1.15.0 gguf==0.19.0 numpy
-SMOLLM2 = $$($(PY) -c 'from pagedkv.model.pretrained import locate_registered; print(locate_registered("smollm2-135m"))')
+SMOLLM2 = $$($(PY) -c 'from pagedkv.loaders.registry import locate_registered; print(locate_registered("smollm2-135m"))')
 
 .PHONY: parity-golden parity peers
 
