@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pagedkv import _core
+import pagedkv._core as _core
 from pagedkv.errors import InvalidArgumentError, ShapeError
 
 __all__ = [

@@ -24,7 +24,7 @@ from collections.abc import Callable
 import numpy as np
 
 import pagedkv
-from pagedkv import _core
+import pagedkv._core as _core
 from pagedkv.cli import comma_list, one_of, positive_int
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM = 32, 8, 128

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from pagedkv import BlockManager
+from pagedkv._core import BlockManager
 from pagedkv.bench.seed_reference import SeedPageAllocator
 from pagedkv.cli import positive_int
 from pagedkv.traces import load_trace

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pagedkv import block_hashes
+from pagedkv._core import block_hashes
 from pagedkv.cli import comma_list, non_negative_int, output_dir, positive_float, positive_int
 from pagedkv.cluster import POLICIES, Router
 from pagedkv.errors import InvalidArgumentError

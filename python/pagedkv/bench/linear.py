@@ -30,7 +30,7 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 import pagedkv
-from pagedkv import _core
+import pagedkv._core as _core
 from pagedkv.cli import comma_list, one_of, positive_int
 from pagedkv.models import LlamaConfig, LlamaModel, LlamaWeights
 

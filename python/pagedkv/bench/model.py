@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 import pagedkv
-from pagedkv import _core
+import pagedkv._core as _core
 from pagedkv.cli import comma_list, positive_int
 from pagedkv.engine import EngineConfig, EngineCore, PagedModelRunner
 from pagedkv.loaders import load_model

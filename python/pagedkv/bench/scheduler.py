@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from pagedkv import Scheduler
+from pagedkv._core import Scheduler
 from pagedkv.bench.reference_scheduler import ReferenceScheduler
 from pagedkv.cli import non_negative_int, positive_float, positive_int
 from pagedkv.traces import TraceRequest, load_trace

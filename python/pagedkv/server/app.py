@@ -28,7 +28,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from pagedkv import __version__
+from pagedkv._core import __version__
 from pagedkv.engine import Engine, RequestOutput
 from pagedkv.server.client import EngineClient, LocalEngine
 from pagedkv.server.errors import BodyLimit, ModelNotFoundError, install_handlers
