@@ -21,7 +21,7 @@ test: lint test-rust test-loom test-fuzz test-python
 lint: $(VENV)/.built
 	cargo fmt --check
 	cargo fmt --check --manifest-path fuzz/Cargo.toml
-	$(PY) -m ruff check python tests
+	$(PY) -m ruff check python lab tests
 	$(PY) -m mypy.stubtest pagedkv._core
 	cargo clippy --all-targets -- -D warnings
 	PYO3_PYTHON=$(abspath $(PY)) cargo clippy --all-targets --features python -- -D warnings
@@ -48,7 +48,7 @@ fuzz:
 
 bench: $(VENV)/.built
 	cargo bench
-	$(PY) -m pagedkv bench all
+	$(PY) -m lab bench all
 
 develop: $(VENV)/.built
 

@@ -1,4 +1,4 @@
-"""The transformers peer of `python -m pagedkv bench model`: SmolLM2-135M from the same GGUF file,
+"""The transformers peer of `python -m lab bench model`: SmolLM2-135M from the same GGUF file,
 float32 on the CPU, timed one round per line read on stdin, so that the bench can interleave its
 rounds with pagedkv's and llama.cpp's.
 

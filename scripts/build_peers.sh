@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The peers of `python -m pagedkv bench model`, built outside git in .peers/ (`make peers`):
+# The peers of `python -m lab bench model`, built outside git in .peers/ (`make peers`):
 # llama.cpp CPU-only from the source vendored in the llama-cpp-python sdist on PyPI (the only
 # registry that carries it), and the SmolLM2 GGUF requantized to F16 and F32 beside the shipped
 # Q4_1 (llama-server too: the peer of `bench http`). Each step is skipped when its output exists, so a rerun costs nothing; delete .peers/ to

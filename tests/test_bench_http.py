@@ -1,4 +1,4 @@
-"""`python -m pagedkv bench http --quick --json` on the tiny model: it starts its own server, replays
+"""`python -m lab bench http --quick --json` on the tiny model: it starts its own server, replays
 a few trace requests over HTTP and in process, and reports every figure with no error; and the
 pieces it is made of (the open-loop replay, the SSE client against a fake server's stream)."""
 
@@ -11,22 +11,24 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 
-from pagedkv.bench.http import RequestFailed, Timing, combine, http_sender, replay
-from pagedkv.serving.workload import ServingRequest
+from lab.bench.http import RequestFailed, Timing, combine, http_sender, replay
+from lab.serving.workload import ServingRequest
 
 FIGURES = ("throughput_output_tokens_per_s", "throughput_requests_per_s", "ttft_p50_s", "ttft_p99_s", "tpot_p50_s",
            "tpot_p99_s", "tpot_mean_s", "load_avg")
 
 
 def test_quick_run_reports_every_figure_without_errors() -> None:
-    command = [sys.executable, "-m", "pagedkv", "bench", "http", "--quick", "--json", "--model", "tiny"]
+    command = [sys.executable, "-m", "lab", "bench", "http", "--quick", "--json", "--model", "tiny"]
     # Its own session, so that on a timeout the benchmark and the server it started go together.
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                               cwd=Path(__file__).resolve().parent.parent)
     try:
         out, err = process.communicate(timeout=90)
     except subprocess.TimeoutExpired:
@@ -113,8 +115,8 @@ def test_combine_sums_counts_and_takes_medians() -> None:
 
 
 def test_llama_server_command_needs_the_built_binary_and_a_gguf(tmp_path) -> None:
-    from pagedkv.__main__ import build_parser
-    from pagedkv.bench.http import llama_server_command
+    from lab.__main__ import build_parser
+    from lab.bench.http import llama_server_command
     from pagedkv.errors import InvalidArgumentError
 
     gguf = tmp_path / "m.gguf"

@@ -1,4 +1,4 @@
-"""``python -m pagedkv bench tiers --quick --json`` runs end to end on the tiny model: every
+"""``python -m lab bench tiers --quick --json`` runs end to end on the tiny model: every
 variant serves the whole workload, and the warm restart finds on disk what the cold start
 recomputes."""
 
@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from pagedkv.__main__ import main
-from pagedkv.bench.tiers import build_sessions
+from lab.__main__ import main
+from lab.bench.tiers import build_sessions
 from pagedkv.traces import load_trace
 
 

@@ -10,14 +10,19 @@ from pathlib import Path
 
 import pytest
 
+from lab.__main__ import main as lab_main
 from pagedkv.__main__ import main
 from pagedkv.engine import Engine, EngineOverloadedError
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.traces import load_trace
 
+REPO = Path(__file__).resolve().parent.parent
+
 
 def run_cli(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "pagedkv", *argv], capture_output=True, text=True, timeout=timeout)
+    """``python -m pagedkv ARGV``, or for a benchmark the checkout's ``python -m lab bench ...``."""
+    program = "lab" if argv[0] == "bench" else "pagedkv"
+    return subprocess.run([sys.executable, "-m", program, *argv], capture_output=True, text=True, timeout=timeout, cwd=REPO)
 
 
 def assert_usage_error(result: subprocess.CompletedProcess[str], *expected: str) -> None:
@@ -149,7 +154,7 @@ def test_bench_all_runs_every_benchmark_with_its_defaults(monkeypatch: pytest.Mo
     # recorder: the wiring is under test, not the benchmarks.
     import importlib
 
-    from pagedkv.bench import BENCHES
+    from lab.bench import BENCHES
 
     calls: dict[str, object] = {}
 
@@ -163,7 +168,7 @@ def test_bench_all_runs_every_benchmark_with_its_defaults(monkeypatch: pytest.Mo
     for name, module_name in BENCHES.items():
         if name != "all":
             monkeypatch.setattr(importlib.import_module(module_name), "run", recorder(name))
-    assert main(["bench", "all", "--quick"]) == 0
+    assert lab_main(["bench", "all", "--quick"]) == 0
     assert list(calls) == ["blocks", "attention", "linear", "scheduler", "serve", "model", "sampling", "http", "tiers", "cluster"]
     assert calls["attention"].quick and calls["linear"].quick and calls["serve"].quick  # type: ignore[attr-defined]
     assert calls["tiers"].quick and calls["cluster"].quick  # type: ignore[attr-defined]

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
+from lab.serving.cluster import ClusterSetup, simulate_cluster
+from lab.serving.simulation import ServingSetup
+from lab.serving.workload import SystemPrompts, Workload, build_workload
 from pagedkv.cluster import POLICIES
 from pagedkv.errors import InvalidArgumentError
-from pagedkv.serving.cluster import ClusterSetup, simulate_cluster
-from pagedkv.serving.simulation import ServingSetup
-from pagedkv.serving.workload import SystemPrompts, Workload, build_workload
 from pagedkv.traces import load_trace
 
 SMALL = ServingSetup(num_blocks=192, block_size=16, max_model_len=2048, max_num_seqs=16, max_num_batched_tokens=512)

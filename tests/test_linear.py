@@ -126,7 +126,7 @@ def test_bad_inputs_and_kernels_are_typed() -> None:
 
 
 def test_bench_reports_fractions_of_the_limits_measured_in_the_same_run(capsys: pytest.CaptureFixture[str]) -> None:
-    from pagedkv.__main__ import main
+    from lab.__main__ import main
 
     argv = ["bench", "linear", "--json", "--rows", "1,7", "--dtypes", "bfloat16", "--samples", "1"]
     assert main([*argv, "--projections", "o,down", "--weight-mib", "1", "--probe-mib", "8", "--no-step"]) == 0
@@ -153,7 +153,7 @@ def test_bench_reports_fractions_of_the_limits_measured_in_the_same_run(capsys: 
     ],
 )
 def test_bench_flags_are_usage_errors(flag: str, value: str, capsys: pytest.CaptureFixture[str]) -> None:
-    from pagedkv.__main__ import main
+    from lab.__main__ import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(["bench", "linear", flag, value])

@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagedkv.__main__ import main
+from lab.__main__ import main
+from lab.serving.replay import PagedPolicy, SimulatedTime, replay
+from lab.serving.report import summarize
+from lab.serving.reservation import ContinuousReservationPolicy, StaticBatchingPolicy
+from lab.serving.workload import ServingRequest, SystemPrompts, build_workload, ideal_prefill_tokens
 from pagedkv.engine import EngineConfig, EngineCore, SimulatedRunner
 from pagedkv.models.simulated import SimulatedModel, StepCostModel
-from pagedkv.serving.replay import PagedPolicy, SimulatedTime, replay
-from pagedkv.serving.report import summarize
-from pagedkv.serving.reservation import ContinuousReservationPolicy, StaticBatchingPolicy
-from pagedkv.serving.workload import ServingRequest, SystemPrompts, build_workload, ideal_prefill_tokens
 from pagedkv.traces import TraceRequest, load_trace
 
 ONE_SECOND_PER_STEP = StepCostModel(fixed=1.0, per_token=0.0, per_context_token=0.0)

@@ -6,12 +6,22 @@ Each function is an argparse ``type=``: it turns one command-line string into a 
 no traceback) before any model, cache or trace is built. They check only what a value means on
 its own (a count is positive, a port fits 16 bits, a path exists); limits that depend on other
 arguments (a block budget against a model length, a thread count against the machine) stay with
-the library, whose ``InvalidArgumentError`` ``pagedkv.__main__`` reports the same way.
+the library, whose ``InvalidArgumentError`` :func:`run_command` reports the same way.
+
+Subcommands (:func:`add_command`, :func:`run_command`, shared by ``python -m pagedkv`` and the
+repository's ``python -m lab``): each lives in its own module exposing ``add_arguments(parser)``
+and ``run(args) -> int``. A bad flag is a usage error, exit 2 with a message naming it: from
+argparse, or from the library's ``InvalidArgumentError`` / ``CheckpointError`` (or
+``OverflowError``, a number past what the core takes) when a value only fails in context (one
+limit against another). Any other pagedkv error (a failed engine), ``OSError`` (a port taken) or
+``MemoryError`` exits 1 with its message. Neither prints a traceback; anything else is a bug and
+keeps its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import math
 import threading
 import urllib.parse
@@ -20,6 +30,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from pagedkv.engine import DEFAULT_KV_DISK_BYTES, EngineConfig
+from pagedkv.errors import CheckpointError, InvalidArgumentError, PagedKVError
 from pagedkv.loaders.registry import REGISTRY
 from pagedkv.models.llama import DEFAULT_WEIGHT_DTYPE, WEIGHT_DTYPES
 
@@ -39,6 +50,8 @@ __all__ = [
     "byte_size",
     "add_engine_arguments",
     "engine_kwargs",
+    "add_command",
+    "run_command",
 ]
 
 T = TypeVar("T")
@@ -229,3 +242,38 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "kv_disk_path": args.kv_disk_path,
         "kv_disk_bytes": args.kv_disk_bytes,
     }
+
+
+def add_command(subparsers: argparse._SubParsersAction, name: str, module_name: str) -> None:
+    """Adds subcommand ``name``, implemented by module ``module_name``. A module whose optional
+    extra is not installed (``serve``: pagedkv[server]) still gets a subcommand, which says so."""
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as error:
+        # No options (every argument is taken as ignored), so that any command line reaches the message.
+        unavailable = subparsers.add_parser(name, help=f"unavailable: needs {error.name}", add_help=False, prefix_chars="\0")
+        unavailable.add_argument("ignored", nargs=argparse.REMAINDER)
+        unavailable.set_defaults(run=None, usage_parser=unavailable, missing=error)
+        return
+    parser = subparsers.add_parser(name, help=(module.__doc__ or "").strip().splitlines()[0])
+    module.add_arguments(parser)
+    parser.set_defaults(run=module.run, usage_parser=parser)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    """Runs the subcommand ``args`` were parsed for; its exit code (errors as the module doc says)."""
+    parser: argparse.ArgumentParser = args.usage_parser
+    if args.run is None:
+        parser.exit(1, f"{parser.prog}: error: this command needs {args.missing.name}, which is not installed"
+                       " (pip install 'pagedkv[server]')\n")
+    try:
+        return int(args.run(args) or 0)
+    except (InvalidArgumentError, CheckpointError, OverflowError) as error:
+        parser.error(_message(error))  # exits 2
+    except (PagedKVError, OSError, MemoryError) as error:
+        parser.exit(1, f"{parser.prog}: error: {type(error).__name__}: {_message(error)}\n")
+
+
+def _message(error: BaseException) -> str:
+    """The error's text with its notes (PyO3 notes which argument a conversion failed on)."""
+    return " ".join([str(error), *getattr(error, "__notes__", [])])

@@ -377,7 +377,7 @@ def run(args: argparse.Namespace) -> int:
     ttft_speedup = _speedup(best_ram, variants["ram_disk"]["ttft_p50_s"])
     warm_speedup = _speedup(restart["cold"]["ttft_mean_s"], restart["warm"]["ttft_mean_s"])  # type: ignore[index]
     report = {
-        "command": "python -m pagedkv bench tiers " + " ".join(_argv(args)),
+        "command": "python -m lab bench tiers " + " ".join(_argv(args)),
         "model": args.model,
         "workload": {
             "trace": str(args.trace),

@@ -1,2 +1,2 @@
 """Serving experiments: workloads from request traces, the replay driver, the max-length
-reservation baselines, summaries and plots behind ``python -m pagedkv bench serve``."""
+reservation baselines, summaries and plots behind ``python -m lab bench serve``."""

@@ -22,12 +22,12 @@ from dataclasses import dataclass
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from lab.serving.replay import ReplayResult
+from lab.serving.report import PolicySummary, format_table, summarize
+from lab.serving.simulation import PAGED, PAGED_PREFIX, POLICIES, STATIC, ServingSetup, simulate
+from lab.serving.workload import SystemPrompts, Workload, build_workload, ideal_prefill_tokens
 from pagedkv.cli import comma_list, non_negative_int, output_dir, positive_float, positive_int, trace_source
 from pagedkv.errors import InvalidArgumentError
-from pagedkv.serving.replay import ReplayResult
-from pagedkv.serving.report import PolicySummary, format_table, summarize
-from pagedkv.serving.simulation import PAGED, PAGED_PREFIX, POLICIES, STATIC, ServingSetup, simulate
-from pagedkv.serving.workload import SystemPrompts, Workload, build_workload, ideal_prefill_tokens
 from pagedkv.traces import SHIPPED_TRACES, load_trace
 
 # Targets of the issue, reported (not enforced).
@@ -177,10 +177,10 @@ def _sweep(args: argparse.Namespace, setup: ServingSetup, progress: _Progress) -
 def _real_model(args: argparse.Namespace, progress: _Progress) -> dict[str, object]:
     """Policies 3 and 4 on the real tiny model (wall clock): trace lengths scaled by 1/8, system
     prompts likewise, every request arriving at once."""
+    from lab.serving.replay import PagedPolicy, WallTime, replay
     from pagedkv.engine import EngineCore, PagedModelRunner
     from pagedkv.models import LlamaConfig, LlamaModel
     from pagedkv.models.weights import LlamaWeights
-    from pagedkv.serving.replay import PagedPolicy, WallTime, replay
 
     count = min(args.real_requests, 8) if args.quick else args.real_requests
     config = LlamaConfig.tiny()
@@ -230,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
         real = _real_model(args, progress) if args.real_requests > 0 else None
     report = _report(args, setup, main, sweep, real)
     if args.plot is not None:
-        from pagedkv.serving import plots
+        from lab.serving import plots
 
         headline = main.headline()
         memory = f"KV {setup.kv_capacity_slots:,} token slots, max_model_len {setup.max_model_len}; simulated 7B/A100 cost model"

@@ -7,7 +7,7 @@ the cache harder); each asks for its trace output length (``max_tokens``, no sto
 are synthetic tokens: the first ``--system-prompt`` tokens are shared by every request (a common
 system prompt, for the prefix cache), the rest are unique per request. The same requests and
 sampled tokens go through ``pagedkv.Scheduler`` and through
-``pagedkv.bench.reference_scheduler`` (same policy, plain Python) in the same process; only the
+``lab.bench.reference_scheduler`` (same policy, plain Python) in the same process; only the
 two calls are timed (wall clock, fastest of ``--repeats`` interleaved replays).
 
 The reference implements the policy without admission headroom, so the side-by-side comparison
@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
+from lab.bench.reference_scheduler import ReferenceScheduler
 from pagedkv._core import Scheduler
-from pagedkv.bench.reference_scheduler import ReferenceScheduler
 from pagedkv.cli import non_negative_int, positive_float, positive_int
 from pagedkv.traces import TraceRequest, load_trace
 

@@ -6,12 +6,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from lab.serving.replay import PagedPolicy, ReplayResult, ServingPolicy, SimulatedTime, replay
+from lab.serving.reservation import ContinuousReservationPolicy, StaticBatchingPolicy
+from lab.serving.workload import Workload
 from pagedkv.engine import EngineConfig, EngineCore, SimulatedRunner
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.models.simulated import SimulatedModel, StepCostModel
-from pagedkv.serving.replay import PagedPolicy, ReplayResult, ServingPolicy, SimulatedTime, replay
-from pagedkv.serving.reservation import ContinuousReservationPolicy, StaticBatchingPolicy
-from pagedkv.serving.workload import Workload
 
 __all__ = ["POLICIES", "ServingSetup", "make_policy", "simulate"]
 

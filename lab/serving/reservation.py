@@ -20,11 +20,11 @@ from collections import deque
 from dataclasses import dataclass
 from typing import ClassVar
 
+from lab.serving.replay import PolicyTotals, SimulatedTime, StepRecord
+from lab.serving.workload import ServingRequest
 from pagedkv.engine import RequestMetrics
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.models.simulated import StepCostModel
-from pagedkv.serving.replay import PolicyTotals, SimulatedTime, StepRecord
-from pagedkv.serving.workload import ServingRequest
 
 __all__ = ["ContinuousReservationPolicy", "StaticBatchingPolicy"]
 

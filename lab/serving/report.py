@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from pagedkv.serving.replay import ReplayResult
+from lab.serving.replay import ReplayResult
 
 __all__ = ["PolicySummary", "format_table", "summarize"]
 

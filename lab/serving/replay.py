@@ -3,7 +3,7 @@ records what every step did and when every request finished.
 
 A policy is any :class:`ServingPolicy`: the paged engine (:class:`PagedPolicy`, wrapping an
 :class:`~pagedkv.engine.EngineCore`) or a reservation baseline
-(:mod:`pagedkv.serving.reservation`). Time comes from a :class:`ReplayClock`: simulated seconds
+(:mod:`lab.serving.reservation`). Time comes from a :class:`ReplayClock`: simulated seconds
 (:class:`SimulatedTime`, advanced by the model's cost per step and jumped forward over idle gaps)
 or wall seconds (:class:`WallTime`, which sleeps over idle gaps).
 """
@@ -15,9 +15,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from lab.serving.workload import ServingRequest
 from pagedkv.engine import EngineCore, RequestMetrics, VirtualClock
 from pagedkv.sampling import SamplingParams
-from pagedkv.serving.workload import ServingRequest
 
 __all__ = [
     "FinishedRequest",

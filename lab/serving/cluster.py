@@ -41,14 +41,14 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from lab.serving.simulation import ServingSetup
+from lab.serving.workload import Workload
 from pagedkv.cluster.router import NoReplicaError, ReplicaLoad, Router
 from pagedkv.engine import EngineCore, RequestOutput, SimulatedRunner, TokenEvent, VirtualClock
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.kv_events import KvEventBatch
 from pagedkv.models.simulated import SimulatedModel
 from pagedkv.sampling import SamplingParams
-from pagedkv.serving.simulation import ServingSetup
-from pagedkv.serving.workload import Workload
 
 __all__ = ["ClusterRequest", "ClusterResult", "ClusterSetup", "simulate_cluster"]
 

@@ -15,8 +15,8 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
+from lab.bench.seed_reference import SeedPageAllocator
 from pagedkv._core import BlockManager
-from pagedkv.bench.seed_reference import SeedPageAllocator
 from pagedkv.cli import positive_int
 from pagedkv.traces import load_trace
 

@@ -1,7 +1,7 @@
 """HTTP serving benchmark: open-loop streaming clients against ``pagedkv serve``, the same load on
 the in-process :class:`~pagedkv.Engine`, and (``--peer llama-server``) llama.cpp's server.
 
-Workload (:func:`~pagedkv.serving.workload.build_workload`): the first ``--requests`` requests of
+Workload (:func:`~lab.serving.workload.build_workload`): the first ``--requests`` requests of
 the Azure conversation trace, prompt and output lengths times ``--length-scale``, random token-id
 prompts (nothing shared, so no prefix cache helps anyone), arriving at the trace's own times,
 stretched or squeezed to a mean of ``--rate`` requests/s if given (the bursts keep their shape).
@@ -63,9 +63,9 @@ from pathlib import Path
 
 import numpy as np
 
+from lab.serving.workload import ServingRequest, build_workload
 from pagedkv.cli import add_engine_arguments, engine_kwargs, positive_float, positive_int, trace_source
 from pagedkv.errors import InvalidArgumentError, PagedKVError
-from pagedkv.serving.workload import ServingRequest, build_workload
 from pagedkv.traces import SHIPPED_TRACES, load_trace
 
 REPO = Path(__file__).resolve().parents[3]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 
-from pagedkv.bench import BENCHES
+from lab.bench import BENCHES
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

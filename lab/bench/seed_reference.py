@@ -1,6 +1,6 @@
 """The seed document's page allocator, written as it was meant to work, in plain Python: pages in
 a free list, each sequence a linked chain of pages walked from its head on every access. It is the
-baseline the Rust block manager is compared with (``python -m pagedkv bench blocks``)."""
+baseline the Rust block manager is compared with (``python -m lab bench blocks``)."""
 
 from __future__ import annotations
 

@@ -12,8 +12,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after choosing the backend)
 import numpy as np  # noqa: E402
 
-from pagedkv.serving.replay import ReplayResult  # noqa: E402
-from pagedkv.serving.report import PolicySummary  # noqa: E402
+from lab.serving.replay import ReplayResult  # noqa: E402
+from lab.serving.report import PolicySummary  # noqa: E402
 
 __all__ = ["write_all"]
 

@@ -1,5 +1,5 @@
 """Cluster benchmark: the routing policies on a simulated cluster of R replicas
-(:mod:`pagedkv.serving.cluster`), and the cost of one routing decision.
+(:mod:`lab.serving.cluster`), and the cost of one routing decision.
 
 - **Sweep**: for each trace (``conv``, ``code``: the shipped Azure traces with 8 shared system
   prompts; ``many-tenant``: conversation lengths behind one of ``--tenants-per-replica × R`` long
@@ -28,14 +28,14 @@ from pathlib import Path
 
 import numpy as np
 
+from lab.serving.cluster import ClusterSetup, simulate_cluster
+from lab.serving.simulation import ServingSetup
+from lab.serving.workload import SystemPrompts, Workload, build_workload
 from pagedkv._core import block_hashes
 from pagedkv.cli import comma_list, non_negative_int, output_dir, positive_float, positive_int
 from pagedkv.cluster import POLICIES, Router
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.kv_events import BlockStored, KvEventBatch
-from pagedkv.serving.cluster import ClusterSetup, simulate_cluster
-from pagedkv.serving.simulation import ServingSetup
-from pagedkv.serving.workload import SystemPrompts, Workload, build_workload
 from pagedkv.traces import load_trace
 
 TRACES = ("conv", "code", "many-tenant")
