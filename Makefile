@@ -84,7 +84,7 @@ $(PEERS_VENV)/.parity:
 	$(PEERS_PY) -m pip install --quiet $(PARITY_DEPS)
 	touch $@
 
-# Records transformers' greedy tokens into the golden file tests/test_parity.py checks.
+# Records transformers' greedy tokens into the golden file tests/models/test_parity.py checks.
 parity-golden: $(VENV)/.built $(PEERS_VENV)/.parity
 	$(PEERS_PY) scripts/parity_golden.py --gguf "$(SMOLLM2)" --out tests/data/smollm2_golden.json
 

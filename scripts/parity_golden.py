@@ -1,5 +1,5 @@
 """Records Hugging Face transformers' greedy tokens on SmolLM2-135M-Instruct: the golden file
-that tests/test_parity.py holds pagedkv to (`make parity-golden`), and the logits that
+that tests/models/test_parity.py holds pagedkv to (`make parity-golden`), and the logits that
 scripts/parity_live.py compares with pagedkv's (`make parity`).
 
 Runs in the peers venv (.venv-peers: torch, transformers, gguf), never in the project's. It

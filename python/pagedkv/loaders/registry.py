@@ -4,7 +4,7 @@ tokenizer; :func:`load_model` turns the same into a packed :class:`LlamaModel`, 
 
 Streaming: :func:`load_model` hands the loader's tensors to :meth:`LlamaModel.from_tensors` one
 at a time, so the float32 copy of the whole model never exists: the load peak is the packed model
-plus one tensor in flight (tests/test_model_load.py asserts ≤ 1.2× the model's bytes).
+plus one tensor in flight (tests/models/test_model_load.py asserts ≤ 1.2× the model's bytes).
 
 Registered models ship as data files inside PyPI packages (:data:`REGISTRY`). Such a package is
 found with ``importlib.util.find_spec``, which locates it without running it: the package that

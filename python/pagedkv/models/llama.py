@@ -40,7 +40,7 @@ WEIGHT_DTYPES = ("float32", "float16", "bfloat16")
 # the ratios within one run are what count): it halves the bytes a decode step streams as
 # bfloat16 does, and single-request decode ran 1.66-1.72x float32's tokens/s (bfloat16
 # 1.67-1.90x); but its 11-bit mantissa keeps transformers' greedy tokens on every golden prompt
-# (tests/test_parity.py passes on it: logits within 0.034 of float32's), where bfloat16's 8 bits
+# (tests/models/test_parity.py passes on it: logits within 0.034 of float32's), where bfloat16's 8 bits
 # moved logits by up to 0.26 and flipped 3 of 256 teacher-forced tokens (all at top-1 margins
 # below 0.04). A weight beyond float16's range is refused at load (bfloat16 or float32 then).
 DEFAULT_WEIGHT_DTYPE = "float16"

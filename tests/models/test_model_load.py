@@ -21,7 +21,7 @@ import pytest
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.loaders import load_model, load_pretrained
 from pagedkv.models import DEFAULT_WEIGHT_DTYPE, LlamaModel
-from prefill import prefill_logits
+from support.prefill import prefill_logits
 
 LIMIT = 1.2
 

@@ -8,12 +8,12 @@ import time
 
 import pytest
 
-from gated_model import GatedModel, gated_engine
 from pagedkv import DuplicateSequenceError, InvalidArgumentError, SamplingParams
 from pagedkv.engine import Engine, EngineConfig, EngineCore, PagedModelRunner
 from pagedkv.models import LlamaModel
 from pagedkv.sampling import TokenHistory
-from test_engine import GREEDY, make_engine
+from support.engines import GREEDY, make_engine
+from support.gated_model import GatedModel, gated_engine
 
 RUNNING = SamplingParams(max_tokens=40, **GREEDY)
 

@@ -23,7 +23,7 @@ from pagedkv.engine import Engine
 from pagedkv.kv_events import BlockStored, KvEventBatch
 from pagedkv.models import DenseReference, LlamaWeights
 from pagedkv.sampling import SamplingParams
-from tier_workload import BLOCK_BYTES, BLOCK_SIZE, FIXED, GREEDY, SYSTEMS, greedy, random_prompt, tiny_core, tiny_model
+from support.tier_workload import BLOCK_BYTES, BLOCK_SIZE, FIXED, GREEDY, SYSTEMS, greedy, random_prompt, tiny_core, tiny_model
 
 DATA_FILE = "blocks.dat"
 INDEX_FILE = "index.redb"

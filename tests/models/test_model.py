@@ -441,7 +441,7 @@ def test_top_p_keeps_the_smallest_set_reaching_p() -> None:
     np.testing.assert_allclose(frequencies, [0.15 / 0.95, 0.5 / 0.95, 0.0, 0.3 / 0.95], atol=0.015)
 
 
-# max_tokens, n and stop_token_ids are the scheduler's to check (tests/test_engine_submit.py).
+# max_tokens, n and stop_token_ids are the scheduler's to check (tests/engine/test_engine_submit.py).
 @pytest.mark.parametrize("kwargs", [
     {"temperature": -0.1}, {"temperature": float("nan")}, {"top_k": -1},
     {"top_p": 0.0}, {"top_p": 1.5}, {"seed": -1},

@@ -1,7 +1,7 @@
 """``pagedkv.block_hashes``: the prefix-cache hash chain a router computes for a prompt.
 
 The engine-side check that these are the very hashes the block manager registers (its KV events
-name them) is in tests/test_kv_events_engine.py."""
+name them) is in tests/engine/test_kv_events.py."""
 
 from __future__ import annotations
 

@@ -10,9 +10,9 @@ import weakref
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
-from gated_model import HANG_GUARD_S, gated_engine
 from pagedkv import SamplingParams
-from test_engine import GREEDY, make_engine, tokens_of
+from support.engines import GREEDY, make_engine, tokens_of
+from support.gated_model import HANG_GUARD_S, gated_engine
 
 T = TypeVar("T")
 

@@ -5,7 +5,6 @@ concurrency, abort, shutdown, back-pressure and bad input."""
 from __future__ import annotations
 
 import asyncio
-import itertools
 import random
 import threading
 
@@ -13,44 +12,16 @@ import numpy as np
 import pytest
 from threadpoolctl import threadpool_limits
 
-from gated_model import HANG_GUARD_S, gated_engine
 from pagedkv import DuplicateSequenceError, InvalidArgumentError, SamplingParams
 from pagedkv.engine import Engine, EngineClosedError, EngineConfig, EngineCore, EngineOverloadedError, PagedModelRunner
-from pagedkv.loaders import load_tokenizer
 from pagedkv.models import DenseReference, LlamaModel, LlamaWeights
-
-GREEDY = dict(temperature=0.0, ignore_eos=True)
+from support.engines import GREEDY, make_engine
+from support.gated_model import HANG_GUARD_S, gated_engine
 
 
 @pytest.fixture(scope="module")
 def reference(weights: LlamaWeights) -> DenseReference:
     return DenseReference(weights)
-
-
-def make_engine(weights: LlamaWeights, max_waiting: int = 1024, **config) -> Engine:
-    model = LlamaModel(weights)
-    return Engine(model, load_tokenizer(None, model.config.vocab_size), EngineConfig(**config), max_waiting=max_waiting)
-
-
-def tokens_of(handle, timeout: float = 30, limit: int | None = None) -> list[int]:
-    """The token ids a blocking iteration of ``handle`` yields (the first ``limit`` of them, if
-    given), or the error it raises; iterated in a thread, so that a handle that never ends fails
-    the test instead of hanging it."""
-    out: list = []
-
-    def iterate() -> None:
-        try:
-            out.append([event.token_id for event in itertools.islice(handle, limit)])
-        except BaseException as error:  # noqa: BLE001 - re-raised in the test's thread
-            out.append(error)
-
-    thread = threading.Thread(target=iterate, daemon=True)
-    thread.start()
-    thread.join(timeout)
-    assert out, f"iterating {handle.request_id!r} did not end within {timeout} s"
-    if isinstance(out[0], BaseException):
-        raise out[0]
-    return out[0]
 
 
 def prompts(seed: int, count: int, shared_prefix: int = 0) -> list[list[int]]:

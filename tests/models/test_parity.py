@@ -26,9 +26,9 @@ from pagedkv.engine import Engine, EngineConfig
 from pagedkv.loaders import load_model
 from pagedkv.models import DEFAULT_WEIGHT_DTYPE
 from pagedkv.sampling import SamplingParams
-from prefill import prefill_logits
+from support.prefill import prefill_logits
 
-GOLDEN = json.loads((Path(__file__).parent / "data" / "smollm2_golden.json").read_text())
+GOLDEN = json.loads((Path(__file__).parent.parent / "data" / "smollm2_golden.json").read_text())
 PROMPTS: dict[str, dict] = GOLDEN["prompts"]
 LONG = GOLDEN["long_prompt"]
 # transformers ends at eos with the eos token kept, pagedkv says "stop"; else both run to the limit.

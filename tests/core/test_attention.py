@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pagedkv
-from array_layouts import layouts
 from pagedkv import _core
+from support.array_layouts import layouts
 
 TOLERANCE = {"float32": 1e-5, "float16": 1e-2, "bfloat16": 1e-2}
 DTYPES = list(TOLERANCE)

@@ -16,7 +16,7 @@ from pagedkv.engine import Engine, EngineOverloadedError
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.traces import load_trace
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def run_cli(*argv: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:

@@ -13,8 +13,7 @@ import pytest
 
 from pagedkv import InvalidArgumentError, ModelError, PagedKVError, SamplingParams
 from pagedkv.engine import EngineClosedError, EngineOverloadedError, RequestHandle
-from test_engine import tokens_of
-from test_engine_failures import poisoned_engine
+from support.engines import poisoned_engine, tokens_of
 
 NUM_BLOCKS = 12
 SHARED = [list(range(10, 26)), list(range(100, 116))]

@@ -28,7 +28,7 @@ def test_quick_run_reports_every_figure_without_errors() -> None:
     command = [sys.executable, "-m", "lab", "bench", "http", "--quick", "--json", "--model", "tiny"]
     # Its own session, so that on a timeout the benchmark and the server it started go together.
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-                               cwd=Path(__file__).resolve().parent.parent)
+                               cwd=Path(__file__).resolve().parents[2])
     try:
         out, err = process.communicate(timeout=90)
     except subprocess.TimeoutExpired:

@@ -10,8 +10,8 @@ import sys
 import numpy as np
 import pytest
 
-from array_layouts import layouts
 from pagedkv import BlockManager, InvalidArgumentError, KVCache, Scheduler, ShapeError
+from support.array_layouts import layouts
 
 LAYERS, BLOCKS, BS, HEADS, DIM = 2, 64, 4, 2, 8
 

@@ -1,4 +1,4 @@
-"""The child of the crash test (tests/test_disk_tier_crash.py): ``python tier_crash_child.py DIR SEED``.
+"""The child of the crash test (tests/tier/test_disk_tier_crash.py): ``python tier_crash_child.py DIR SEED``.
 
 It reopens the disk tier in DIR (after the previous child was SIGKILLed), serves the fixed prompts
 and prints one JSON line: what opening the tier reported, their greedy tokens and the engine's
@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 from pagedkv.sampling import SamplingParams
-from tier_workload import FIXED, GREEDY, greedy, random_prompt, tiny_core, tiny_model
+from support.tier_workload import FIXED, GREEDY, greedy, random_prompt, tiny_core, tiny_model
 
 
 def main() -> None:

@@ -10,7 +10,7 @@ front end, on one local Ray instance (127.0.0.1 only) shared by the module and s
 - 503 only once no replica is alive; `pagedkv serve --replicas 2 --ray-address` end to end; the
   streaming overhead per token against the in-process engine.
 
-Figures print with ``pytest -s``: ``pytest tests/test_cluster.py -s -k chaos`` is the chaos run.
+Figures print with ``pytest -s``: ``pytest tests/cluster/test_cluster.py -s -k chaos`` is the chaos run.
 """
 
 from __future__ import annotations

@@ -8,13 +8,13 @@ import dataclasses
 import numpy as np
 import pytest
 
-from gated_model import HANG_GUARD_S, GatedModel, gated_engine
 from pagedkv import InvalidArgumentError, ModelError, SamplingParams, _core
 from pagedkv.engine import Engine, EngineClosedError, EngineConfig, EngineCore, PagedModelRunner
 from pagedkv.loaders import load_tokenizer
 from pagedkv.models import LlamaModel
 from pagedkv.sampling import NO_TOKEN, sample
-from test_engine import GREEDY, make_engine
+from support.engines import GREEDY, PoisonedModel, make_engine, poisoned_engine
+from support.gated_model import HANG_GUARD_S, gated_engine
 
 INF, NAN = np.inf, np.nan
 
@@ -42,29 +42,6 @@ def test_a_plus_inf_logit_is_the_token_drawn(params):
 def test_a_row_with_nan_or_only_minus_inf_gives_no_token(params, row):
     """Item 22: never the NaN token, never token 0 by default: no token at all."""
     assert draws(row, count=5, **params) == {NO_TOKEN}
-
-
-class PoisonedModel(GatedModel):
-    """The tiny model behind an open gate, with NaN logits for requests whose id starts with
-    "nan" and a failure of the forward pass once ``fail`` is set."""
-
-    def __init__(self, model: LlamaModel) -> None:
-        super().__init__(model, open=True)
-        self.fail = False
-
-    def forward(self, step, kv_cache):
-        logits = super().forward(step, kv_cache)  # waits at the gate
-        if self.fail:
-            raise RuntimeError("the model broke")
-        for row, request_id in enumerate(step.sample_request_ids):
-            if request_id.startswith("nan"):
-                logits[row] = NAN
-        return logits
-
-
-def poisoned_engine(weights, **config) -> tuple[Engine, PoisonedModel]:
-    model = PoisonedModel(LlamaModel(weights))
-    return Engine(model, load_tokenizer(None, model.config.vocab_size), EngineConfig(**config)), model
 
 
 def test_nan_logits_fail_that_request_alone(weights):

@@ -1,5 +1,5 @@
 """Crash safety of the disk tier: a child process serves traffic with the tier
-(tests/tier_crash_child.py) and is killed with SIGKILL at random points, half of them right after
+(tests/tier/tier_crash_child.py) and is killed with SIGKILL at random points, half of them right after
 it reported tier writes in flight (mid-write). After each kill the next child reopens the same
 directory and must: open the index, serve the fixed prompts with the greedy tokens of a RAM-only
 run (a corrupt block served would change them), and count every block it found on disk as either
@@ -19,10 +19,12 @@ import threading
 import time
 from pathlib import Path
 
-from tier_workload import FIXED, greedy, tiny_core, tiny_model
+from support.tier_workload import FIXED, greedy, tiny_core, tiny_model
 
 KILLS = 20
 CHILD = Path(__file__).with_name("tier_crash_child.py")
+# The child imports tests/support as the tests do.
+CHILD_ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
 START_TIMEOUT = 60.0  # seconds for a child to reopen the tier and serve the fixed prompts
 
 
@@ -45,7 +47,7 @@ def test_sigkill_at_random_points_never_serves_a_corrupt_block(tmp_path: Path) -
     kills = mid_write = restarts_with_disk_hits = 0
     for round_ in range(KILLS + 1):
         child = subprocess.Popen([sys.executable, str(CHILD), str(directory), str(round_)], stdout=subprocess.PIPE,
-                                 stderr=subprocess.PIPE, text=True)
+                                 stderr=subprocess.PIPE, text=True, env=CHILD_ENV)
         lines: queue.Queue = queue.Queue()
         threading.Thread(target=_reader, args=(child.stdout, lines), daemon=True).start()
         try:

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from gated_model import HANG_GUARD_S
 from pagedkv import ModelError, SamplingParams
 from pagedkv.engine import Engine, EngineConfig
 from pagedkv.models import LlamaModel
 from pagedkv.text.tokenizer import ByteTokenizer
-from test_engine import GREEDY, make_engine
+from support.engines import GREEDY, make_engine
+from support.gated_model import HANG_GUARD_S
 
 INTERRUPTS = pytest.mark.parametrize("error", [SystemExit(3), KeyboardInterrupt()], ids=["SystemExit", "KeyboardInterrupt"])
 PROMPT = list(range(5, 17))  # three full blocks of 4: the first step stores them (KV events)

@@ -1,0 +1,1 @@
+"""What the test modules share: engines and models to drive, oracles, workloads."""
