@@ -1,11 +1,11 @@
 //! Criterion benches of the paged-attention kernel: decode with K/V resident in L2 (the compute
 //! rate of each kernel path), decode from memory on a shuffled table vs contiguous K/V, and
-//! prefill. The bandwidth-vs-machine comparison lives in `python -m pagedkv bench attention`.
+//! prefill. The bandwidth-vs-machine comparison lives in `python -m lab bench attention`.
 
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use pagedkv::attention::{paged_attention_with, ContiguousKv, KernelPath};
+use pagedkv::compute::attention::{paged_attention_with, ContiguousKv, KernelPath};
 use pagedkv::{AttentionBatch, KvCache, KvDtype, KvShape};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;

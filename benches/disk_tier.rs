@@ -18,9 +18,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use pagedkv::disk::tier::{MAX_GROUP_BLOCKS, MAX_GROUP_BYTES};
-use pagedkv::disk::{DiskStore, DiskTier, DiskTierConfig, NewBlock};
-use pagedkv::lru::EvictionPolicy;
+use pagedkv::memory::eviction::EvictionPolicy;
+use pagedkv::tier::disk::tier::{MAX_GROUP_BLOCKS, MAX_GROUP_BYTES};
+use pagedkv::tier::disk::{DiskStore, DiskTier, DiskTierConfig, NewBlock};
 use pagedkv::tier::{KvTier, LoadJob, LoadOutcome, OffloadJob, TierLink};
 use pagedkv::{FreeList, KvCache, KvDtype, KvShape};
 

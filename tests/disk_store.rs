@@ -12,8 +12,8 @@ use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use pagedkv::disk::{DiskError, DiskStore, Fetch, NewBlock, Opened};
-use pagedkv::lru::EvictionPolicy;
+use pagedkv::memory::eviction::EvictionPolicy;
+use pagedkv::tier::disk::{DiskError, DiskStore, Fetch, NewBlock, Opened};
 use rand::Rng;
 
 const SLOT: usize = 4096;

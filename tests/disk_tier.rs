@@ -14,9 +14,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::Duration;
 
-use pagedkv::disk::{DiskTier, DiskTierConfig, Opened};
-use pagedkv::kv_events::{KvEvent, Medium};
-use pagedkv::lru::EvictionPolicy;
+use pagedkv::memory::events::{KvEvent, Medium};
+use pagedkv::memory::eviction::EvictionPolicy;
+use pagedkv::tier::disk::{DiskTier, DiskTierConfig, Opened};
 use pagedkv::tier::{KvTier, LoadDone, LoadJob, LoadOutcome, OffloadJob, TierLink};
 use pagedkv::{FreeList, KvCache, KvDtype, KvShape};
 
@@ -519,7 +519,7 @@ fn loads_queued_behind_offloads_run_before_the_stores() {
             .iter()
             .filter(|e| matches!(e, KvEvent::BlockStored { .. }))
             .count() as u64;
-        let bound = stored + pagedkv::disk::tier::MAX_GROUP_BLOCKS as u64;
+        let bound = stored + pagedkv::tier::disk::tier::MAX_GROUP_BLOCKS as u64;
         assert!(
             stored_before <= bound,
             "{stored_before} stores ran before the loads (at most {bound})"

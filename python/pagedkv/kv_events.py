@@ -1,7 +1,7 @@
 """KV cache events in Python: what an engine tells a router about the blocks it holds, and the
 publisher that numbers them, keeps a replay buffer, and serves snapshots.
 
-The event kinds mirror ``src/kv_events.rs`` (vLLM's names): :class:`BlockStored` when a full block
+The event kinds mirror ``src/memory/events.rs`` (vLLM's names): :class:`BlockStored` when a full block
 becomes findable by prefix lookup in a medium (``"ram"`` or ``"disk"``), :class:`BlockRemoved` when
 it stops being findable there, :class:`AllBlocksCleared` when a whole medium is emptied.
 
@@ -52,7 +52,7 @@ __all__ = [
     "KvSnapshot",
 ]
 
-# Where a block is held: the names src/kv_events.rs gives its `Medium` variants.
+# Where a block is held: the names src/memory/events.rs gives its `Medium` variants.
 MEDIA = ("ram", "disk")
 
 

@@ -1,7 +1,7 @@
 """Choosing the next token: :class:`SamplingParams` (per request), :class:`TokenHistory` (per
 sample, for the penalties) and :func:`sample` (per step).
 
-The work is the Rust kernel ``pagedkv._core.sample_rows`` (``src/sampling.rs``), rows in parallel
+The work is the Rust kernel ``pagedkv._core.sample_rows`` (``src/compute/sampling.rs``), rows in parallel
 on the attention pool: numpy needed a full sort per row for top-p (191 ms for 16 × 49,152 logits)
 and ~29 ms for plain temperature. What a row goes through, in order:
 

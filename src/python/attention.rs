@@ -11,7 +11,7 @@ use super::args::{arg, invalid, Param};
 use super::attention_call::{Arrays, Tables};
 use super::kv_cache::PyKVCache;
 use super::sync::detached;
-use crate::attention::{self, ContiguousKv, KernelPath};
+use crate::compute::attention::{self, ContiguousKv, KernelPath};
 
 /// Seconds per call of the kernel alone (no argument conversion, no Python), averaged over
 /// `iterations` calls made from Rust with the GIL released: `KVCache.attention` from Python

@@ -11,7 +11,7 @@ use pyo3::prelude::*;
 
 use super::args::{c_order, expect_shape, opt, typed_array};
 use super::errors::IntoPyResult;
-use crate::attention::{self, AttentionBatch, KernelPath};
+use crate::compute::attention::{self, AttentionBatch, KernelPath};
 use crate::KvCache;
 
 /// The numpy arrays of a call, kept alive while their data is borrowed.

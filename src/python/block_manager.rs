@@ -10,8 +10,9 @@ use pyo3::types::PyDict;
 
 use super::args::{arg, opt, Param};
 use super::sync::{detached, locked};
-use crate::block_manager::DEFAULT_BLOCK_SIZE;
-use crate::{BlockManager, BlockStats, SeqId, TokenId};
+use crate::ids::{SeqId, TokenId};
+use crate::memory::block_manager::DEFAULT_BLOCK_SIZE;
+use crate::{BlockManager, BlockStats};
 
 /// Paged KV block manager: allocates fixed-size blocks to sequences, shares full blocks between
 /// sequences with equal prefixes, and copies shared blocks on write. Thread-safe.

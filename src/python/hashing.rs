@@ -1,13 +1,13 @@
 //! `pagedkv.block_hashes`: the prefix-cache hash chain of a prompt, as Python ints, so a router
 //! outside the engine hashes prompts with the very function the block manager uses
-//! ([`crate::prefix_cache::salted_block_hashes`]).
+//! ([`crate::memory::prefix_cache::salted_block_hashes`]).
 
 use pyo3::prelude::*;
 
 use super::args::{arg, opt};
 use super::sync::detached;
-use crate::prefix_cache::{salted_block_hashes, BlockHash};
-use crate::TokenId;
+use crate::ids::TokenId;
+use crate::memory::prefix_cache::{salted_block_hashes, BlockHash};
 
 /// 128-bit chain hashes (as ints) of every full block of `token_ids`, salted by `cache_salt`
 /// (requests with different salts never share a hash). Raises InvalidArgumentError for a bad

@@ -1,5 +1,5 @@
 //! `pagedkv._core.Linear`: a packed weight and its product, a thin shell over
-//! [`crate::linear::Linear`]. The weight is read without a copy when C- or Fortran-contiguous
+//! [`crate::compute::linear::Linear`]. The weight is read without a copy when C- or Fortran-contiguous
 //! (a `.T` of an `[out, in]` checkpoint matrix is the latter); inputs are read in C order; the GIL
 //! is released while packing and computing.
 
@@ -9,7 +9,7 @@ use pyo3::prelude::*;
 
 use super::args::{c_order, expect_shape, opt, typed_array, Param};
 use super::errors::IntoPyResult;
-use crate::linear::{Linear, LinearKernel};
+use crate::compute::linear::{Linear, LinearKernel};
 use crate::KvDtype;
 
 /// A weight `W` (`[in_features, out_features]`) stored as float32, float16 or bfloat16, and

@@ -1,5 +1,5 @@
 //! `pagedkv.PrefixIndex`: a router's index of which replica holds which block hash in which
-//! medium, and the longest cached prefix of a prompt per replica ([`crate::prefix_index`]).
+//! medium, and the longest cached prefix of a prompt per replica ([`crate::route::prefix_index`]).
 //!
 //! Every argument goes through `args`; every call runs through `sync::locked_with_gil`, which
 //! keeps the GIL: each call costs a few µs (a route at R = 256 over a 504k-block index, one event
@@ -12,10 +12,10 @@ use pyo3::prelude::*;
 
 use super::args::{arg, invalid, opt};
 use super::sync::locked_with_gil;
-use crate::kv_events::Medium;
-use crate::prefix_cache::BlockHash;
-use crate::prefix_index::{PrefixIndex, ReplicaId};
-use crate::TokenId;
+use crate::ids::TokenId;
+use crate::memory::events::Medium;
+use crate::memory::prefix_cache::BlockHash;
+use crate::route::prefix_index::{PrefixIndex, ReplicaId};
 
 /// Block hash → the replicas (small int ids) holding it in RAM and on disk; finds the longest
 /// cached prefix of a prompt on each replica. Thread-safe.

@@ -1,6 +1,6 @@
-//! `_core.sample_rows`: the sampling kernel (`crate::sampling`) over numpy arrays, GIL released.
+//! `_core.sample_rows`: the sampling kernel (`crate::compute::sampling`) over numpy arrays, GIL released.
 //! Each row's parameters come as one row of a float64 matrix whose columns [`COLUMNS`] names
-//! (exported as `_core.SAMPLING_COLUMNS`, which `pagedkv.model.sampling` builds it by); the
+//! (exported as `_core.SAMPLING_COLUMNS`, which `pagedkv.sampling` builds it by); the
 //! values were validated by `SamplingParams`, this checks only what memory safety needs.
 
 use std::borrow::Cow;
@@ -11,7 +11,7 @@ use pyo3::prelude::*;
 
 use super::args::{c_order, expect_shape, invalid, shape_error, typed_array};
 use super::sync::detached;
-use crate::sampling::{self, History, RowParams};
+use crate::compute::sampling::{self, History, RowParams};
 
 /// The columns of the parameter matrix, in order (`top_logprobs` -1: no logprobs).
 const COLUMNS: [&str; 9] = [

@@ -17,15 +17,15 @@ use super::args::{arg, invalid, opt, Bytes, Param};
 use super::kv_cache::PyKVCache;
 use super::sync::{detached, locked};
 use super::tier;
-use crate::block_manager::DEFAULT_BLOCK_SIZE;
-use crate::kv_events::{KvEvent, Medium};
-use crate::lru::EvictionPolicy;
+use crate::ids::TokenId;
+use crate::memory::block_manager::DEFAULT_BLOCK_SIZE;
+use crate::memory::events::{KvEvent, Medium};
+use crate::memory::eviction::EvictionPolicy;
 use crate::scheduler::{
     default_offload_watermark, FinishReason, Policy, RequestEvent, RequestOptions, SamplingParams,
     Scheduler, SchedulerConfig, StepId, StepOutput, UpdateOutput, DEFAULT_AGING_STEPS,
 };
 use crate::tier::TierCounters;
-use crate::TokenId;
 
 /// Continuous-batching scheduler over a paged KV cache. Thread-safe; every call releases the GIL.
 #[pyclass(name = "Scheduler", module = "pagedkv", frozen)]

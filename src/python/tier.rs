@@ -7,11 +7,11 @@ use std::path::Path;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple};
 
-use crate::disk::{DiskTier, DiskTierConfig, Opened};
-use crate::kv_cache::KvBlockIo;
-use crate::kv_events::{KvEvent, Medium};
-use crate::prefix_cache::BlockHash;
+use crate::memory::events::{KvEvent, Medium};
+use crate::memory::prefix_cache::BlockHash;
 use crate::scheduler::{Scheduler, SchedulerStats};
+use crate::store::kv_cache::KvBlockIo;
+use crate::tier::disk::{DiskTier, DiskTierConfig, Opened};
 use crate::tier::TierCounters;
 
 /// An event as `("stored", hash, parent, token_ids, medium)`, `("removed", hash, medium)` or

@@ -60,13 +60,13 @@ pub use output::{
 pub use queue::{Policy, DEFAULT_AGING_STEPS};
 pub use request::{FinishReason, SamplingParams};
 
-use crate::block_manager::{BlockManager, TierPolicy, DEFAULT_MIN_LOAD_BLOCKS};
 use crate::error::{ensure, Error, Result};
-use crate::kv_events::{KvEvent, Medium};
-use crate::lru::EvictionPolicy;
-use crate::prefix_cache::{extend_block_hashes, root_hash, BlockHash};
+use crate::ids::{SeqId, TokenId};
+use crate::memory::block_manager::{BlockManager, TierPolicy, DEFAULT_MIN_LOAD_BLOCKS};
+use crate::memory::events::{KvEvent, Medium};
+use crate::memory::eviction::EvictionPolicy;
+use crate::memory::prefix_cache::{extend_block_hashes, root_hash, BlockHash};
 use crate::tier::{KvTier, TierLink};
-use crate::{SeqId, TokenId};
 use queue::{QueueKey, WaitingQueue};
 use request::{Request, SeqStatus, Sequence};
 use slab::{Handle, Slab};
@@ -102,7 +102,7 @@ pub struct SchedulerConfig {
     /// Longest sequence (prompt + output); must fit in the cache.
     pub max_model_len: usize,
     pub enable_prefix_caching: bool,
-    /// Which cached block goes when memory is needed (see `crate::lru::Evictable`).
+    /// Which cached block goes when memory is needed (see `crate::memory::eviction::Evictable`).
     pub eviction_policy: EvictionPolicy,
     pub policy: Policy,
     /// Most prompt tokens one sequence computes in a step (0: only the budget limits it).

@@ -14,10 +14,10 @@
 use std::sync::Arc;
 
 use crate::error::{ensure, Result};
-use crate::prefix_cache::BlockHash;
+use crate::ids::{SeqId, TokenId};
+use crate::memory::prefix_cache::BlockHash;
 use crate::scheduler::queue::QueueKey;
 use crate::scheduler::slab::Handle;
-use crate::{SeqId, TokenId};
 
 /// When a request stops generating.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -20,10 +20,10 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use super::*;
-use crate::block_manager::{LoadsEnded, TierPolicy};
-use crate::prefix_cache::block_hashes;
+use crate::ids::BlockId;
+use crate::memory::block_manager::{LoadsEnded, TierPolicy};
+use crate::memory::prefix_cache::block_hashes;
 use crate::tier::{LoadDone, LoadJob, LoadOutcome, OffloadJob, TierCounters};
-use crate::BlockId;
 
 /// The value a slot holds once the token at its position was computed: a hash of the block's parent
 /// (the whole prefix before it) and of the block's tokens up to that position.

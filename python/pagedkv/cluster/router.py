@@ -12,7 +12,7 @@ Invariants:
   the replica's index is at ``s - 1``; an older batch is ignored, a newer one is refused (False)
   and the caller resyncs, from the publisher's replay (``since(applied_seq)``) or a snapshot. So
   after a resync and the batches that follow it, a replica's index equals its publisher's state.
-- The index is the core's :class:`pagedkv.PrefixIndex` (``src/prefix_index.rs``), replicas
+- The index is the core's :class:`pagedkv.PrefixIndex` (``src/route/prefix_index.rs``), replicas
   numbered by their slot: hash → the slots holding it, per medium, beside each slot's own blocks
   (what :meth:`blocks_of` lists and what removal clears).
 - Load per replica: ``queue_weight * waiting + kv_weight * kv_usage``, in units of one queued

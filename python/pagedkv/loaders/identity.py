@@ -1,6 +1,6 @@
 """The identity of a model's KV cache: everything that decides the bytes of a K/V block, so a disk
 tier written for one model is never served to another (the core clears a tier whose recorded
-identity differs, `src/disk/index.rs`).
+identity differs, `src/tier/disk/index.rs`).
 
 Invariants: two engines get equal identities only if they have the same architecture
 (:class:`~pagedkv.models.config.LlamaConfig`), the same weights as loaded (a digest of every tensor

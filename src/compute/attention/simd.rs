@@ -9,7 +9,7 @@
 //! - An implementation other than [`Portable`] may only be called when [`KernelPath::available`]
 //!   says its CPU features are present: that is the safety contract of the `unsafe` methods.
 
-use crate::dtype::KvElement;
+use crate::store::dtype::KvElement;
 
 /// Which implementation of [`Kernels`] runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -237,7 +237,7 @@ mod avx2 {
     use std::arch::x86_64::*;
 
     use super::Kernels;
-    use crate::dtype::{load8, KvElement};
+    use crate::store::dtype::{load8, KvElement};
 
     pub(crate) struct Avx2;
 

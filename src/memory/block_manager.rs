@@ -19,22 +19,14 @@
 
 use rustc_hash::FxHashMap;
 
-use crate::block_pool::BlockPool;
-use crate::block_table::BlockTable;
 use crate::error::{ensure, Error, Result};
-use crate::kv_events::{KvEvent, Medium};
-use crate::lru::EvictionPolicy;
-use crate::prefix_cache::{block_hashes, chain_hash, root_hash, BlockHash};
+use crate::ids::{BlockId, CopyOp, SeqId, TokenId, MAX_NUM_BLOCKS};
+use crate::memory::block_pool::BlockPool;
+use crate::memory::block_table::BlockTable;
+use crate::memory::events::{KvEvent, Medium};
+use crate::memory::eviction::EvictionPolicy;
+use crate::memory::prefix_cache::{block_hashes, chain_hash, root_hash, BlockHash};
 use crate::tier::{KvTier, LoadJob, LoadOutcome, TierCounters, TierLink};
-use crate::{BlockId, SeqId, TokenId};
-
-/// A K/V copy the model runner must perform before the next attention call: the whole block `src`
-/// into block `dst` (copy-on-write of a shared partial block).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct CopyOp {
-    pub src: BlockId,
-    pub dst: BlockId,
-}
 
 /// The cached prefix found for a prompt: read-only, it reserves nothing.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -65,7 +57,7 @@ impl PrefixMatch {
 }
 
 /// Fewest tier-hit blocks worth loading by default (`TierPolicy::min_load_blocks`): 1, since loading
-/// won at every size measured. `python -m pagedkv bench tiers` (SmolLM2-135M, float32 KV, page
+/// won at every size measured. `python -m lab bench tiers` (SmolLM2-135M, float32 KV, page
 /// cache warm, docs/tiers): the TTFT of a prompt whose N blocks are only on disk against the same
 /// prompt recomputed is 29 vs 89 ms at N = 1 and 39 vs 847 ms at N = 16 (0.66 ms per loaded block
 /// against 50 ms per recomputed one, plus ~29 ms of fixed cost: the step the loading sequence
@@ -176,10 +168,6 @@ pub struct BlockManager {
 
 /// Tokens per block when a configuration does not say.
 pub const DEFAULT_BLOCK_SIZE: usize = 16;
-
-/// Most blocks a manager holds: block tables are int32 arrays padded with -1, so every block id
-/// (`0..num_blocks`) must fit in an i32.
-pub const MAX_NUM_BLOCKS: usize = i32::MAX as usize;
 
 impl BlockManager {
     /// A manager of `num_blocks` blocks of `block_size` tokens each, evicting least recently used

@@ -1,4 +1,4 @@
-//! The scheduler's view of a lower KV tier (the disk tier of [`crate::disk`], or a fake in tests).
+//! The scheduler's view of a lower KV tier (the disk tier of [`crate::tier::disk`], or a fake in tests).
 //!
 //! Protocol, owned by the block manager (the only caller):
 //! - **Offload.** A cached block (full, hashed, unreferenced) chosen for eviction leaves the RAM
@@ -16,14 +16,16 @@
 //!   belongs to the I/O thread: the manager neither frees nor reuses it until the load completes.
 //! - `contains` is a hint: true means "stored or being stored"; only a load's verification decides.
 
+pub mod disk;
+
 use std::sync::Arc;
 
-use crate::free_list::FreeList;
-use crate::kv_events::KvEvent;
-use crate::prefix_cache::BlockHash;
+use crate::memory::events::KvEvent;
+use crate::memory::free_list::FreeList;
+use crate::memory::prefix_cache::BlockHash;
 // `std`'s, or loom's under `--cfg loom` (so the loom test checks the pool with a real I/O thread).
+use crate::ids::{BlockId, TokenId};
 use crate::sync::AtomicUsize;
-use crate::{BlockId, TokenId};
 
 /// What a tier needs of the pool: its free list, shared, and the count of blocks returned to it.
 #[derive(Clone)]

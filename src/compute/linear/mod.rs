@@ -28,7 +28,7 @@
 //! 5.9 GFLOP/s on the 113 MB lm_head (f32, 12 GB/s). These tiles read 16-bit weights as they
 //! are (converted in registers at M ≤ 6, once per panel above), split every shape over the shared
 //! pool, and at M = 1 stream the weights at 0.7–1.0 of the read bandwidth measured in the same
-//! run (`python -m pagedkv bench linear`, 2 threads, quiet minutes: qkv/o/gate_up/down bf16
+//! run (`python -m lab bench linear`, 2 threads, quiet minutes: qkv/o/gate_up/down bf16
 //! 0.60–0.89, f32 0.71–1.04). At M = 16 they reached 0.40–0.51 of the 2-thread FMA peak
 //! (180–195 GFLOP/s) and at M = 512 0.55–0.71, before `x` was interleaved; with it, under load,
 //! 0.53–0.75 and 0.65–0.88 of the peak measured in the same run. Matching `gemm`'s f32 loop
@@ -41,9 +41,9 @@ mod tests;
 use half::{bf16, f16};
 use rayon::prelude::*;
 
-use crate::attention::pool;
-use crate::dtype::{KvDtype, KvElement};
+use crate::compute::attention::pool;
 use crate::error::{Error, Result};
+use crate::store::dtype::{KvDtype, KvElement};
 use kernels::{Ahead, Isa, MAX_TILE, PANEL};
 
 /// Which implementation of the tiles runs.

@@ -6,8 +6,8 @@
 //! a full block becomes findable by prefix lookup in that medium, a `Removed` when it stops being
 //! findable there, `Cleared` when a whole medium is emptied (a tier of another model cleared).
 
-use crate::prefix_cache::BlockHash;
-use crate::TokenId;
+use crate::ids::TokenId;
+use crate::memory::prefix_cache::BlockHash;
 
 /// Where a block is held.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

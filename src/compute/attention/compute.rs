@@ -19,7 +19,7 @@ use super::layout::KvLayout;
 use super::plan::{Group, Heads, Item};
 use super::simd::Kernels;
 use super::Problem;
-use crate::dtype::KvElement;
+use crate::store::dtype::KvElement;
 
 /// Keys an online-softmax step covers at least (whole blocks).
 const KEYS_PER_STEP: usize = 64;

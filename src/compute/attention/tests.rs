@@ -7,7 +7,7 @@ use rand::{Rng, SeedableRng};
 
 use super::plan::Plan;
 use super::*;
-use crate::kv_cache::KvShape;
+use crate::store::kv_cache::KvShape;
 
 /// A cache holding `contexts[i]` tokens of sequence i in shuffled physical blocks.
 struct Fixture {

@@ -15,8 +15,8 @@
 use bytemuck::Zeroable;
 
 use crate::alloc::try_zeroed_vec;
-use crate::dtype::KvElement;
 use crate::error::Result;
+use crate::store::dtype::KvElement;
 
 const HUGE_PAGE: usize = 2 << 20;
 

@@ -29,9 +29,9 @@ pub use simd::KernelPath;
 pub(crate) use threads::pool;
 pub use threads::{num_threads, set_num_threads, MAX_THREADS, NUM_THREADS_ENV};
 
-use crate::dtype::{KvDtype, KvElement};
 use crate::error::{Error, Result};
-use crate::kv_cache::{KvBuffer, KvCache, KvShape};
+use crate::store::dtype::{KvDtype, KvElement};
+use crate::store::kv_cache::{KvBuffer, KvCache, KvShape};
 use compute::{merge_group, partial_slot_len, run_item, SharedOut};
 use layout::{Contiguous, KvLayout, Paged};
 use plan::Plan;

@@ -13,7 +13,7 @@
 use rustc_hash::FxHashMap;
 
 use crate::error::{ensure, Result};
-use crate::{BlockId, TokenId};
+use crate::ids::{BlockId, TokenId};
 
 /// 128-bit content hash of a whole prefix ending at a block boundary.
 pub type BlockHash = u128;
@@ -26,12 +26,20 @@ pub fn root_hash(salt: Option<&[u8]>) -> BlockHash {
     }
 }
 
-/// Hash of a full block given its parent's hash. Hashes are compared only within one process,
-/// so the tokens' native byte order is fine.
+/// Hash of a full block given its parent's hash. Hashes outlive the process (the disk tier's
+/// index keeps them across restarts) and cross it (KV events to a router, which hashes prompts
+/// with [`salted_block_hashes`]), so the bytes hashed are little-endian on every machine: the
+/// parent's and each token's.
 pub fn chain_hash(parent: BlockHash, tokens: &[TokenId]) -> BlockHash {
     let mut hasher = xxhash_rust::xxh3::Xxh3Default::new();
-    hasher.update(&parent.to_ne_bytes());
-    hasher.update(bytemuck::cast_slice(tokens));
+    hasher.update(&parent.to_le_bytes());
+    if cfg!(target_endian = "little") {
+        hasher.update(bytemuck::cast_slice(tokens)); // already little-endian: no copy
+    } else {
+        for token in tokens {
+            hasher.update(&token.to_le_bytes());
+        }
+    }
     hasher.digest128()
 }
 

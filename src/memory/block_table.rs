@@ -6,8 +6,8 @@
 //! token `p` lives at slot `blocks[p / block_size] * block_size + p % block_size`, which fits an
 //! i64 because `BlockManager::new` checks `num_blocks * block_size` does.
 
-use crate::prefix_cache::BlockHash;
-use crate::{BlockId, TokenId};
+use crate::ids::{BlockId, TokenId};
+use crate::memory::prefix_cache::BlockHash;
 
 /// The blocks, tokens and full-block hashes of one sequence.
 #[derive(Debug, Clone, Default)]

@@ -11,7 +11,7 @@
 //! - `held[r][m]` is exactly the set of hashes replica `r` holds in medium `m`: the two views
 //!   always agree, so a replica's blocks are listed (and cleared) without scanning the whole map.
 //! - `longest_prefixes` hashes the prompt with the block manager's own chain
-//!   ([`crate::prefix_cache`]), over the blocks a hit can reuse: never the block holding the last
+//!   ([`crate::memory::prefix_cache`]), over the blocks a hit can reuse: never the block holding the last
 //!   prompt token (the model needs its logits), so `(len - 1) / block_size` blocks. It hashes them
 //!   all (~25 ns a block), then walks them in order, once, looking blocks up `LOOKAHEAD` at a
 //!   time: a replica's run starts at block 0 and stops at its first block held in neither medium,
@@ -22,9 +22,9 @@ use rustc_hash::{FxHashMap, FxHashSet};
 use smallvec::SmallVec;
 
 use crate::error::{ensure, Result};
-use crate::kv_events::Medium;
-use crate::prefix_cache::{block_hashes, root_hash, BlockHash};
-use crate::TokenId;
+use crate::ids::TokenId;
+use crate::memory::events::Medium;
+use crate::memory::prefix_cache::{block_hashes, root_hash, BlockHash};
 
 /// A replica of the cluster, as the caller numbers them.
 pub type ReplicaId = u32;

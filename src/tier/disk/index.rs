@@ -15,8 +15,8 @@ use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
 use super::files::open_private;
 use super::{DiskError, DiskResult};
 
-use crate::prefix_cache::BlockHash;
-use crate::TokenId;
+use crate::ids::TokenId;
+use crate::memory::prefix_cache::BlockHash;
 
 const BLOCKS: TableDefinition<u128, &[u8]> = TableDefinition::new("blocks");
 const META: TableDefinition<&str, &[u8]> = TableDefinition::new("meta");

@@ -25,7 +25,7 @@
 //!   ever covers a whole layer buffer, so none overlaps a block another thread touches.
 //! - The block an I/O job touches is touched by no other thread while the job runs. That is the
 //!   protocol of [`crate::tier`], which the creator of the tier promises to follow (the
-//!   `unsafe` of [`crate::disk::DiskTier::open`]): a block being offloaded is in no table and not
+//!   `unsafe` of [`crate::tier::disk::DiskTier::open`]): a block being offloaded is in no table and not
 //!   on the free list; the block of an in-flight load belongs to the I/O thread until its
 //!   `LoadDone` is taken. The readers of the engine (attention, `gather`) hold a `&[T]` over a
 //!   whole layer, but access only the blocks of the tables they are given, never such a block;
@@ -46,10 +46,12 @@ use std::sync::Arc;
 
 use half::{bf16, f16};
 
-use crate::block_manager::{CopyOp, MAX_NUM_BLOCKS};
-use crate::dtype::{KvDtype, KvElement};
+use super::buffer;
+use crate::alloc;
 use crate::error::{ensure, Error, Result};
-use crate::{alloc, memory, BlockId};
+use crate::ids::BlockId;
+use crate::ids::{CopyOp, MAX_NUM_BLOCKS};
+use crate::store::dtype::{KvDtype, KvElement};
 
 /// Dimensions of a KV cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -257,9 +259,9 @@ pub enum KvBuffer {
 macro_rules! with_kv_buffer {
     ($buffer:expr, $buf:ident => $body:expr) => {
         match $buffer {
-            $crate::kv_cache::KvBuffer::F32($buf) => $body,
-            $crate::kv_cache::KvBuffer::F16($buf) => $body,
-            $crate::kv_cache::KvBuffer::Bf16($buf) => $body,
+            $crate::store::kv_cache::KvBuffer::F32($buf) => $body,
+            $crate::store::kv_cache::KvBuffer::F16($buf) => $body,
+            $crate::store::kv_cache::KvBuffer::Bf16($buf) => $body,
         }
     };
 }
@@ -268,9 +270,9 @@ impl KvBuffer {
     fn zeroed(dtype: KvDtype, len: usize) -> Result<Self> {
         const WHAT: &str = "a KV cache layer";
         Ok(match dtype {
-            KvDtype::F32 => KvBuffer::F32(SharedBuf::from_vec(memory::zeroed_vec(len, WHAT)?)),
-            KvDtype::F16 => KvBuffer::F16(SharedBuf::from_vec(memory::zeroed_vec(len, WHAT)?)),
-            KvDtype::Bf16 => KvBuffer::Bf16(SharedBuf::from_vec(memory::zeroed_vec(len, WHAT)?)),
+            KvDtype::F32 => KvBuffer::F32(SharedBuf::from_vec(buffer::zeroed_vec(len, WHAT)?)),
+            KvDtype::F16 => KvBuffer::F16(SharedBuf::from_vec(buffer::zeroed_vec(len, WHAT)?)),
+            KvDtype::Bf16 => KvBuffer::Bf16(SharedBuf::from_vec(buffer::zeroed_vec(len, WHAT)?)),
         })
     }
 
@@ -278,13 +280,13 @@ impl KvBuffer {
     pub(crate) fn random(dtype: KvDtype, len: usize, seed: u64, what: &str) -> Result<Self> {
         Ok(match dtype {
             KvDtype::F32 => {
-                KvBuffer::F32(SharedBuf::from_vec(memory::random_vec(len, seed, what)?))
+                KvBuffer::F32(SharedBuf::from_vec(buffer::random_vec(len, seed, what)?))
             }
             KvDtype::F16 => {
-                KvBuffer::F16(SharedBuf::from_vec(memory::random_vec(len, seed, what)?))
+                KvBuffer::F16(SharedBuf::from_vec(buffer::random_vec(len, seed, what)?))
             }
             KvDtype::Bf16 => {
-                KvBuffer::Bf16(SharedBuf::from_vec(memory::random_vec(len, seed, what)?))
+                KvBuffer::Bf16(SharedBuf::from_vec(buffer::random_vec(len, seed, what)?))
             }
         })
     }
@@ -485,7 +487,7 @@ impl KvCache {
                 let range = b * block..(b + 1) * block;
                 // SAFETY: as in `write`.
                 with_kv_buffer!(buffer, buf => unsafe {
-                    buf.write_with(range, |values| memory::fill_random(values, seed))
+                    buf.write_with(range, |values| buffer::fill_random(values, seed))
                 });
             }
         }

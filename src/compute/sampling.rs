@@ -6,7 +6,7 @@
 //! alone costs ~0.4 ms per row. Here a row costs a few passes over its logits, each vectorisable
 //! (max, a polynomial `exp`, compares), and no sort wider than the candidates kept.
 //!
-//! Invariants (the Python `pagedkv.model.sampling` documents them to users):
+//! Invariants (the Python `pagedkv.sampling` documents them to users):
 //! - The processed logits are: repetition penalty on every token of the row's history (positive
 //!   logits divided by it, negative multiplied: HF/vLLM), then `frequency × output count` and
 //!   `presence × (output count > 0)` subtracted (OpenAI). Greedy rows (temperature 0) take the
@@ -106,7 +106,7 @@ pub fn sample(
             )
         })?;
     }
-    let pool = crate::attention::pool()?;
+    let pool = crate::compute::attention::pool()?;
     Ok(pool.install(|| {
         logits
             .par_chunks(vocab)

@@ -27,13 +27,13 @@ use std::sync::Arc;
 
 use crate::alloc::{try_vec_with, try_zeroed_vec};
 use crate::error::Result as CoreResult;
-use crate::free_list::FreeList;
-use crate::kv_events::{KvEvent, Medium};
-use crate::lru::{Evictable, EvictionPolicy};
-use crate::prefix_cache::{BlockHash, PrefixCache};
+use crate::ids::{BlockId, TokenId};
+use crate::memory::events::{KvEvent, Medium};
+use crate::memory::eviction::{Evictable, EvictionPolicy};
+use crate::memory::free_list::FreeList;
+use crate::memory::prefix_cache::{BlockHash, PrefixCache};
 use crate::sync::{AtomicUsize, Ordering};
 use crate::tier::{OffloadJob, TierLink};
-use crate::{BlockId, TokenId};
 
 /// Counters of what the pool has done since it was made.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]

@@ -25,9 +25,9 @@ use rustc_hash::{FxHashMap, FxHashSet};
 use super::index::{BlockRecord, Index};
 use super::{files, DiskError, DiskResult};
 use crate::alloc::try_vec_with;
-use crate::lru::{Evictable, EvictionPolicy};
-use crate::prefix_cache::BlockHash;
-use crate::TokenId;
+use crate::ids::TokenId;
+use crate::memory::eviction::{Evictable, EvictionPolicy};
+use crate::memory::prefix_cache::BlockHash;
 
 /// Counters of what the tier has done since it was opened.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]

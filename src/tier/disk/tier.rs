@@ -46,12 +46,12 @@ use rustc_hash::{FxHashMap, FxHashSet};
 
 use super::{DiskStore, Fetch, NewBlock, Opened};
 use crate::error::{ensure, Error, Result};
-use crate::kv_cache::KvBlockIo;
-use crate::kv_events::{KvEvent, Medium};
-use crate::lru::EvictionPolicy;
-use crate::prefix_cache::BlockHash;
+use crate::ids::BlockId;
+use crate::memory::events::{KvEvent, Medium};
+use crate::memory::eviction::EvictionPolicy;
+use crate::memory::prefix_cache::BlockHash;
+use crate::store::kv_cache::KvBlockIo;
 use crate::tier::{KvTier, LoadDone, LoadJob, LoadOutcome, OffloadJob, TierCounters, TierLink};
-use crate::BlockId;
 
 /// Most bytes of copied-out blocks waiting for their store (one block always fits). Past it an
 /// offload returns its block without a copy (counted lost): a disk slower than the eviction rate
@@ -142,7 +142,7 @@ impl DiskTier {
     /// thread writes a block while its offload is queued, and no thread accesses the block of a
     /// load until its [`LoadDone`] has been taken from [`KvTier::completed_loads`]. The I/O thread
     /// reads and writes those blocks of `kv` concurrently with the engine (see
-    /// [`crate::kv_cache`]).
+    /// [`crate::store::kv_cache`]).
     pub unsafe fn open(
         dir: &Path,
         config: DiskTierConfig,

@@ -12,7 +12,7 @@ use rayon::prelude::*;
 use super::simd::{Kernels, Portable};
 use super::{default_kernel_path, threads, KernelPath};
 use crate::error::{ensure, Result};
-use crate::memory;
+use crate::store::buffer;
 
 /// Bytes each task sweeps: large enough to amortise scheduling, small enough to balance.
 const CHUNK_BYTES: usize = 1 << 20;
@@ -33,7 +33,7 @@ impl ReadProbe {
             format!("nbytes must be at least {MIN_PROBE_BYTES}, got {nbytes}")
         })?;
         Ok(ReadProbe {
-            data: memory::random_vec(nbytes / 4, 1, "the read bandwidth probe")?,
+            data: buffer::random_vec(nbytes / 4, 1, "the read bandwidth probe")?,
         })
     }
 

@@ -5,7 +5,7 @@
 //! layouts hand the same loop the same shape of tile, so a comparison between them measures the
 //! layout and nothing else. Callers only ask for blocks that validation proved in range.
 
-use crate::dtype::KvElement;
+use crate::store::dtype::KvElement;
 
 /// Maps (sequence, KV head, logical block) to its K and V tiles.
 pub(crate) trait KvLayout<T>: Sync {

@@ -12,7 +12,7 @@
 //! - A path other than [`Isa::Portable`] runs only when [`super::LinearKernel::available`] says
 //!   its CPU features are present: that is the safety contract of the `unsafe` functions here.
 
-use crate::dtype::KvElement;
+use crate::store::dtype::KvElement;
 
 /// Columns of one packed panel.
 pub(crate) const PANEL: usize = 16;
@@ -172,7 +172,7 @@ impl Isa {
 /// Plain Rust over `[f32; 16]` accumulator rows, vectorised by the compiler for the baseline.
 mod portable {
     use super::PANEL;
-    use crate::dtype::KvElement;
+    use crate::store::dtype::KvElement;
 
     /// # Safety
     /// As [`super::Isa::tile`] with one panel and `rows ≤ 4`.
@@ -225,7 +225,7 @@ mod avx2 {
     use std::arch::x86_64::*;
 
     use super::{Ahead, PANEL, UNROLL};
-    use crate::dtype::{load8, KvElement};
+    use crate::store::dtype::{load8, KvElement};
 
     /// # Safety
     /// AVX2, FMA and F16C are present; `dst.len() == src.len()`.
@@ -329,7 +329,7 @@ mod avx512 {
     use std::arch::x86_64::*;
 
     use super::{Ahead, PANEL, UNROLL};
-    use crate::dtype::{KvDtype, KvElement};
+    use crate::store::dtype::{KvDtype, KvElement};
 
     /// Loads 16 elements at `p` as f32.
     #[inline]
