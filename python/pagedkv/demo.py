@@ -35,6 +35,8 @@ from pagedkv.observability import tracing
 from pagedkv.sampling import SamplingParams
 from pagedkv.traces import load_trace
 
+DEMO_NUM_BLOCKS = 256
+
 # A request's prompt: token ids (trace workload) or a conversation (chat workload).
 Prompt = list[int] | list[dict[str, str]]
 Workload = list[tuple[float, Prompt, SamplingParams]]
@@ -65,6 +67,9 @@ QUESTIONS = [
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
+    # The demo's scenario, not an engine default: a pool small enough (256 blocks, 4096 tokens)
+    # that admission under memory pressure and prefix sharing show in the live display.
+    parser.set_defaults(num_blocks=DEMO_NUM_BLOCKS)
     parser.add_argument(
         "--requests", type=positive_int, default=None, help="default: 48 conversations (real model), 300 trace requests (tiny)"
     )

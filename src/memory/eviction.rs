@@ -112,10 +112,9 @@ impl Lru {
 }
 
 /// Which cached block an allocation evicts when no block is clean.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum EvictionPolicy {
     /// The least recently released cached block.
-    #[default]
     Lru,
     /// Segmented LRU: blocks never hit since they were cached are evicted (least recently released
     /// first) before any block that was hit at least once.
@@ -123,6 +122,14 @@ pub enum EvictionPolicy {
 }
 
 impl EvictionPolicy {
+    /// The name `from_name` reads.
+    pub fn name(self) -> &'static str {
+        match self {
+            EvictionPolicy::Lru => "lru",
+            EvictionPolicy::Slru => "slru",
+        }
+    }
+
     /// The policy named `name` (`"lru"` or `"slru"`); `InvalidArgument` otherwise.
     pub fn from_name(name: &str) -> Result<Self> {
         match name {

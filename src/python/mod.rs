@@ -30,6 +30,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<scheduler::PyScheduler>()?;
     m.add_class::<scheduler::PySchedulerOutput>()?;
     m.add_class::<scheduler::PyUpdateOutput>()?;
+    m.add("SCHEDULER_DEFAULTS", scheduler::defaults(m.py())?)?;
     attention::register(m)?;
     hashing::register(m)?;
     linear::register(m)?;

@@ -51,7 +51,7 @@ fn strings<'py>(py: Python<'py>, ids: &[Arc<str>]) -> PyResult<Bound<'py, PyList
 
 #[pymethods]
 impl PyScheduler {
-    /// Every limit left out keeps the default of `SchedulerConfig::new`.
+    /// Every limit left out keeps the default of `SchedulerConfig::new` (`SCHEDULER_DEFAULTS`).
     #[new]
     #[pyo3(
         signature = (
@@ -63,11 +63,11 @@ impl PyScheduler {
             emit_kv_events=Param::Absent, min_load_blocks=Param::Absent,
             offload_watermark_blocks=None,
         ),
-        text_signature = "(num_blocks, block_size=16, max_num_seqs=256, \
-            max_num_batched_tokens=8192, max_model_len=None, enable_prefix_caching=True, \
-            policy='fcfs', aging_steps=100, long_prefill_token_threshold=0, eos_token_ids=None, \
-            admission_lookahead_tokens=32, eviction_policy='lru', emit_kv_events=False, \
-            min_load_blocks=1, offload_watermark_blocks=None)"
+        text_signature = "(num_blocks, block_size=..., max_num_seqs=..., \
+            max_num_batched_tokens=..., max_model_len=None, enable_prefix_caching=..., \
+            policy=..., aging_steps=..., long_prefill_token_threshold=..., eos_token_ids=None, \
+            admission_lookahead_tokens=..., eviction_policy=..., emit_kv_events=..., \
+            min_load_blocks=..., offload_watermark_blocks=None)"
     )]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -100,8 +100,9 @@ impl PyScheduler {
         }
         c.enable_prefix_caching =
             enable_prefix_caching.or("enable_prefix_caching", c.enable_prefix_caching)?;
-        let policy: String = policy.or("policy", "fcfs".into())?;
-        let eviction_policy: String = eviction_policy.or("eviction_policy", "lru".into())?;
+        let policy: String = policy.or("policy", c.policy.name().into())?;
+        let eviction_policy: String =
+            eviction_policy.or("eviction_policy", c.eviction_policy.name().into())?;
         let aging_steps = aging_steps.or("aging_steps", DEFAULT_AGING_STEPS)?;
         c.long_prefill_token_threshold = long_prefill_token_threshold.or(
             "long_prefill_token_threshold",
@@ -735,4 +736,27 @@ impl PyUpdateOutput {
                 .collect::<Vec<_>>()
         )
     }
+}
+
+/// The defaults of `Scheduler(...)`, read from `SchedulerConfig::new` (the one place they are
+/// set) by every Python layer that has them: `EngineConfig`, the command line's flags.
+/// `max_model_len` and `offload_watermark_blocks` depend on the limits given, so they are not in it.
+pub fn defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let c = SchedulerConfig::new(1, DEFAULT_BLOCK_SIZE);
+    let d = PyDict::new(py);
+    d.set_item("block_size", c.block_size)?;
+    d.set_item("max_num_seqs", c.max_num_seqs)?;
+    d.set_item("max_num_batched_tokens", c.max_num_batched_tokens)?;
+    d.set_item("enable_prefix_caching", c.enable_prefix_caching)?;
+    d.set_item("policy", c.policy.name())?;
+    d.set_item("aging_steps", DEFAULT_AGING_STEPS)?;
+    d.set_item(
+        "long_prefill_token_threshold",
+        c.long_prefill_token_threshold,
+    )?;
+    d.set_item("admission_lookahead_tokens", c.admission_lookahead_tokens)?;
+    d.set_item("eviction_policy", c.eviction_policy.name())?;
+    d.set_item("emit_kv_events", c.emit_kv_events)?;
+    d.set_item("min_load_blocks", c.min_load_blocks)?;
+    Ok(d)
 }

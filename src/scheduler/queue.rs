@@ -37,6 +37,14 @@ pub enum Policy {
 pub const DEFAULT_AGING_STEPS: u64 = 100;
 
 impl Policy {
+    /// The name `from_name` reads.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Policy::Fcfs => "fcfs",
+            Policy::Priority { .. } => "priority",
+        }
+    }
+
     /// The policy called `name` in configurations: `"fcfs"`, or `"priority"` aging one level
     /// every `aging_steps` steps (which must be positive; ignored by FCFS).
     pub fn from_name(name: &str, aging_steps: u64) -> Result<Policy> {

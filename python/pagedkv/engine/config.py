@@ -2,7 +2,10 @@
 
 Invariants: an :class:`EngineConfig` is frozen and checks nothing itself but the disk tier's
 pairing of path and size (:meth:`EngineConfig.disk_tier`); the scheduler and the core validate every
-value when an engine is built from it.
+value when an engine is built from it. Every default a scheduler has is the scheduler's
+(:data:`pagedkv._core.SCHEDULER_DEFAULTS`, set once in the core); only what a scheduler does not
+have (the pool's size, the KV dtype, the disk tier) is set here. The command line's flags take
+their defaults from this class.
 """
 
 from __future__ import annotations
@@ -10,9 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from pagedkv._core import SCHEDULER_DEFAULTS
 from pagedkv.errors import InvalidArgumentError
 
 __all__ = ["DEFAULT_KV_DISK_BYTES", "EngineConfig"]
+
+_SCHEDULER = SCHEDULER_DEFAULTS
 
 # The disk tier's capacity when only its directory is given: 1 GiB, 1456 blocks (23k tokens) of
 # SmolLM2-135M in float32 (30 layers x 3 KV heads x 64 dims x K and V x 16 tokens x 4 B = 737 kB).
@@ -23,24 +29,23 @@ DEFAULT_KV_DISK_BYTES = 1 << 30
 class EngineConfig:
     """Memory and batching limits of an engine."""
 
+    # 1024 blocks of 16 tokens: 16k tokens, 754 MB of SmolLM2-135M's KV in float32.
     num_blocks: int = 1024
-    block_size: int = 16
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    block_size: int = _SCHEDULER["block_size"]
+    max_num_seqs: int = _SCHEDULER["max_num_seqs"]
+    max_num_batched_tokens: int = _SCHEDULER["max_num_batched_tokens"]
     # None: the model's longest position, capped by the cache; more than the model's is refused.
     max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    policy: str = "fcfs"
-    long_prefill_token_threshold: int = 0
+    enable_prefix_caching: bool = _SCHEDULER["enable_prefix_caching"]
+    policy: str = _SCHEDULER["policy"]
+    long_prefill_token_threshold: int = _SCHEDULER["long_prefill_token_threshold"]
     # Admission headroom: admit a waiting request only if the running sequences (and it) can still
     # finish their prompts and grow this many tokens each; None admits whenever the first chunk
     # fits now (memory fills, and growth then preempts the request just admitted). See Scheduler.
-    admission_lookahead_tokens: int | None = 32
-    # "lru" or "slru" (segmented LRU: cached blocks a prefix lookup hit outlive never-hit ones).
-    # slru by default: replaying 1000 requests of the Azure traces with 8 shared system prompts on
-    # the simulated model, it hit more of the prefix cache than lru in every case measured (conv
-    # 0.244 vs 0.230 and code 0.106 vs 0.087 at 1024 blocks; equal within 0.4 points at 4096).
-    eviction_policy: str = "slru"
+    admission_lookahead_tokens: int | None = _SCHEDULER["admission_lookahead_tokens"]
+    # "lru" or "slru" (segmented LRU: cached blocks a prefix lookup hit outlive never-hit ones;
+    # the core's default, and why, at DEFAULT_EVICTION_POLICY in src/scheduler/mod.rs).
+    eviction_policy: str = _SCHEDULER["eviction_policy"]
     kv_dtype: str = "float32"
     # The disk tier (issue 13): evicted cached blocks are offloaded to a store in this directory
     # (created if missing) and loaded back on a prefix hit, across restarts. None: RAM only.
@@ -53,10 +58,10 @@ class EngineConfig:
     # sixteenth of the pool); an allocation finding no clean block drops a cached block unsaved.
     offload_watermark_blocks: int | None = None
     # With a disk tier: a run of fewer disk hits than this is recomputed instead of loaded.
-    min_load_blocks: int = 1
+    min_load_blocks: int = _SCHEDULER["min_load_blocks"]
     # Record KV events (BlockStored / BlockRemoved / AllBlocksCleared, per medium) for a router:
     # EngineCore.kv_events publishes them after every step. Off: nothing is recorded.
-    emit_kv_events: bool = False
+    emit_kv_events: bool = _SCHEDULER["emit_kv_events"]
 
     def disk_tier(self) -> tuple[str | Path, int] | None:
         """The disk tier's directory (as given: ``Path("")`` would turn an empty path, which the
