@@ -121,16 +121,30 @@ class KVCache:
         layer: int,
         keys: npt.NDArray[np.float32],
         values: npt.NDArray[np.float32],
-        slot_mapping: npt.NDArray[np.int64],
+        slot_mapping: npt.NDArray[np.int64] | None = None,
+        *,
+        step: object | None = None,
     ) -> None:
-        """Store K/V rows ``[n, num_kv_heads, head_dim]`` at ``slot_mapping`` of ``layer``.
+        """Store K/V rows ``[n, num_kv_heads, head_dim]`` at ``slot_mapping`` of ``layer``, or at
+        ``step.slot_mapping`` given ``step=`` (a ``SchedulerOutput``, or any object with the
+        arrays of one).
+
+        While a scheduler's disk tier shares the cache (from ``attach_disk_tier`` to
+        ``detach_disk_tier``), every call that touches K/V takes only ``step=`` that scheduler's
+        step awaiting ``update``: its I/O thread copies other blocks meanwhile, so slots, tables or
+        copies given by hand, an updated step or another scheduler's step raise
+        ``InvalidArgumentError``, touching nothing (``gather``, ``fill_random`` and
+        ``attention_kernel_seconds``, which take no step, too).
 
         The cache stores finite values only: ``InvalidArgumentError`` for NaN, infinity, or a finite
         value the cache's dtype would round to infinity (beyond ±65504 in float16, about ±3.39e38
         in bfloat16). Nothing is written then."""
-    def copy_blocks(self, ops: npt.NDArray[np.integer] | Sequence[Sequence[int]]) -> None:
+    def copy_blocks(
+        self, ops: npt.NDArray[np.integer] | Sequence[Sequence[int]] | None = None, *, step: object | None = None
+    ) -> None:
         """Copy whole blocks ``src -> dst`` in every layer, in order (copy-on-write ops): a step's
-        int64 ``[C, 2]`` ``copy_ops`` or any sequence of ``(src, dst)`` pairs. ``ShapeError`` for a
+        int64 ``[C, 2]`` ``copy_ops`` or any sequence of ``(src, dst)`` pairs, or ``step.copy_ops``
+        given ``step=`` (the only form while a disk tier shares the cache: see ``write``). ``ShapeError`` for a
         row that is not a pair, ``InvalidArgumentError`` for anything else malformed or a block out
         of range; nothing is copied then."""
     def gather(
@@ -143,13 +157,17 @@ class KVCache:
         self,
         layer: int,
         query: npt.NDArray[np.float32],
-        block_tables: npt.NDArray[np.int32],
-        context_lens: npt.NDArray[np.int32],
-        query_start_loc: npt.NDArray[np.int32],
+        block_tables: npt.NDArray[np.int32] | None = None,
+        context_lens: npt.NDArray[np.int32] | None = None,
+        query_start_loc: npt.NDArray[np.int32] | None = None,
         scale: float | None = None,
         kernel: str | None = None,
+        *,
+        step: object | None = None,
     ) -> npt.NDArray[np.float32]:
         """Paged attention over ``layer``; returns float32 ``[num_tokens, num_heads, head_dim]``.
+        ``step=`` gives the step's ``block_tables``, ``context_lens`` and ``query_start_loc``
+        instead (the only form while a disk tier shares the cache: see ``write``).
 
         ``query`` is float32 ``[num_tokens, num_heads, head_dim]`` (num_heads a multiple of the
         cache's KV heads), ``block_tables`` int32 ``[num_seqs, max_blocks_per_seq]`` (padding never
@@ -232,9 +250,10 @@ class Scheduler:
         cleared), and attach it: evicted
         cached blocks are offloaded to it (off this thread), prefix hits on it are loaded back and
         verified (a block failing its checksum, tokens or parent is dropped and recomputed).
-        Returns ``{"recovered": blocks, "cleared": bool}``. Contract, from then on: write K/V
-        only at a step's ``slot_mapping`` and read them only through its ``block_tables`` (the
-        tier's thread copies other blocks meanwhile). Raises, attaching nothing,
+        Returns ``{"recovered": blocks, "cleared": bool}``. From then on until
+        ``detach_disk_tier``, the cache takes every touch of its K/V only through this
+        scheduler's step awaiting ``update`` (``step=``: the tier's thread copies other blocks
+        meanwhile; see ``KVCache.write``). Raises, attaching nothing,
         InvalidArgumentError for a bad argument (an empty path, a capacity holding no block or
         larger than the file system), a cache of another pool or block size, a tier attached
         already or a scheduler that has held a block; MemoryError if its slot table cannot be

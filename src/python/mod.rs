@@ -15,6 +15,7 @@ mod linear;
 mod prefix_index;
 mod sampling;
 mod scheduler;
+mod step_gate;
 mod sync;
 mod tier;
 

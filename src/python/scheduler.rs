@@ -15,6 +15,7 @@ use std::path::PathBuf;
 
 use super::args::{arg, invalid, opt, Bytes, Param};
 use super::kv_cache::PyKVCache;
+use super::step_gate::StepGate;
 use super::sync::{detached, locked};
 use super::tier;
 use crate::ids::TokenId;
@@ -33,9 +34,19 @@ pub struct PyScheduler {
     inner: Mutex<Scheduler>,
     /// The disk tier's counters when it was detached (its figures stay in `stats()`).
     detached_tier: Mutex<Option<TierCounters>>,
+    /// The step awaiting update, for the cache a disk tier shares (`step_gate`).
+    gate: Arc<StepGate>,
+    /// That cache, from attach to detach (ungated at detach).
+    gated_cache: Mutex<Option<Py<PyKVCache>>>,
 }
 
 impl PyScheduler {
+    /// Whether `cache` is the one gated behind this scheduler's attached tier.
+    fn is_gated_cache(&self, cache: &Bound<'_, PyKVCache>) -> bool {
+        let gated = self.gated_cache.lock().unwrap_or_else(|e| e.into_inner());
+        gated.as_ref().is_some_and(|held| held.is(cache))
+    }
+
     fn with<T: Send>(
         &self,
         py: Python<'_>,
@@ -126,6 +137,8 @@ impl PyScheduler {
         Ok(PyScheduler {
             inner: Mutex::new(scheduler),
             detached_tier: Mutex::new(None),
+            gate: Arc::default(),
+            gated_cache: Mutex::new(None),
         })
     }
 
@@ -146,16 +159,32 @@ impl PyScheduler {
         capacity_bytes: &Bound<'py, PyAny>,
         identity: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let cache = kv_cache
+        let bound = kv_cache
             .cast::<PyKVCache>()
-            .map_err(|_| invalid("kv_cache must be a KVCache".into()))?
-            .get();
+            .map_err(|_| invalid("kv_cache must be a KVCache".into()))?;
+        let cache = bound.get();
         let path: PathBuf = arg(path, "path")?;
         let capacity: u64 = arg(capacity_bytes, "capacity_bytes")?;
         let Bytes(identity) = arg(identity, "identity")?;
-        let io = cache.with(py, |c| Ok(c.block_io()))?;
+        // Gated before the tier's thread can touch it, ungated again if the attach fails.
+        cache.set_gate(Some(self.gate.clone()))?;
+        let io = cache.block_io(py)?;
         let opened = self.with(py, move |s| {
             tier::attach_disk_tier(s, &path, io, capacity, identity)
+        });
+        let opened = match opened {
+            Ok(opened) => opened,
+            Err(error) => {
+                if !self.is_gated_cache(bound) {
+                    cache.set_gate(None)?;
+                }
+                return Err(error);
+            }
+        };
+        let cache_ref = bound.clone().unbind();
+        locked(py, &self.gated_cache, move |g| {
+            *g = Some(cache_ref);
+            Ok(())
         })?;
         tier::opened(py, &opened)
     }
@@ -185,6 +214,11 @@ impl PyScheduler {
                 *d = counters;
                 Ok(())
             })?;
+            // The tier's thread has ended: the cache is the caller's again.
+            let cache = locked(py, &self.gated_cache, |g| Ok(g.take()))?;
+            if let Some(cache) = cache {
+                cache.get().set_gate(None)?;
+            }
         }
         tier::events(py, &last)
     }
@@ -285,9 +319,12 @@ impl PyScheduler {
 
     /// Builds the next step (see SchedulerOutput). The previous step must have been updated.
     fn schedule(&self, py: Python<'_>) -> PyResult<PySchedulerOutput> {
+        let gate = &self.gate;
         let out = self.with(py, |s| {
             s.schedule()?;
-            Ok(s.take_step_output())
+            let out = s.take_step_output();
+            gate.set(Some(out.id));
+            Ok(out)
         })?;
         Ok(PySchedulerOutput::new(out))
     }
@@ -316,8 +353,9 @@ impl PyScheduler {
             .get()
             .id;
         let sampled: Vec<TokenId> = arg(sampled_token_ids, "sampled_token_ids")?;
+        let gate = &self.gate;
         let inner = self.with(py, |s| {
-            s.update(step, &sampled)?;
+            gate.close_after(|| s.update(step, &sampled))?;
             Ok(s.take_update_output())
         })?;
         Ok(PyUpdateOutput { inner })
@@ -459,6 +497,11 @@ pub struct PySchedulerOutput {
 }
 
 impl PySchedulerOutput {
+    /// Which step of which scheduler this is.
+    pub(crate) fn id(&self) -> StepId {
+        self.id
+    }
+
     fn new(mut out: StepOutput) -> Self {
         PySchedulerOutput {
             events: std::mem::take(&mut out.events),

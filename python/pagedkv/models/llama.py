@@ -162,7 +162,9 @@ class LlamaModel:
     def forward(self, step: ModelStep, kv_cache: KVCache) -> np.ndarray:
         """Runs one step: applies ``step.copy_ops`` to the cache, writes every token's K/V at
         ``step.slot_mapping``, attends through ``step.block_tables`` and returns the float32
-        logits ``[len(step.logits_indices), vocab_size]`` of the rows ``step.logits_indices``."""
+        logits ``[len(step.logits_indices), vocab_size]`` of the rows ``step.logits_indices``.
+        Every touch of the cache goes through the step (``step=``): while a disk tier shares the
+        cache, the scheduler's step awaiting update is the only key it takes."""
         with self._blas_limit():
             return self._forward(step, kv_cache)
 
@@ -182,9 +184,8 @@ class LlamaModel:
             raise InvalidArgumentError(
                 f"position {int(positions.max())} is past max_position_embeddings {c.max_position_embeddings}"
             )
-        copy_ops = [(int(src), int(dst)) for src, dst in step.copy_ops]
-        if copy_ops:
-            kv_cache.copy_blocks(copy_ops)
+        if len(step.copy_ops):
+            kv_cache.copy_blocks(step=step)
 
         cos, sin = rope_cos_sin(self._rope_frequencies, positions)
         hidden = self._embed[input_ids]
@@ -195,10 +196,8 @@ class LlamaModel:
             k = qkv[:, self._q_dim : self._q_dim + self._kv_dim].reshape(num_tokens, c.num_kv_heads, c.head_dim)
             v = np.ascontiguousarray(qkv[:, self._q_dim + self._kv_dim :]).reshape(num_tokens, c.num_kv_heads, c.head_dim)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            kv_cache.write(index, k, v, step.slot_mapping)
-            attn = kv_cache.attention(
-                index, q, step.block_tables, step.context_lens, step.query_start_loc, scale=self._scale
-            )
+            kv_cache.write(index, k, v, step=step)
+            attn = kv_cache.attention(index, q, scale=self._scale, step=step)
             hidden = hidden + layer.o(attn.reshape(num_tokens, self._q_dim))
             x = rms_norm(hidden, layer.post_norm, c.rms_norm_eps)
             gate_up = layer.gate_up(x)
