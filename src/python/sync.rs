@@ -41,11 +41,7 @@ where
     S: Send,
     T: Send,
 {
-    py.detach(|| {
-        run_locked(mutex, operation)
-            .map_err(internal)?
-            .map_err(to_py)
-    })
+    locked_after(py, || Ok(()), mutex, operation)
 }
 
 /// `locked`, with `enter` run first and what it returns (a gate's guard: `step_gate`) held until

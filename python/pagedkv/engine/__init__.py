@@ -4,14 +4,16 @@
 - :mod:`~pagedkv.engine.outputs`: what it reports (:class:`RequestOutput`, :class:`TokenEvent`, ...);
 - :mod:`~pagedkv.engine.runners`: what runs the model for a step (a paged model, or a simulated one);
 - :mod:`~pagedkv.engine.core`: :class:`EngineCore`, one synchronous step at a time;
-- :mod:`~pagedkv.engine.engine`: :class:`Engine`, the core on a worker thread, with request handles.
+- :mod:`~pagedkv.engine.handle`: :class:`RequestHandle`, a submitted request's stream and result;
+- :mod:`~pagedkv.engine.engine`: :class:`Engine`, the core on a worker thread.
 """
 
 from __future__ import annotations
 
 from pagedkv.engine.config import DEFAULT_KV_DISK_BYTES, EngineConfig
 from pagedkv.engine.core import EngineCore
-from pagedkv.engine.engine import Engine, EngineClosedError, EngineOverloadedError, RequestHandle
+from pagedkv.engine.engine import Engine, EngineClosedError, EngineOverloadedError
+from pagedkv.engine.handle import RequestHandle
 from pagedkv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenEvent, TokenLogprob
 from pagedkv.engine.runners import ModelRunner, PagedModelRunner, SimulatedRunner, VirtualClock
 
