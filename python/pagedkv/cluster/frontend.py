@@ -60,9 +60,9 @@ from pagedkv.engine import (
     RequestHandle,
     RequestMetrics,
     RequestOutput,
-    TokenEvent,
     TokenLogprob,
 )
+from pagedkv.engine.output_processor import append_token
 from pagedkv.errors import ModelError, PagedKVError
 from pagedkv.observability.metrics import EngineMetrics
 from pagedkv.sampling import SamplingParams
@@ -152,6 +152,7 @@ class _Flight:
     trace_headers: dict[str, str] | None
     metrics: RequestMetrics
     samples: list[_Sample] = field(default_factory=list)  # made once the first replica has queued it
+    output: RequestOutput | None = None  # with the samples: their completions, the metrics
     num_cached_tokens: int = 0
     error: BaseException | None = None
     stopped_here: bool = False  # a stop string ended a sample its replica still runs (it straddled a migration)
@@ -172,13 +173,6 @@ class _Leg:
     ended: bool = False  # its Ended arrived, or it was cancelled
     closed: bool = False
     counted: bool = False  # in its replica's ``streams``
-
-
-class _ClusterHandle(RequestHandle):
-    """A request of the cluster: an engine handle whose tokens its driver pushes."""
-
-    def abort(self) -> None:
-        self._engine._abort(self)  # type: ignore[attr-defined]
 
 
 class Cluster:
@@ -387,7 +381,7 @@ class Cluster:
         params = self.default_params if params is None else params
         request_id = f"req-{next(self._ids)}"
         prompt_ids = list(token_ids)
-        handle = _ClusterHandle(self, request_id, text, prompt_ids)  # type: ignore[arg-type]
+        handle = RequestHandle(request_id, text, prompt_ids, self._abort)  # its tokens are pushed by the driver
         flight = _Flight(handle, prompt_ids, params, cache_salt, None if trace_headers is None else dict(trace_headers),
                          RequestMetrics(time.perf_counter()))
         started = asyncio.run_coroutine_threadsafe(self._start(flight), self._loop)
@@ -400,6 +394,8 @@ class Cluster:
         leg = await self._leg(flight, list(range(params.n)), first=True)
         flight.samples = [_Sample(SampleText(self.tokenizer, params.stop),
                                   CompletionOutput(i, logprobs=[] if params.logprobs else None)) for i in range(params.n)]
+        flight.output = RequestOutput(flight.handle.request_id, flight.prompt_ids, [s.completion for s in flight.samples],
+                                      flight.metrics, prompt=flight.handle.prompt)
         self._flights[flight.handle.request_id] = flight
         flight.task = asyncio.ensure_future(self._drive(flight, leg))
 
@@ -531,37 +527,28 @@ class Cluster:
 
     def _deliver(self, flight: _Flight, index: int, token_id: int, reason: str | None, logprob: TokenLogprob | None) -> None:
         sample = flight.samples[index]
-        completion = sample.completion
-        if completion.finish_reason is not None:
+        assert flight.output is not None, "samples come with their output"
+        if sample.completion.finish_reason is not None:
             return  # ended here by a stop string; its replica had not seen it yet
         if sample.lost_at is not None:
             self.migration_log.append((sample.lost_at, time.monotonic()))
             sample.lost_at = None
         try:
-            delta = sample.text.push(token_id, last=reason is not None)
+            event = append_token(flight.output, sample.text, index, token_id, reason, logprob, time.perf_counter())
         except Exception as error:  # noqa: BLE001 - whatever the tokenizer raises fails this request only
             raise ModelError(f"request {flight.handle.request_id!r}: its tokens cannot be decoded: {error!r}") from None
-        if sample.text.stopped:
-            flight.stopped_here = flight.stopped_here or reason is None
-            reason = "stop"
-        completion.token_ids.append(token_id)
-        if completion.logprobs is not None and logprob is not None:
-            completion.logprobs.append(logprob)
-        completion.text += delta
-        completion.finish_reason = reason
-        metrics = flight.metrics
-        metrics.first_token_time = metrics.first_token_time or time.perf_counter()
-        metrics.num_output_tokens += 1
-        flight.handle._push(TokenEvent(flight.handle.request_id, index, token_id, reason, delta, logprob))
+        flight.stopped_here = flight.stopped_here or (reason is None and event.finish_reason is not None)
+        flight.handle._push(event)
 
     def _end(self, flight: _Flight) -> None:
         for sample in flight.samples:
             sample.completion.finish_reason = sample.completion.finish_reason or ("error" if flight.error else "abort")
         metrics = flight.metrics
         metrics.finished_time = time.perf_counter()
-        output = RequestOutput(flight.handle.request_id, flight.prompt_ids, [s.completion for s in flight.samples], metrics,
-                               prompt=flight.handle.prompt, finished=True, num_cached_tokens=flight.num_cached_tokens,
-                               error=None if flight.error is None else str(flight.error))
+        output = flight.output
+        assert output is not None, "a flight ends once its samples are made"
+        output.finished, output.num_cached_tokens = True, flight.num_cached_tokens
+        output.error = None if flight.error is None else str(flight.error)
         if flight.error is None:
             self.metrics.record_finished(metrics.ttft, metrics.tpot, metrics.e2e_latency or 0.0)
         del self._flights[flight.handle.request_id]

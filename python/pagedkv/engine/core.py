@@ -66,6 +66,7 @@ import numpy as np
 from pagedkv._core import KVCache, Scheduler, SchedulerOutput
 from pagedkv.callbacks import call_guarded
 from pagedkv.engine.config import EngineConfig
+from pagedkv.engine.output_processor import append_token
 from pagedkv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenEvent, TokenLogprob
 from pagedkv.engine.runners import ModelRunner
 from pagedkv.errors import InvalidArgumentError
@@ -336,39 +337,28 @@ class EngineCore:
             update.request_ids, update.seq_indices.tolist(), update.token_ids.tolist(), update.finish_reasons, strict=True
         ):
             request = self._requests[request_id]
-            completion = request.output.outputs[index]
-            if completion.finish_reason is not None:
+            if request.output.outputs[index].finish_reason is not None:
                 continue  # its request failed this step
-            completion.token_ids.append(token)
             logprob = logprobs.get((request_id, index))
-            if completion.logprobs is not None:
+            if request.params.logprobs:
                 assert logprob is not None and logprob.token_id == token, "every kept token has its sampled logprob"
-                completion.logprobs.append(logprob)
+            text = None if request.texts is None else request.texts[index]
+            try:
+                event = append_token(request.output, text, index, token, reason, logprob, now)
+            except BaseException as error:  # noqa: BLE001 - whatever the tokenizer raises fails this request only
+                _log.error("the tokenizer raised %r decoding request %r", error, request_id, exc_info=error)
+                request.output.error = f"its tokens cannot be decoded: {error!r}"
+                for failed in request.output.outputs:
+                    failed.finish_reason = "error"
+                ended[request_id] = None
+                continue
             if request.histories is not None:
                 request.histories[index].append(token)
-            completion.finish_reason = reason
-            metrics = request.output.metrics
-            metrics.first_token_time = metrics.first_token_time or now
-            metrics.num_output_tokens += 1
-            delta = ""
-            if request.texts is not None:
-                try:
-                    delta = request.texts[index].push(token, last=reason is not None)
-                except BaseException as error:  # noqa: BLE001 - whatever the tokenizer raises fails this request only
-                    _log.error("the tokenizer raised %r decoding request %r", error, request_id, exc_info=error)
-                    request.output.error = f"its tokens cannot be decoded: {error!r}"
-                    for failed in request.output.outputs:
-                        failed.finish_reason = "error"
+            if reason is None and event.finish_reason is not None:  # a stop string the scheduler has not seen
+                stopped.append((request_id, index))
+                if all(c.finish_reason is not None for c in request.output.outputs):
                     ended[request_id] = None
-                    continue
-                completion.text += delta
-                if request.texts[index].stopped:
-                    if reason is None:  # else the scheduler has finished it already
-                        stopped.append((request_id, index))
-                    completion.finish_reason = reason = "stop"
-                    if all(c.finish_reason is not None for c in request.output.outputs):
-                        ended[request_id] = None
-            events.append(TokenEvent(request_id, index, token, reason, delta, logprob))
+            events.append(event)
         finished_ids = list(update.finished_request_ids)
         for request_id, index in stopped:
             if request_id not in ended:  # a sibling still runs (it has no finish reason)
