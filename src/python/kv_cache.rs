@@ -357,7 +357,11 @@ fn from_step<'py, const N: usize>(
     for (name, value) in given {
         arrays.push(match (step, value) {
             (None, Some(value)) => value.clone(),
-            (Some(step), None) => step.getattr(name)?,
+            (Some(step), None) => step.getattr(name).map_err(|_| {
+                invalid(format!(
+                    "step must be a scheduler's step (SchedulerOutput) or hold its arrays: it has no {name}"
+                ))
+            })?,
             (None, None) => return Err(invalid(format!("give {name} or step="))),
             (Some(_), Some(_)) => return Err(invalid(format!("give {name} or step=, not both"))),
         });

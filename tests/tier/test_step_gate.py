@@ -112,3 +112,15 @@ def test_a_failed_attach_leaves_the_cache_ungated(tmp_path: Path) -> None:
     with pytest.raises(InvalidArgumentError):
         scheduler().attach_disk_tier(kv, "", 1 << 20, b"id")  # an empty path is refused
     kv.write(0, rows(1, 1.0), rows(1, 1.0), np.array([0]))
+
+
+@pytest.mark.parametrize("step", [42, None.__class__, SimpleNamespace(slot_mapping=np.zeros(1, np.int64))])
+def test_a_step_without_a_steps_arrays_is_a_typed_error(step: object) -> None:
+    kv = cache()
+    with pytest.raises(InvalidArgumentError):
+        kv.attention(0, rows(1, 0.5), step=step)
+    with pytest.raises(InvalidArgumentError):
+        kv.copy_blocks(step=step)
+    with pytest.raises(InvalidArgumentError, match="not both"):
+        kv.write(0, rows(1, 1.0), rows(1, 1.0), np.array([0]), step=step)
+
