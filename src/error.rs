@@ -25,6 +25,10 @@ pub enum Error {
     /// The allocator refused a buffer (the process is left as it was; Python's `MemoryError`).
     #[error("out of memory: cannot allocate {0}")]
     OutOfMemory(String),
+    /// An earlier call panicked while holding this object's state, which it now refuses to use
+    /// (Python's `pagedkv.errors.InternalError`).
+    #[error("{0}")]
+    Internal(String),
     /// The disk tier's files could not be opened, read or written (Python's `OSError`).
     #[error("disk tier I/O: {0}")]
     Io(String),

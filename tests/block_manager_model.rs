@@ -290,7 +290,7 @@ fn outcome_of_error(error: Error) -> Outcome {
         Error::UnknownSequence(_) => Outcome::Unknown,
         Error::DuplicateSequence(_) => Outcome::Duplicate,
         Error::Shape(_) | Error::InvalidArgument(_) => Outcome::Invalid,
-        Error::OutOfMemory(what) | Error::Io(what) => {
+        Error::OutOfMemory(what) | Error::Io(what) | Error::Internal(what) => {
             panic!("a model-sized manager without a disk tier cannot fail so: {what}")
         }
     }

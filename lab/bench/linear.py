@@ -32,7 +32,7 @@ from threadpoolctl import threadpool_limits
 import pagedkv
 import pagedkv._core as _core
 from pagedkv.cli import comma_list, one_of, positive_int
-from pagedkv.models import LlamaConfig, LlamaModel, LlamaWeights
+from pagedkv.models import CacheStep, LlamaConfig, LlamaModel, LlamaWeights
 
 MIB = 1 << 20
 DTYPES = ("float32", "bfloat16", "float16")
@@ -229,13 +229,13 @@ def _model_step(args, samples: int, table) -> dict:
         for name, model in variants.items():
             caches[name] = model.new_kv_cache(batch * -(-args.context // 16))
             caches[name].fill_random(1)
-            model.forward(step, caches[name])  # warm-up
+            model.forward(CacheStep(step, caches[name]))  # warm-up
         times: dict[str, list[float]] = {name: [] for name in variants}
         names = list(variants)
         for sample in range(samples):
             for name in names[sample % len(names) :] + names[: sample % len(names)]:
                 model, cache = variants[name], caches[name]
-                times[name].append(_seconds(lambda model=model, cache=cache, step=step: model.forward(step, cache), 3))
+                times[name].append(_seconds(lambda model=model, cache=cache, step=step: model.forward(CacheStep(step, cache)), 3))
         before = statistics.median(times[names[0]])
         for name in names:
             seconds = statistics.median(times[name])

@@ -110,7 +110,7 @@ def pagedkv_rates(model: LlamaModel, n: int, prompt_tokens: int, new_tokens: int
     blocks = n * (-(-(prompt_tokens + new_tokens) // 16) + 1)
     config = EngineConfig(num_blocks=blocks, block_size=16, max_num_seqs=max(n, 1),
                           max_num_batched_tokens=max(2048, n * prompt_tokens), enable_prefix_caching=False)
-    core = EngineCore(PagedModelRunner(model, config.num_blocks, config.block_size), config)
+    core = EngineCore(PagedModelRunner(model), config)
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     for i in range(n):
         core.add_request(f"r{i}", rng.integers(3, model.config.vocab_size, prompt_tokens).tolist(), params)

@@ -199,7 +199,7 @@ def _real_model(args: argparse.Namespace, progress: _Progress) -> dict[str, obje
     summaries = []
     for name, workload in workloads.items():
         clock = WallTime()
-        runner = PagedModelRunner(model, setup.num_blocks, setup.block_size)
+        runner = PagedModelRunner(model)
         core = EngineCore(runner, setup.scheduler_config(enable_prefix_caching=name == PAGED_PREFIX), clock=clock)
         report = progress.task(f"tiny model: {name} / {workload.name}", len(workload.requests))
         result = replay(PagedPolicy(name, core, clock), workload.requests, clock, report)

@@ -188,7 +188,7 @@ class _Bench:
         self.identity = kv_identity(self.model.config, digest.hexdigest(), self.model.weight_dtype, args.kv_dtype, BLOCK_SIZE)
 
     def core(self, config: EngineConfig) -> EngineCore:
-        runner = PagedModelRunner(self.model, config.num_blocks, config.block_size, config.kv_dtype)
+        runner = PagedModelRunner(self.model, config.kv_dtype)
         return EngineCore(runner, config, eos_token_ids=self.model.config.eos_token_ids, model_identity=self.identity)
 
     def disk(self, directory: Path, **changes: object) -> EngineConfig:

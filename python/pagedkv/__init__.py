@@ -10,6 +10,7 @@ from pagedkv._core import (
     BlockManager,
     ContiguousKV,
     KVCache,
+    KvSpec,
     PrefixIndex,
     ReadBandwidthProbe,
     Scheduler,
@@ -49,12 +50,14 @@ from pagedkv.errors import (
     UnknownSequenceError,
 )
 from pagedkv.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEventBatch, KvEventPublisher, KvSnapshot
-from pagedkv.models import LlamaConfig, LlamaModel, SimulatedModel
+from pagedkv.models import CacheStep, LlamaConfig, LlamaModel, SimulatedModel
 from pagedkv.sampling import SamplingParams
 
 __all__ = [
     "BlockManager",
     "KVCache",
+    "KvSpec",
+    "CacheStep",
     "Scheduler",
     "SchedulerOutput",
     "UpdateOutput",

@@ -11,7 +11,7 @@ raises ``pagedkv.errors.InternalError``, and the object it hit refuses every lat
 
 import os
 from collections.abc import Sequence
-from typing import Literal, TypeAlias
+from typing import ClassVar, Literal, TypeAlias
 
 import numpy as np
 import numpy.typing as npt
@@ -24,6 +24,7 @@ __all__ = [
     "__version__",
     "BlockManager",
     "KVCache",
+    "KvSpec",
     "Scheduler",
     "SchedulerOutput",
     "UpdateOutput",
@@ -121,30 +122,16 @@ class KVCache:
         layer: int,
         keys: npt.NDArray[np.float32],
         values: npt.NDArray[np.float32],
-        slot_mapping: npt.NDArray[np.int64] | None = None,
-        *,
-        step: object | None = None,
+        slot_mapping: npt.NDArray[np.int64],
     ) -> None:
-        """Store K/V rows ``[n, num_kv_heads, head_dim]`` at ``slot_mapping`` of ``layer``, or at
-        ``step.slot_mapping`` given ``step=`` (a ``SchedulerOutput``, or any object with the
-        arrays of one).
-
-        While a scheduler's disk tier shares the cache (from ``attach_disk_tier`` to
-        ``detach_disk_tier``), every call that touches K/V takes only ``step=`` that scheduler's
-        step awaiting ``update``: its I/O thread copies other blocks meanwhile, so slots, tables or
-        copies given by hand, an updated step or another scheduler's step raise
-        ``InvalidArgumentError``, touching nothing (``gather``, ``fill_random`` and
-        ``attention_kernel_seconds``, which take no step, too).
+        """Store K/V rows ``[n, num_kv_heads, head_dim]`` at ``slot_mapping`` of ``layer``.
 
         The cache stores finite values only: ``InvalidArgumentError`` for NaN, infinity, or a finite
         value the cache's dtype would round to infinity (beyond ±65504 in float16, about ±3.39e38
         in bfloat16). Nothing is written then."""
-    def copy_blocks(
-        self, ops: npt.NDArray[np.integer] | Sequence[Sequence[int]] | None = None, *, step: object | None = None
-    ) -> None:
+    def copy_blocks(self, ops: npt.NDArray[np.integer] | Sequence[Sequence[int]]) -> None:
         """Copy whole blocks ``src -> dst`` in every layer, in order (copy-on-write ops): a step's
-        int64 ``[C, 2]`` ``copy_ops`` or any sequence of ``(src, dst)`` pairs, or ``step.copy_ops``
-        given ``step=`` (the only form while a disk tier shares the cache: see ``write``). ``ShapeError`` for a
+        int64 ``[C, 2]`` ``copy_ops`` or any sequence of ``(src, dst)`` pairs. ``ShapeError`` for a
         row that is not a pair, ``InvalidArgumentError`` for anything else malformed or a block out
         of range; nothing is copied then."""
     def gather(
@@ -157,17 +144,13 @@ class KVCache:
         self,
         layer: int,
         query: npt.NDArray[np.float32],
-        block_tables: npt.NDArray[np.int32] | None = None,
-        context_lens: npt.NDArray[np.int32] | None = None,
-        query_start_loc: npt.NDArray[np.int32] | None = None,
+        block_tables: npt.NDArray[np.int32],
+        context_lens: npt.NDArray[np.int32],
+        query_start_loc: npt.NDArray[np.int32],
         scale: float | None = None,
         kernel: str | None = None,
-        *,
-        step: object | None = None,
     ) -> npt.NDArray[np.float32]:
         """Paged attention over ``layer``; returns float32 ``[num_tokens, num_heads, head_dim]``.
-        ``step=`` gives the step's ``block_tables``, ``context_lens`` and ``query_start_loc``
-        instead (the only form while a disk tier shares the cache: see ``write``).
 
         ``query`` is float32 ``[num_tokens, num_heads, head_dim]`` (num_heads a multiple of the
         cache's KV heads), ``block_tables`` int32 ``[num_seqs, max_blocks_per_seq]`` (padding never
@@ -203,7 +186,11 @@ class Scheduler:
     preempts by recompute (lowest priority, most recently admitted) when a sequence cannot grow.
     ``policy="priority"``: lower ``priority`` first, aging one level per ``aging_steps`` steps, so a
     request is never queued behind one of priority ``q`` added more than ``(p - q) * aging_steps``
-    steps after it. ``schedule`` and ``update`` must alternate and release the GIL. Thread-safe."""
+    steps after it. ``schedule`` and ``update`` must alternate and release the GIL. Thread-safe.
+
+    Made with a ``kv_spec``, the scheduler owns the K/V bytes of its pool (the core's
+    ``KvRuntime``), reached only through its step awaiting ``update``
+    (``SchedulerOutput.write``/``copy_blocks``/``attention``), and may attach a disk tier."""
 
     def __new__(
         cls,
@@ -222,6 +209,7 @@ class Scheduler:
         emit_kv_events: bool = ...,
         min_load_blocks: int = ...,
         offload_watermark_blocks: int | None = None,
+        kv_spec: KvSpec | None = None,
     ) -> Self:
         """A limit left out takes its default from :data:`SCHEDULER_DEFAULTS` (the core's, set
         once); ``max_model_len`` defaults to the whole cache and may not exceed it;
@@ -242,25 +230,22 @@ class Scheduler:
         offloading the next eviction victims early (default: one step's token budget in blocks,
         at most a sixteenth of the pool)."""
     def attach_disk_tier(
-        self, kv_cache: KVCache, path: str | os.PathLike[str], capacity_bytes: int, identity: bytes
+        self, path: str | os.PathLike[str], capacity_bytes: int, identity: bytes
     ) -> dict[str, int | bool]:
-        """Open (or create) the disk tier in directory ``path`` for the blocks of ``kv_cache`` (the
-        cache this scheduler's steps index), holding at most ``capacity_bytes`` of K/V, for the
-        model ``identity`` names (a tier recorded for another, or whose index is unreadable, is
-        cleared), and attach it: evicted
-        cached blocks are offloaded to it (off this thread), prefix hits on it are loaded back and
-        verified (a block failing its checksum, tokens or parent is dropped and recomputed).
-        Returns ``{"recovered": blocks, "cleared": bool}``. From then on until
-        ``detach_disk_tier``, the cache takes every touch of its K/V only through this
-        scheduler's step awaiting ``update`` (``step=``: the tier's thread copies other blocks
-        meanwhile; see ``KVCache.write``). Raises, attaching nothing,
-        InvalidArgumentError for a bad argument (an empty path, a capacity holding no block or
-        larger than the file system), a cache of another pool or block size, a tier attached
-        already or a scheduler that has held a block; MemoryError if its slot table cannot be
-        allocated; KvTierError if the directory or its files cannot be made, opened or locked
-        (another scheduler holds them), or are refused: the directory (created 0700) must be the
-        user's own, not a symbolic link, writable by no one else; the files (0600) are never
-        opened through a symbolic link."""
+        """Open (or create) the disk tier in directory ``path`` for this scheduler's K/V (it needs
+        a ``kv_spec``), holding at most ``capacity_bytes`` of K/V, for the model ``identity``
+        names (a tier recorded for another, or whose index is unreadable, is cleared), and attach
+        it: evicted cached blocks are offloaded to it (off this thread), prefix hits on it are
+        loaded back and verified (a block failing its checksum, tokens or parent is dropped and
+        recomputed). Returns ``{"recovered": blocks, "cleared": bool}``. The tier's thread copies
+        blocks while steps run; it never meets them, as a step touches K/V only at its own slots
+        and tables. Raises, attaching nothing, InvalidArgumentError for a bad argument (an empty
+        path, a capacity holding no block or larger than the file system), a scheduler without
+        K/V, a tier attached already or a scheduler that has held a block; MemoryError if its
+        slot table cannot be allocated; KvTierError if the directory or its files cannot be made,
+        opened or locked (another scheduler holds them), or are refused: the directory (created
+        0700) must be the user's own, not a symbolic link, writable by no one else; the files
+        (0600) are never opened through a symbolic link."""
     def detach_disk_tier(self) -> list[_KvEventTuple]:
         """Finish the tier's queued writes and loads and close it (the directory may then be
         opened again); cached RAM blocks stay, its figures stay in ``stats()``. Returns its last
@@ -332,14 +317,54 @@ class Scheduler:
     def block_size(self) -> int: ...
     @property
     def max_model_len(self) -> int: ...
+    @property
+    def kv_spec(self) -> KvSpec | None:
+        """The spec of the K/V it owns; None without."""
     def __len__(self) -> int: ...
     def __contains__(self, request_id: object, /) -> bool:
         """Never raises: anything that is not a valid request id is not in it."""
 
 @final
+class KvSpec:
+    """What a model keeps of K/V: ``num_layers`` layers of ``num_kv_heads`` heads of ``head_dim``
+    elements, stored as ``dtype`` ("float32", "float16" or "bfloat16"; default
+    ``SCHEDULER_DEFAULTS["kv_dtype"]``)."""
+
+    def __new__(cls, num_layers: int, num_kv_heads: int, head_dim: int, dtype: str = ...) -> Self: ...
+    def __eq__(self, other: object, /) -> bool: ...
+    def __ne__(self, other: object, /) -> bool: ...
+    __hash__: ClassVar[None]  # type: ignore[assignment]
+    @property
+    def num_layers(self) -> int: ...
+    @property
+    def num_kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def dtype(self) -> str:
+        """Storage dtype name."""
+
+@final
 class SchedulerOutput:
     """One step (S rows, T tokens, K samples). Arrays are made on first access, without copying.
-    Query j of row i sits at position ``context_lens[i] - nq_i + j`` (causal)."""
+    Query j of row i sits at position ``context_lens[i] - nq_i + j`` (causal).
+
+    It is also the one way into its scheduler's K/V (a scheduler made with a ``kv_spec``):
+    ``write``, ``copy_blocks`` and ``attention`` use the step's own slots and tables, kept in Rust
+    (changing the arrays handed out here changes nothing they touch), and only while the step
+    awaits ``update``; any other step (updated, or another scheduler's) raises
+    ``InvalidArgumentError``, touching nothing, as does a scheduler without K/V."""
+
+    def write(self, layer: int, keys: npt.NDArray[np.float32], values: npt.NDArray[np.float32]) -> None:
+        """Store K/V rows ``[num_tokens, num_kv_heads, head_dim]`` of ``layer`` at the step's slots.
+        Finite values only, as ``KVCache.write``; nothing is written on an error."""
+    def copy_blocks(self) -> None:
+        """Apply the step's copy-on-write block copies (before its attention reads the K/V)."""
+    def attention(
+        self, layer: int, query: npt.NDArray[np.float32], scale: float | None = None, kernel: str | None = None
+    ) -> npt.NDArray[np.float32]:
+        """Paged attention of ``query`` over ``layer`` through the step's tables (as
+        ``KVCache.attention``); returns float32 ``[num_tokens, num_heads, head_dim]``."""
 
     @property
     def step(self) -> int:

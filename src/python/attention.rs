@@ -43,7 +43,7 @@ fn attention_kernel_seconds(
     let call = arrays.call(cache.shape().head_dim, scale, None)?;
     let (tables, width) = tables.rows()?;
     let mut out = call.out()?;
-    cache.touch(py, None, |c| {
+    cache.with(py, |c| {
         let start = Instant::now();
         for _ in 0..iterations {
             call.run_paged(c, layer, &tables, width, &mut out)?;

@@ -59,11 +59,7 @@ impl<'py> Arrays<'py> {
     ) -> PyResult<Call<'_>> {
         let shape = self.query.shape();
         expect_shape(shape, &[None, None, Some(head_dim)], "query")?;
-        let scale = opt::<f64>(scale, "scale")?.unwrap_or(1.0 / (head_dim as f64).sqrt()) as f32;
-        let path = match opt::<String>(kernel, "kernel")? {
-            None => attention::default_kernel_path(),
-            Some(name) => name.parse().py_err()?,
-        };
+        let (scale, path) = scale_and_path(head_dim, scale, kernel)?;
         Ok(Call {
             query: c_order(&self.query)?,
             num_tokens: shape[0],
@@ -75,6 +71,31 @@ impl<'py> Arrays<'py> {
             path,
         })
     }
+}
+
+/// A query argument: a float32 `[num_tokens, num_heads, head_dim]` array.
+pub(crate) fn query_array<'py>(
+    query: &Bound<'py, PyAny>,
+    head_dim: usize,
+) -> PyResult<PyReadonlyArray<'py, f32, Ix3>> {
+    let query: PyReadonlyArray<'py, f32, Ix3> = typed_array(query, "query", "float32")?;
+    expect_shape(query.shape(), &[None, None, Some(head_dim)], "query")?;
+    Ok(query)
+}
+
+/// The scale (a float or None: `1/sqrt(head_dim)`) and kernel path (a name or None: the
+/// process's default path) of a call.
+pub(crate) fn scale_and_path(
+    head_dim: usize,
+    scale: Option<&Bound<'_, PyAny>>,
+    kernel: Option<&Bound<'_, PyAny>>,
+) -> PyResult<(f32, KernelPath)> {
+    let scale = opt::<f64>(scale, "scale")?.unwrap_or(1.0 / (head_dim as f64).sqrt()) as f32;
+    let path = match opt::<String>(kernel, "kernel")? {
+        None => attention::default_kernel_path(),
+        Some(name) => name.parse().py_err()?,
+    };
+    Ok((scale, path))
 }
 
 impl<'py> Tables<'py> {

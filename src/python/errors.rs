@@ -51,6 +51,7 @@ pub fn to_py(error: Error) -> PyErr {
         Error::InvalidArgument(_) => InvalidArgumentError::new_err(message),
         Error::OutOfMemory(_) => PyMemoryError::new_err(message),
         Error::Io(_) => KvTierError::new_err(message),
+        Error::Internal(_) => InternalError::new_err(message),
     }
 }
 

@@ -1,10 +1,10 @@
 //! `pagedkv.KVCache`: K/V storage of every layer, in `[num_blocks, num_kv_heads, block_size,
 //! head_dim]` tiles, f32/f16/bf16. Every argument goes through `args` (arrays read in C order
 //! whatever their layout; ids and pairs as numpy arrays or Python sequences alike), every call
-//! through `sync::locked`; the core validates every value. While a scheduler's disk tier shares
-//! the cache, every call that touches K/V goes through that scheduler's step (`step_gate`).
+//! through `sync::locked`; the core validates every value. A cache made here is the caller's
+//! alone (no disk tier can share it: a tier attaches only to a scheduler's own K/V).
 
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 
 use numpy::ndarray::{Ix1, Ix3};
 use numpy::{PyArray1, PyArrayMethods, PyUntypedArrayMethods};
@@ -13,11 +13,7 @@ use pyo3::types::{PyByteArray, PyBytes, PyString};
 
 use super::args::{arg, c_order, expect_shape, invalid, shape_error, typed_array, Param};
 use super::attention_call::{Arrays, Tables};
-use super::scheduler::PySchedulerOutput;
-use super::step_gate::StepGate;
-use super::sync::{detached, locked, locked_after};
-use crate::scheduler::StepId;
-use crate::store::kv_cache::KvBlockIo;
+use super::sync::{detached, locked};
 use crate::{CopyOp, KvCache, KvDtype, KvShape};
 
 /// Paged K/V storage for all layers of a model, owned by Rust. Token slot `s` is row
@@ -25,8 +21,6 @@ use crate::{CopyOp, KvCache, KvDtype, KvShape};
 #[pyclass(name = "KVCache", module = "pagedkv", frozen)]
 pub struct PyKVCache {
     inner: Mutex<KvCache>,
-    /// The gate of the scheduler whose disk tier shares the cache, from attach to detach.
-    gate: Mutex<Option<Arc<StepGate>>>,
     shape: KvShape,
     dtype: KvDtype,
     nbytes: usize,
@@ -35,9 +29,8 @@ pub struct PyKVCache {
 type F32Array<'py, D> = numpy::PyReadonlyArray<'py, f32, D>;
 
 impl PyKVCache {
-    /// Runs `f` on the cache with the GIL released (see `sync::locked`); every call touching
-    /// K/V goes through `touch` instead.
-    fn with<T: Send>(
+    /// Runs `f` on the cache with the GIL released (see `sync::locked`).
+    pub(crate) fn with<T: Send>(
         &self,
         py: Python<'_>,
         f: impl FnOnce(&mut KvCache) -> crate::Result<T> + Send,
@@ -47,53 +40,6 @@ impl PyKVCache {
 
     pub(crate) fn shape(&self) -> KvShape {
         self.shape
-    }
-
-    /// The handle a disk tier's I/O thread copies blocks through (taken once, when it attaches).
-    pub(crate) fn block_io(&self, py: Python<'_>) -> PyResult<KvBlockIo> {
-        self.with(py, |c| Ok(c.block_io()))
-    }
-
-    /// The gate of the scheduler whose tier shares the cache now, if any.
-    fn current_gate(&self) -> Option<Arc<StepGate>> {
-        // An `Option<Arc<_>>` cannot be left half-written by a panic: a poisoned lock is still right.
-        self.gate.lock().unwrap_or_else(|e| e.into_inner()).clone()
-    }
-
-    /// Gates the cache behind `gate` (`Some`, when a disk tier attaches) or ungates it (`None`,
-    /// when it detaches). `InvalidArgument` when gating a cache another scheduler's tier shares.
-    pub(crate) fn set_gate(&self, gate: Option<Arc<StepGate>>) -> PyResult<()> {
-        let mut current = self.gate.lock().unwrap_or_else(|e| e.into_inner());
-        if let (Some(held), Some(new)) = (current.as_ref(), gate.as_ref()) {
-            if !Arc::ptr_eq(held, new) {
-                return Err(invalid(
-                    "this KVCache is shared with another scheduler's disk tier already".into(),
-                ));
-            }
-        }
-        *current = gate;
-        Ok(())
-    }
-
-    /// Runs `f` on the cache (GIL released): at once when no tier shares it, else only as part
-    /// of `step`, the step awaiting update of the scheduler whose tier shares it (see `step_gate`).
-    pub(crate) fn touch<T: Send>(
-        &self,
-        py: Python<'_>,
-        step: Option<StepId>,
-        f: impl FnOnce(&mut KvCache) -> crate::Result<T> + Send,
-    ) -> PyResult<T> {
-        let Some(gate) = self.current_gate() else {
-            return self.with(py, f);
-        };
-        let Some(step) = step else {
-            return Err(invalid(
-                "this KVCache is shared with a disk tier: touch its K/V only through the \
-                 scheduler's step awaiting update (step=), never by slots or tables given by hand"
-                    .into(),
-            ));
-        };
-        locked_after(py, || gate.enter(step), &self.inner, f)
     }
 
     fn to_array<'py>(
@@ -141,28 +87,21 @@ impl PyKVCache {
             dtype: cache.dtype(),
             nbytes: cache.nbytes(),
             inner: Mutex::new(cache),
-            gate: Mutex::new(None),
         })
     }
 
     /// Stores `keys[i]` and `values[i]` (float32 `[n, num_kv_heads, head_dim]`) at
-    /// `slot_mapping[i]` (int64 `[n]`) of `layer`, converting to the cache dtype; or, given
-    /// `step=` (a scheduler step, or any object with its arrays), at the step's `slot_mapping`.
-    /// While a disk tier shares the cache, only the step awaiting update of its scheduler is
-    /// taken. Raises InvalidArgumentError, writing nothing, for a value the dtype does not store
-    /// as a finite number (NaN, infinity, beyond ±65504 in float16), or slots the tier forbids.
-    #[pyo3(signature = (layer, keys, values, slot_mapping=None, *, step=None))]
+    /// `slot_mapping[i]` (int64 `[n]`) of `layer`, converting to the cache dtype. Raises
+    /// InvalidArgumentError, writing nothing, for a value the dtype does not store as a finite
+    /// number (NaN, infinity, beyond ±65504 in float16).
     fn write(
         &self,
         py: Python<'_>,
         layer: &Bound<'_, PyAny>,
         keys: &Bound<'_, PyAny>,
         values: &Bound<'_, PyAny>,
-        slot_mapping: Option<&Bound<'_, PyAny>>,
-        step: Option<&Bound<'_, PyAny>>,
+        slot_mapping: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
-        let (step_id, [slot_mapping]) = from_step(step, [("slot_mapping", slot_mapping)])?;
-        let slot_mapping = &slot_mapping;
         let layer: usize = arg(layer, "layer")?;
         let keys: F32Array<'_, Ix3> = typed_array(keys, "keys", "float32")?;
         let values: F32Array<'_, Ix3> = typed_array(values, "values", "float32")?;
@@ -176,23 +115,15 @@ impl PyKVCache {
         expect_shape(keys.shape(), &row, "keys")?;
         expect_shape(values.shape(), &row, "values")?;
         let (keys, values, slots) = (c_order(&keys)?, c_order(&values)?, c_order(&slots)?);
-        self.touch(py, step_id, |c| c.write(layer, &keys, &values, &slots))
+        self.with(py, |c| c.write(layer, &keys, &values, &slots))
     }
 
     /// Copies whole blocks `src → dst` in every layer, in order: apply a step's copy-on-write ops
     /// before its attention runs. `ops` is a step's `copy_ops` (int64 `[C, 2]`) or any sequence
-    /// of `(src, dst)` pairs; or `step=` gives the step's own (the only way while a disk tier
-    /// shares the cache: see `write`).
-    #[pyo3(signature = (ops=None, *, step=None))]
-    fn copy_blocks(
-        &self,
-        py: Python<'_>,
-        ops: Option<&Bound<'_, PyAny>>,
-        step: Option<&Bound<'_, PyAny>>,
-    ) -> PyResult<()> {
-        let (step_id, [ops]) = from_step(step, [("copy_ops", ops)])?;
-        let ops = copy_ops(&ops)?;
-        self.touch(py, step_id, |c| c.copy_blocks(&ops))
+    /// of `(src, dst)` pairs.
+    fn copy_blocks(&self, py: Python<'_>, ops: &Bound<'_, PyAny>) -> PyResult<()> {
+        let ops = copy_ops(ops)?;
+        self.with(py, |c| c.copy_blocks(&ops))
     }
 
     /// Reads the first `num_tokens` K and V rows of a sequence through `block_table` (a 1-D
@@ -209,7 +140,7 @@ impl PyKVCache {
         let layer: usize = arg(layer, "layer")?;
         let table: Vec<i32> = arg(block_table, "block_table")?;
         let n: usize = arg(num_tokens, "num_tokens")?;
-        let (k, v) = self.touch(py, None, |c| c.gather(layer, &table, n))?;
+        let (k, v) = self.with(py, |c| c.gather(layer, &table, n))?;
         Ok((self.to_array(py, k, n)?, self.to_array(py, v, n)?))
     }
 
@@ -218,44 +149,28 @@ impl PyKVCache {
     /// Sequence i owns query rows `query_start_loc[i]:query_start_loc[i + 1]` (int32
     /// `[num_seqs + 1]`) and `context_lens[i]` (int32) tokens of cache including those new tokens;
     /// its query j attends causally to keys `0..=context_lens[i] - nq + j`. `scale` defaults to
-    /// `1/sqrt(head_dim)`; `kernel` forces "avx2" or "portable". `step=` (a scheduler step, or
-    /// any object with its arrays) gives the three arrays instead: the only way while a disk
-    /// tier shares the cache (see `write`). Returns a new float32 array shaped like `query`.
-    /// Releases the GIL while computing.
-    #[pyo3(signature = (
-        layer, query, block_tables=None, context_lens=None, query_start_loc=None, scale=None,
-        kernel=None, *, step=None
-    ))]
+    /// `1/sqrt(head_dim)`; `kernel` forces "avx2" or "portable". Returns a new float32 array
+    /// shaped like `query`. Releases the GIL while computing.
+    #[pyo3(signature = (layer, query, block_tables, context_lens, query_start_loc, scale=None, kernel=None))]
     #[allow(clippy::too_many_arguments)]
     fn attention<'py>(
         &self,
         py: Python<'py>,
         layer: &Bound<'py, PyAny>,
         query: &Bound<'py, PyAny>,
-        block_tables: Option<&Bound<'py, PyAny>>,
-        context_lens: Option<&Bound<'py, PyAny>>,
-        query_start_loc: Option<&Bound<'py, PyAny>>,
+        block_tables: &Bound<'py, PyAny>,
+        context_lens: &Bound<'py, PyAny>,
+        query_start_loc: &Bound<'py, PyAny>,
         scale: Option<&Bound<'py, PyAny>>,
         kernel: Option<&Bound<'py, PyAny>>,
-        step: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let (step_id, [block_tables, context_lens, query_start_loc]) = from_step(
-            step,
-            [
-                ("block_tables", block_tables),
-                ("context_lens", context_lens),
-                ("query_start_loc", query_start_loc),
-            ],
-        )?;
         let layer: usize = arg(layer, "layer")?;
-        let arrays = Arrays::extract(query, &context_lens, &query_start_loc)?;
-        let tables = Tables::extract(&block_tables)?;
+        let arrays = Arrays::extract(query, context_lens, query_start_loc)?;
+        let tables = Tables::extract(block_tables)?;
         let call = arrays.call(self.shape.head_dim, scale, kernel)?;
         let (tables, width) = tables.rows()?;
         let mut out = call.out()?;
-        self.touch(py, step_id, |c| {
-            call.run_paged(c, layer, &tables, width, &mut out)
-        })?;
+        self.with(py, |c| call.run_paged(c, layer, &tables, width, &mut out))?;
         call.output(py, out)
     }
 
@@ -263,7 +178,7 @@ impl PyKVCache {
     /// (benchmarks: real data in every page).
     fn fill_random(&self, py: Python<'_>, seed: &Bound<'_, PyAny>) -> PyResult<()> {
         let seed: u64 = arg(seed, "seed")?;
-        self.touch(py, None, |c| {
+        self.with(py, |c| {
             c.fill_random(seed);
             Ok(())
         })
@@ -344,29 +259,4 @@ fn copy_ops(ops: &Bound<'_, PyAny>) -> PyResult<Vec<CopyOp>> {
             }
         })
         .collect()
-}
-
-/// The arrays a call reads: each `(name, given)` as given, or, with `step`, the step's attribute
-/// of that name; and the step's id when it is a scheduler's step (what a gated cache checks).
-/// `InvalidArgument` unless exactly one of the two is given for every array.
-fn from_step<'py, const N: usize>(
-    step: Option<&Bound<'py, PyAny>>,
-    given: [(&str, Option<&Bound<'py, PyAny>>); N],
-) -> PyResult<(Option<StepId>, [Bound<'py, PyAny>; N])> {
-    let mut arrays = Vec::with_capacity(N);
-    for (name, value) in given {
-        arrays.push(match (step, value) {
-            (None, Some(value)) => value.clone(),
-            (Some(step), None) => step.getattr(name).map_err(|_| {
-                invalid(format!(
-                    "step must be a scheduler's step (SchedulerOutput) or hold its arrays: it has no {name}"
-                ))
-            })?,
-            (None, None) => return Err(invalid(format!("give {name} or step="))),
-            (Some(_), Some(_)) => return Err(invalid(format!("give {name} or step=, not both"))),
-        });
-    }
-    let id = step.and_then(|s| s.cast::<PySchedulerOutput>().ok().map(|s| s.get().id()));
-    let arrays: [Bound<'py, PyAny>; N] = arrays.try_into().map_err(|_| invalid("arity".into()))?;
-    Ok((id, arrays))
 }

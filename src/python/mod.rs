@@ -15,7 +15,6 @@ mod linear;
 mod prefix_index;
 mod sampling;
 mod scheduler;
-mod step_gate;
 mod sync;
 mod tier;
 
@@ -28,6 +27,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<block_manager::PyBlockManager>()?;
     m.add_class::<kv_cache::PyKVCache>()?;
     m.add_class::<prefix_index::PyPrefixIndex>()?;
+    m.add_class::<scheduler::PyKvSpec>()?;
     m.add_class::<scheduler::PyScheduler>()?;
     m.add_class::<scheduler::PySchedulerOutput>()?;
     m.add_class::<scheduler::PyUpdateOutput>()?;

@@ -1,58 +1,129 @@
-//! `pagedkv.Scheduler`, its step output `SchedulerOutput` and update result `UpdateOutput`.
+//! `pagedkv.Scheduler` (the binding of the core's `KvRuntime`: the scheduler with the K/V bytes
+//! its steps address and the disk tier), its step `SchedulerOutput` — the one way into those
+//! K/V bytes — and the update result `UpdateOutput`, and `KvSpec`, what a model declares of its K/V.
 //!
-//! A step's arrays are moved out of the core into numpy arrays that own them (no copy); request
-//! ids are turned into Python lists only when read.
+//! A step's arrays are moved out of the core into numpy arrays that own them (no copy); the core
+//! `Step` keeps its own copy of those that address the K/V bytes, so what Python does to the
+//! arrays changes nothing it touches. Request ids are turned into Python lists only when read.
 
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
 use numpy::ndarray::Array2;
-use numpy::{IntoPyArray, PyArray1};
+use numpy::ndarray::Ix3;
+use numpy::{IntoPyArray, PyArray1, PyArrayMethods, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyList, PyTuple};
 
-use std::path::PathBuf;
-
-use super::args::{arg, invalid, opt, Bytes, Param};
-use super::kv_cache::PyKVCache;
-use super::step_gate::StepGate;
+use super::args::{arg, c_order, expect_shape, invalid, opt, typed_array, Bytes, Param};
+use super::attention_call::{query_array, scale_and_path};
+use super::errors::IntoPyResult;
 use super::sync::{detached, locked};
 use super::tier;
 use crate::ids::TokenId;
 use crate::memory::block_manager::DEFAULT_BLOCK_SIZE;
-use crate::memory::events::{KvEvent, Medium};
 use crate::memory::eviction::EvictionPolicy;
+use crate::runtime::{KvRuntime, KvSpec, Step};
 use crate::scheduler::{
     default_offload_watermark, FinishReason, Policy, RequestEvent, RequestOptions, SamplingParams,
-    Scheduler, SchedulerConfig, StepId, StepOutput, UpdateOutput, DEFAULT_AGING_STEPS,
+    Scheduler, SchedulerConfig, StepOutput, UpdateOutput, DEFAULT_AGING_STEPS,
 };
-use crate::tier::TierCounters;
+use crate::store::dtype::KvDtype;
+use crate::store::kv_cache::KvShape;
 
-/// Continuous-batching scheduler over a paged KV cache. Thread-safe; every call releases the GIL.
+/// What a model keeps of K/V: `num_layers` layers of `num_kv_heads` heads of `head_dim`
+/// elements, stored as `dtype` ("float32", "float16" or "bfloat16"). A scheduler given one
+/// (`kv_spec=`) owns K/V storage of that shape for its pool, reached only through its steps.
+#[pyclass(name = "KvSpec", module = "pagedkv", frozen, eq)]
+#[derive(Clone, PartialEq)]
+pub struct PyKvSpec {
+    inner: KvSpec,
+}
+
+#[pymethods]
+impl PyKvSpec {
+    #[new]
+    #[pyo3(
+        signature = (num_layers, num_kv_heads, head_dim, dtype=Param::Absent),
+        text_signature = "(num_layers, num_kv_heads, head_dim, dtype=...)"
+    )]
+    fn new(
+        num_layers: &Bound<'_, PyAny>,
+        num_kv_heads: &Bound<'_, PyAny>,
+        head_dim: &Bound<'_, PyAny>,
+        dtype: Param<'_>,
+    ) -> PyResult<Self> {
+        let dtype: String = dtype.or("dtype", KvDtype::default().name().into())?;
+        Ok(PyKvSpec {
+            inner: KvSpec {
+                num_layers: arg(num_layers, "num_layers")?,
+                num_kv_heads: arg(num_kv_heads, "num_kv_heads")?,
+                head_dim: arg(head_dim, "head_dim")?,
+                dtype: dtype.parse().py_err()?,
+            },
+        })
+    }
+
+    #[getter]
+    fn num_layers(&self) -> usize {
+        self.inner.num_layers
+    }
+
+    #[getter]
+    fn num_kv_heads(&self) -> usize {
+        self.inner.num_kv_heads
+    }
+
+    #[getter]
+    fn head_dim(&self) -> usize {
+        self.inner.head_dim
+    }
+
+    /// Storage dtype name.
+    #[getter]
+    fn dtype(&self) -> &'static str {
+        self.inner.dtype.name()
+    }
+
+    fn __repr__(&self) -> String {
+        let k = &self.inner;
+        format!(
+            "KvSpec(num_layers={}, num_kv_heads={}, head_dim={}, dtype={:?})",
+            k.num_layers,
+            k.num_kv_heads,
+            k.head_dim,
+            k.dtype.name()
+        )
+    }
+}
+
+/// Continuous-batching scheduler over a paged KV cache, with the K/V bytes of its pool when made
+/// with a `kv_spec`. Thread-safe; every call releases the GIL.
 #[pyclass(name = "Scheduler", module = "pagedkv", frozen)]
 pub struct PyScheduler {
-    inner: Mutex<Scheduler>,
-    /// The disk tier's counters when it was detached (its figures stay in `stats()`).
-    detached_tier: Mutex<Option<TierCounters>>,
-    /// The step awaiting update, for the cache a disk tier shares (`step_gate`).
-    gate: Arc<StepGate>,
-    /// That cache, from attach to detach (ungated at detach).
-    gated_cache: Mutex<Option<Py<PyKVCache>>>,
+    inner: Arc<KvRuntime>,
+    /// The shape of its K/V store, if it has one (fixed at construction).
+    kv_shape: Option<KvShape>,
 }
 
 impl PyScheduler {
-    /// Whether `cache` is the one gated behind this scheduler's attached tier.
-    fn is_gated_cache(&self, cache: &Bound<'_, PyKVCache>) -> bool {
-        let gated = self.gated_cache.lock().unwrap_or_else(|e| e.into_inner());
-        gated.as_ref().is_some_and(|held| held.is(cache))
-    }
-
-    fn with<T: Send>(
+    /// Runs a read-only `query` on the scheduler (GIL released).
+    fn read<T: Send>(
         &self,
         py: Python<'_>,
-        f: impl FnOnce(&mut Scheduler) -> crate::Result<T> + Send,
+        query: impl FnOnce(&Scheduler) -> T + Send,
     ) -> PyResult<T> {
-        locked(py, &self.inner, f)
+        detached(py, || self.inner.read(query))
+    }
+
+    /// Runs `f` on the runtime (GIL released).
+    fn run<T: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&KvRuntime) -> crate::Result<T> + Send,
+    ) -> PyResult<T> {
+        detached(py, || f(&self.inner))
     }
 }
 
@@ -72,13 +143,13 @@ impl PyScheduler {
             long_prefill_token_threshold=Param::Absent, eos_token_ids=None,
             admission_lookahead_tokens=Param::Absent, eviction_policy=Param::Absent,
             emit_kv_events=Param::Absent, min_load_blocks=Param::Absent,
-            offload_watermark_blocks=None,
+            offload_watermark_blocks=None, kv_spec=None,
         ),
         text_signature = "(num_blocks, block_size=..., max_num_seqs=..., \
             max_num_batched_tokens=..., max_model_len=None, enable_prefix_caching=..., \
             policy=..., aging_steps=..., long_prefill_token_threshold=..., eos_token_ids=None, \
             admission_lookahead_tokens=..., eviction_policy=..., emit_kv_events=..., \
-            min_load_blocks=..., offload_watermark_blocks=None)"
+            min_load_blocks=..., offload_watermark_blocks=None, kv_spec=None)"
     )]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -98,6 +169,7 @@ impl PyScheduler {
         emit_kv_events: Param<'_>,
         min_load_blocks: Param<'_>,
         offload_watermark_blocks: Option<&Bound<'_, PyAny>>,
+        kv_spec: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let mut c = SchedulerConfig::new(
             arg(num_blocks, "num_blocks")?,
@@ -125,67 +197,65 @@ impl PyScheduler {
         c.emit_kv_events = emit_kv_events.or("emit_kv_events", c.emit_kv_events)?;
         c.min_load_blocks = min_load_blocks.or("min_load_blocks", c.min_load_blocks)?;
         let watermark = opt(offload_watermark_blocks, "offload_watermark_blocks")?;
-        let scheduler = detached(py, || {
+        let kv_spec = match kv_spec {
+            None => None,
+            Some(spec) => Some(
+                spec.cast::<PyKvSpec>()
+                    .map_err(|_| invalid("kv_spec must be a KvSpec".into()))?
+                    .get()
+                    .inner,
+            ),
+        };
+        let runtime = detached(py, || {
             c.policy = Policy::from_name(&policy, aging_steps)?;
             c.eviction_policy = EvictionPolicy::from_name(&eviction_policy)?;
             // Left out: the default for the limits as given (the core's).
             c.offload_watermark_blocks = watermark.unwrap_or_else(|| {
                 default_offload_watermark(c.num_blocks, c.block_size, c.max_num_batched_tokens)
             });
-            Scheduler::new(c)
+            KvRuntime::new(c, kv_spec)
         })?;
+        let kv_shape = runtime.kv_layout().py_err()?.map(|(shape, _)| shape);
         Ok(PyScheduler {
-            inner: Mutex::new(scheduler),
-            detached_tier: Mutex::new(None),
-            gate: Arc::default(),
-            gated_cache: Mutex::new(None),
+            inner: Arc::new(runtime),
+            kv_shape,
         })
     }
 
-    /// Opens (or creates) the disk tier in directory `path` for the blocks of `kv_cache` (the
-    /// cache the scheduler's steps index), at most `capacity_bytes` of K/V data, recording
-    /// `identity` (the model's: a tier recorded under another is cleared), and attaches it: evicted
-    /// cached blocks are offloaded to it, prefix hits on it loaded back. Returns what opening
-    /// found: `{"recovered": blocks, "cleared": bool}`. Raises, attaching nothing,
-    /// InvalidArgumentError for a bad argument, a cache of another pool size or block size, a
-    /// tier attached already, or a scheduler that has served a request; KvTierError if the
-    /// directory or its files cannot be made, opened or locked (another engine holds them).
-    #[pyo3(signature = (kv_cache, path, capacity_bytes, identity))]
+    /// The K/V storage's spec, or None for a scheduler made without one.
+    #[getter]
+    fn kv_spec(&self, py: Python<'_>) -> PyResult<Option<PyKvSpec>> {
+        let layout = self.run(py, |r| r.kv_layout())?;
+        Ok(layout.map(|(shape, dtype)| PyKvSpec {
+            inner: KvSpec {
+                num_layers: shape.num_layers,
+                num_kv_heads: shape.num_kv_heads,
+                head_dim: shape.head_dim,
+                dtype,
+            },
+        }))
+    }
+
+    /// Opens (or creates) the disk tier in directory `path` for the scheduler's K/V (it needs a
+    /// `kv_spec`), at most `capacity_bytes` of K/V data, recording `identity` (the model's: a tier
+    /// recorded under another is cleared), and attaches it: evicted cached blocks are offloaded to
+    /// it, prefix hits on it loaded back. Returns what opening found: `{"recovered": blocks,
+    /// "cleared": bool}`. Raises, attaching nothing, InvalidArgumentError for a bad argument, a
+    /// scheduler without K/V, a tier attached already, or a scheduler that has served a request;
+    /// KvTierError if the directory or its files cannot be made, opened or locked (another
+    /// engine holds them).
+    #[pyo3(signature = (path, capacity_bytes, identity))]
     fn attach_disk_tier<'py>(
         &self,
         py: Python<'py>,
-        kv_cache: &Bound<'py, PyAny>,
         path: &Bound<'py, PyAny>,
         capacity_bytes: &Bound<'py, PyAny>,
         identity: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyDict>> {
-        let bound = kv_cache
-            .cast::<PyKVCache>()
-            .map_err(|_| invalid("kv_cache must be a KVCache".into()))?;
-        let cache = bound.get();
         let path: PathBuf = arg(path, "path")?;
         let capacity: u64 = arg(capacity_bytes, "capacity_bytes")?;
         let Bytes(identity) = arg(identity, "identity")?;
-        // Gated before the tier's thread can touch it, ungated again if the attach fails.
-        cache.set_gate(Some(self.gate.clone()))?;
-        let io = cache.block_io(py)?;
-        let opened = self.with(py, move |s| {
-            tier::attach_disk_tier(s, &path, io, capacity, identity)
-        });
-        let opened = match opened {
-            Ok(opened) => opened,
-            Err(error) => {
-                if !self.is_gated_cache(bound) {
-                    cache.set_gate(None)?;
-                }
-                return Err(error);
-            }
-        };
-        let cache_ref = bound.clone().unbind();
-        locked(py, &self.gated_cache, move |g| {
-            *g = Some(cache_ref);
-            Ok(())
-        })?;
+        let opened = self.run(py, |r| r.open_disk_tier(&path, capacity, identity))?;
         tier::opened(py, &opened)
     }
 
@@ -194,42 +264,14 @@ impl PyScheduler {
     /// KV events (with `emit_kv_events`: those not yet taken, then `("cleared", "disk")`), to
     /// publish after `take_kv_events()`. Without a tier, nothing (an empty list).
     fn detach_disk_tier<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let (last, counters) = self.with(py, |s| {
-            let mut last = Vec::new();
-            let Some(mut tier) = s.detach_tier() else {
-                return Ok((last, None));
-            };
-            if s.config().emit_kv_events {
-                tier.drain_events(&mut last);
-                last.push(KvEvent::AllBlocksCleared {
-                    medium: Medium::Disk,
-                });
-            }
-            let counters = tier.counters();
-            drop(tier); // joins its I/O thread and closes its files, without the GIL
-            Ok((last, Some(counters)))
-        })?;
-        if counters.is_some() {
-            locked(py, &self.detached_tier, |d| {
-                *d = counters;
-                Ok(())
-            })?;
-            // The tier's thread has ended: the cache is the caller's again.
-            let cache = locked(py, &self.gated_cache, |g| Ok(g.take()))?;
-            if let Some(cache) = cache {
-                cache.get().set_gate(None)?;
-            }
-        }
+        let last = self.run(py, KvRuntime::close_disk_tier)?;
         tier::events(py, &last)
     }
 
     /// Blocks until the disk tier has finished every queued write and load (the next
     /// `schedule()` sees the loads). Without a tier, nothing.
     fn flush_disk_tier(&self, py: Python<'_>) -> PyResult<()> {
-        self.with(py, |s| {
-            s.flush_tier();
-            Ok(())
-        })
+        self.run(py, KvRuntime::flush_disk_tier)
     }
 
     /// The KV events since the last call, in order (empty unless made with `emit_kv_events`):
@@ -237,14 +279,14 @@ impl PyScheduler {
     /// medium)` or `("cleared", medium)`, medium "ram" or "disk". Replaying every event taken
     /// since the scheduler was made gives `kv_blocks()`.
     fn take_kv_events<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let taken = self.with(py, |s| Ok(s.take_kv_events()))?;
+        let taken = self.run(py, KvRuntime::take_kv_events)?;
         tier::events(py, &taken)
     }
 
     /// The blocks findable now by prefix lookup, as `(block_hash, medium)` pairs (a block may be
     /// held in both media).
     fn kv_blocks<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        let held = self.with(py, |s| Ok(s.kv_blocks()))?;
+        let held = self.run(py, KvRuntime::kv_blocks)?;
         tier::blocks(py, &held)
     }
 
@@ -293,14 +335,14 @@ impl PyScheduler {
             arrival_time,
             cache_salt: opt::<String>(cache_salt, "cache_salt")?.map(String::into_bytes),
         };
-        self.with(py, |s| s.add_request(&request_id, prompt, params, options))
+        self.run(py, |r| r.add_request(&request_id, prompt, params, options))
     }
 
     /// Drops a request in any state and frees its blocks. Raises UnknownSequenceError if it is
     /// not waiting or running.
     fn abort(&self, py: Python<'_>, request_id: &Bound<'_, PyAny>) -> PyResult<()> {
         let request_id: String = arg(request_id, "request_id")?;
-        self.with(py, |s| s.abort(&request_id))
+        self.run(py, |r| r.abort(&request_id))
     }
 
     /// Ends one sample of a live request before its siblings, freeing its blocks (a step awaiting
@@ -314,19 +356,13 @@ impl PyScheduler {
     ) -> PyResult<()> {
         let request_id: String = arg(request_id, "request_id")?;
         let seq_index = arg(seq_index, "seq_index")?;
-        self.with(py, |s| s.finish_sample(&request_id, seq_index))
+        self.run(py, |r| r.finish_sample(&request_id, seq_index))
     }
 
     /// Builds the next step (see SchedulerOutput). The previous step must have been updated.
-    fn schedule(&self, py: Python<'_>) -> PyResult<PySchedulerOutput> {
-        let gate = &self.gate;
-        let out = self.with(py, |s| {
-            s.schedule()?;
-            let out = s.take_step_output();
-            gate.set(Some(out.id));
-            Ok(out)
-        })?;
-        Ok(PySchedulerOutput::new(out))
+    fn schedule(slf: &Bound<'_, Self>) -> PyResult<PySchedulerOutput> {
+        let (output, step) = slf.get().run(slf.py(), KvRuntime::begin_step)?;
+        Ok(PySchedulerOutput::new(output, step, slf.clone().unbind()))
     }
 
     /// Appends `sampled_token_ids[k]` (one per sample, i.e. per `output.logits_indices[k]`) and
@@ -338,32 +374,25 @@ impl PyScheduler {
         output: &Bound<'_, PyAny>,
         sampled_token_ids: &Bound<'_, PyAny>,
     ) -> PyResult<PyUpdateOutput> {
-        let step = output
-            .cast::<PySchedulerOutput>()
-            .map_err(|_| {
-                invalid(format!(
-                    "output must be the SchedulerOutput of schedule(), got {}",
-                    output
-                        .get_type()
-                        .name()
-                        .map(|n| n.to_string())
-                        .unwrap_or_default()
-                ))
-            })?
-            .get()
-            .id;
-        let sampled: Vec<TokenId> = arg(sampled_token_ids, "sampled_token_ids")?;
-        let gate = &self.gate;
-        let inner = self.with(py, |s| {
-            gate.close_after(|| s.update(step, &sampled))?;
-            Ok(s.take_update_output())
+        let output = output.cast::<PySchedulerOutput>().map_err(|_| {
+            invalid(format!(
+                "output must be the SchedulerOutput of schedule(), got {}",
+                output
+                    .get_type()
+                    .name()
+                    .map(|n| n.to_string())
+                    .unwrap_or_default()
+            ))
         })?;
+        let step = &output.get().step;
+        let sampled: Vec<TokenId> = arg(sampled_token_ids, "sampled_token_ids")?;
+        let inner = self.run(py, |r| r.finish_step(step, &sampled))?;
         Ok(PyUpdateOutput { inner })
     }
 
     /// Whether any request is waiting or running.
     fn has_unfinished(&self, py: Python<'_>) -> PyResult<bool> {
-        self.with(py, |s| Ok(s.has_unfinished()))
+        self.read(py, Scheduler::has_unfinished)
     }
 
     /// Prompt plus output so far of sample `seq_index` of a live request.
@@ -379,19 +408,16 @@ impl PyScheduler {
     ) -> PyResult<Vec<u32>> {
         let request_id: String = arg(request_id, "request_id")?;
         let seq_index = seq_index.or("seq_index", 0)?;
-        self.with(py, |s| {
+        self.read(py, |s| {
             s.sequence_tokens(&request_id, seq_index)
                 .map(<[u32]>::to_vec)
-        })
+        })?
+        .py_err()
     }
 
     /// Cumulative figures and current occupancy as a dict.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let (s, attached) = self.with(py, |s| Ok((s.stats(), s.block_manager().has_tier())))?;
-        let tier = match attached {
-            true => Some(s.tier),
-            false => locked(py, &self.detached_tier, |d| Ok(*d))?,
-        };
+        let (s, tier) = self.run(py, |r| Ok((r.read(Scheduler::stats)?, r.tier_counters()?)))?;
         let dict = PyDict::new(py);
         dict.set_item("steps", s.steps)?;
         dict.set_item("num_running", s.num_running)?;
@@ -418,48 +444,48 @@ impl PyScheduler {
 
     /// Raises AssertionError naming the first broken invariant of the scheduler or block manager.
     fn check_invariants(&self, py: Python<'_>) -> PyResult<()> {
-        self.with(py, |s| Ok(s.check_invariants()))?
+        self.read(py, |s| s.check_invariants())?
             .map_err(pyo3::exceptions::PyAssertionError::new_err)
     }
 
     /// Running sequences.
     #[getter]
     fn num_running(&self, py: Python<'_>) -> PyResult<usize> {
-        self.with(py, |s| Ok(s.num_running()))
+        self.read(py, |s| s.num_running())
     }
 
     /// Sequences waiting for their blocks to load from the disk tier.
     #[getter]
     fn num_loading(&self, py: Python<'_>) -> PyResult<usize> {
-        self.with(py, |s| Ok(s.num_loading()))
+        self.read(py, |s| s.num_loading())
     }
 
     /// Waiting sequences (new or preempted).
     #[getter]
     fn num_waiting(&self, py: Python<'_>) -> PyResult<usize> {
-        self.with(py, |s| Ok(s.num_waiting()))
+        self.read(py, |s| s.num_waiting())
     }
 
     /// Requests waiting or running.
     #[getter]
     fn num_unfinished_requests(&self, py: Python<'_>) -> PyResult<usize> {
-        self.with(py, |s| Ok(s.num_unfinished_requests()))
+        self.read(py, |s| s.num_unfinished_requests())
     }
 
     /// Blocks an allocation could obtain now (clean plus evictable cached).
     #[getter]
     fn num_free_blocks(&self, py: Python<'_>) -> PyResult<usize> {
-        self.with(py, |s| Ok(s.block_manager().num_available_blocks()))
+        self.read(py, |s| s.block_manager().num_available_blocks())
     }
 
     #[getter]
     fn block_size(&self, py: Python<'_>) -> PyResult<usize> {
-        self.with(py, |s| Ok(s.config().block_size))
+        self.read(py, |s| s.config().block_size)
     }
 
     #[getter]
     fn max_model_len(&self, py: Python<'_>) -> PyResult<usize> {
-        self.with(py, |s| Ok(s.config().max_model_len))
+        self.read(py, |s| s.config().max_model_len)
     }
 
     fn __len__(&self, py: Python<'_>) -> PyResult<usize> {
@@ -470,7 +496,7 @@ impl PyScheduler {
     /// a str with lone surrogates) is simply not in the scheduler.
     fn __contains__(&self, py: Python<'_>, request_id: &Bound<'_, PyAny>) -> PyResult<bool> {
         match arg::<String>(request_id, "request_id") {
-            Ok(id) => self.with(py, |s| Ok(s.contains(&id))),
+            Ok(id) => self.read(py, |s| s.contains(&id)),
             Err(_) => Ok(false),
         }
     }
@@ -484,7 +510,10 @@ impl PyScheduler {
 /// lists of str.
 #[pyclass(name = "SchedulerOutput", module = "pagedkv", frozen)]
 pub struct PySchedulerOutput {
-    id: StepId,
+    /// The core's step: its own copy of the arrays that address the K/V bytes.
+    step: Step,
+    /// The scheduler that made it, whose K/V the step's calls touch.
+    scheduler: Py<PyScheduler>,
     num_seqs: usize,
     num_samples: usize,
     block_table_width: usize,
@@ -496,16 +525,14 @@ pub struct PySchedulerOutput {
     arrays: [PyOnceLock<Py<PyAny>>; 10],
 }
 
-impl PySchedulerOutput {
-    /// Which step of which scheduler this is.
-    pub(crate) fn id(&self) -> StepId {
-        self.id
-    }
+type F32Array<'py, D> = numpy::PyReadonlyArray<'py, f32, D>;
 
-    fn new(mut out: StepOutput) -> Self {
+impl PySchedulerOutput {
+    fn new(mut out: StepOutput, step: Step, scheduler: Py<PyScheduler>) -> Self {
         PySchedulerOutput {
             events: std::mem::take(&mut out.events),
-            id: out.id,
+            step,
+            scheduler,
             num_seqs: out.num_seqs(),
             num_samples: out.num_samples(),
             block_table_width: out.block_table_width,
@@ -539,6 +566,23 @@ impl PySchedulerOutput {
     ) -> PyResult<Vec<Arc<str>>> {
         locked(py, &self.data, |d| Ok(which(d).clone()))
     }
+
+    /// The K/V shape of the scheduler that made the step; InvalidArgumentError without K/V.
+    fn kv_shape(&self) -> PyResult<KvShape> {
+        self.scheduler.get().kv_shape.ok_or_else(|| {
+            invalid("this step's scheduler keeps no K/V (it was made without a kv_spec)".into())
+        })
+    }
+
+    /// Runs `f` on the scheduler's runtime with this step (GIL released).
+    fn run<T: Send>(
+        &self,
+        py: Python<'_>,
+        f: impl FnOnce(&KvRuntime, &Step) -> crate::Result<T> + Send,
+    ) -> PyResult<T> {
+        let runtime = &self.scheduler.get().inner;
+        detached(py, || f(runtime, &self.step))
+    }
 }
 
 fn vector<T: numpy::Element>(py: Python<'_>, data: Vec<T>) -> PyResult<Bound<'_, PyAny>> {
@@ -554,6 +598,67 @@ fn pairs(py: Python<'_>, data: Vec<i64>) -> PyResult<Bound<'_, PyAny>> {
 
 #[pymethods]
 impl PySchedulerOutput {
+    /// Stores `keys[i]` and `values[i]` (float32 `[num_tokens, num_kv_heads, head_dim]`) of
+    /// `layer` at this step's slots, converting to the K/V dtype. Only the scheduler's step
+    /// awaiting update may touch its K/V: any other (updated, or of another scheduler) raises
+    /// InvalidArgumentError, writing nothing, as does a value the dtype does not store as a
+    /// finite number (NaN, infinity, beyond ±65504 in float16).
+    fn write(
+        &self,
+        py: Python<'_>,
+        layer: &Bound<'_, PyAny>,
+        keys: &Bound<'_, PyAny>,
+        values: &Bound<'_, PyAny>,
+    ) -> PyResult<()> {
+        let shape = self.kv_shape()?;
+        let layer: usize = arg(layer, "layer")?;
+        let keys: F32Array<'_, Ix3> = typed_array(keys, "keys", "float32")?;
+        let values: F32Array<'_, Ix3> = typed_array(values, "values", "float32")?;
+        let row = [
+            Some(self.step.num_tokens()),
+            Some(shape.num_kv_heads),
+            Some(shape.head_dim),
+        ];
+        expect_shape(keys.shape(), &row, "keys")?;
+        expect_shape(values.shape(), &row, "values")?;
+        let (keys, values) = (c_order(&keys)?, c_order(&values)?);
+        self.run(py, |r, step| r.write(step, layer, &keys, &values))
+    }
+
+    /// Applies this step's copy-on-write block copies (`copy_ops`), before its attention reads
+    /// the K/V. Refused as `write` is for any step but the one awaiting update.
+    fn copy_blocks(&self, py: Python<'_>) -> PyResult<()> {
+        self.kv_shape()?;
+        self.run(py, |r, step| r.copy_blocks(step))
+    }
+
+    /// Attention of `query` (float32 `[num_tokens, num_heads, head_dim]`) over `layer` through
+    /// this step's block tables, context lengths and query offsets (see `KVCache.attention`);
+    /// `scale` defaults to `1/sqrt(head_dim)`, `kernel` forces "avx2" or "portable". Refused as
+    /// `write` is for any step but the one awaiting update. Returns a new float32 array shaped
+    /// like `query`; releases the GIL while computing.
+    #[pyo3(signature = (layer, query, scale=None, kernel=None))]
+    fn attention<'py>(
+        &self,
+        py: Python<'py>,
+        layer: &Bound<'py, PyAny>,
+        query: &Bound<'py, PyAny>,
+        scale: Option<&Bound<'py, PyAny>>,
+        kernel: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let shape = self.kv_shape()?;
+        let layer: usize = arg(layer, "layer")?;
+        let query = query_array(query, shape.head_dim)?;
+        let (scale, path) = scale_and_path(shape.head_dim, scale, kernel)?;
+        let dims = <[usize; 3]>::try_from(query.shape()).map_err(|_| invalid("query".into()))?;
+        let q = c_order(&query)?;
+        let mut out = crate::alloc::try_zeroed_vec(q.len(), "the attention output").py_err()?;
+        self.run(py, |r, step| {
+            r.attention(step, path, layer, &q, dims[1], scale, &mut out)
+        })?;
+        Ok(PyArray1::from_vec(py, out).reshape(dims)?.into_any())
+    }
+
     /// Token ids to run, int64 [T].
     #[getter]
     fn input_ids(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
@@ -658,7 +763,7 @@ impl PySchedulerOutput {
     /// Step number (from 0) within the scheduler that built it.
     #[getter]
     fn step(&self) -> u64 {
-        self.id.number()
+        self.step.id().number()
     }
 
     /// Rows (sequences) in the batch.
@@ -700,7 +805,7 @@ impl PySchedulerOutput {
     fn __repr__(&self) -> String {
         format!(
             "SchedulerOutput(step={}, num_seqs={}, num_tokens={}, num_samples={})",
-            self.id.number(),
+            self.step.id().number(),
             self.num_seqs,
             self.stats.num_scheduled_tokens,
             self.num_samples
@@ -801,5 +906,6 @@ pub fn defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     d.set_item("eviction_policy", c.eviction_policy.name())?;
     d.set_item("emit_kv_events", c.emit_kv_events)?;
     d.set_item("min_load_blocks", c.min_load_blocks)?;
+    d.set_item("kv_dtype", KvDtype::default().name())?;
     Ok(d)
 }

@@ -41,23 +41,7 @@ where
     S: Send,
     T: Send,
 {
-    locked_after(py, || Ok(()), mutex, operation)
-}
-
-/// `locked`, with `enter` run first and what it returns (a gate's guard: `step_gate`) held until
-/// the operation ends; both with the GIL released.
-pub fn locked_after<S, T, G>(
-    py: Python<'_>,
-    enter: impl FnOnce() -> crate::Result<G> + Send,
-    mutex: &Mutex<S>,
-    operation: impl FnOnce(&mut S) -> crate::Result<T> + Send,
-) -> PyResult<T>
-where
-    S: Send,
-    T: Send,
-{
     py.detach(|| {
-        let _held = enter().map_err(to_py)?;
         run_locked(mutex, operation)
             .map_err(internal)?
             .map_err(to_py)

@@ -1,17 +1,14 @@
 //! What the `Scheduler` binding shows of a KV tier: KV events as tuples, the blocks held, the
-//! tier's figures in `stats()`, and opening the disk tier over a `KVCache`. The methods themselves
-//! are `PyScheduler`'s (`scheduler.rs`); this module holds their conversions.
-
-use std::path::Path;
+//! tier's figures in `stats()`, what opening the disk tier found. The methods themselves are
+//! `PyScheduler`'s (`scheduler.rs`); this module holds their conversions.
 
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList, PyTuple};
 
 use crate::memory::events::{KvEvent, Medium};
 use crate::memory::prefix_cache::BlockHash;
-use crate::scheduler::{Scheduler, SchedulerStats};
-use crate::store::kv_cache::KvBlockIo;
-use crate::tier::disk::{DiskTier, DiskTierConfig, Opened};
+use crate::scheduler::SchedulerStats;
+use crate::tier::disk::Opened;
 use crate::tier::TierCounters;
 
 /// An event as `("stored", hash, parent, token_ids, medium)`, `("removed", hash, medium)` or
@@ -85,35 +82,4 @@ pub fn opened<'py>(py: Python<'py>, opened: &Opened) -> PyResult<Bound<'py, PyDi
     dict.set_item("recovered", opened.recovered)?;
     dict.set_item("cleared", opened.cleared)?;
     Ok(dict)
-}
-
-/// Opens the disk tier in `dir` over the blocks of `kv` and attaches it to `s`, its eviction
-/// order the scheduler's. Fails, attaching nothing, as `DiskTier::open` and
-/// `Scheduler::attach_tier` do (a tier opened and then refused is closed again).
-pub fn attach_disk_tier(
-    s: &mut Scheduler,
-    dir: &Path,
-    kv: KvBlockIo,
-    capacity_bytes: u64,
-    identity: Vec<u8>,
-) -> crate::Result<Opened> {
-    let config = DiskTierConfig {
-        identity,
-        capacity_bytes,
-        policy: s.config().eviction_policy,
-    };
-    crate::error::ensure(kv.shape().block_size == s.config().block_size, || {
-        format!(
-            "the KV cache has blocks of {} tokens, the scheduler {}",
-            kv.shape().block_size,
-            s.config().block_size
-        )
-    })?;
-    // SAFETY: the scheduler's block manager drives the tier by the protocol of `crate::tier`, and
-    // the engine keeps to it as the binding's documented contract demands (`_core.pyi`,
-    // `Scheduler.attach_disk_tier`): K/V are written only at the slots of a step's `slot_mapping`
-    // and read only through its block tables, which never hold a block being offloaded or loaded.
-    let (tier, opened) = unsafe { DiskTier::open(dir, config, kv, s.tier_link())? };
-    s.attach_tier(Box::new(tier))?;
-    Ok(opened)
 }

@@ -6,9 +6,11 @@ use half::{bf16, f16};
 
 use crate::error::{Error, Result};
 
-/// Storage type of a KV cache.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+/// Storage type of a KV cache; float32 unless asked (exact: the reference the others are
+/// measured against).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum KvDtype {
+    #[default]
     F32,
     F16,
     Bf16,

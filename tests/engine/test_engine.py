@@ -66,13 +66,13 @@ def test_greedy_generation_equals_the_dense_reference(weights, reference, config
 def test_logits_through_the_engine_core_match_the_reference(weights, reference):
     """One step's logits, as the engine computes them, within 1e-4 of the float64 reference."""
     model = LlamaModel(weights)
-    runner = PagedModelRunner(model, num_blocks=64, block_size=8)
+    runner = PagedModelRunner(model)
     core = EngineCore(runner, EngineConfig(num_blocks=64, block_size=8))
     batch = prompts(seed=2, count=3)
     for i, p in enumerate(batch):
         core.add_request(str(i), p, SamplingParams(max_tokens=2, **GREEDY))
     step = core.scheduler.schedule()
-    logits = model.forward(step, runner.kv_cache)
+    logits = model.forward(step)
     for row, request_id in enumerate(step.sample_request_ids):
         prompt = batch[int(request_id)]
         want = reference.logits(prompt)[-1]

@@ -88,7 +88,7 @@ def test_a_runner_failure_completes_the_protocol_of_the_core(weights):
     """Item 1: the step the model failed in is updated (its requests aborted), so the core can
     step again."""
     model = PoisonedModel(LlamaModel(weights))
-    core = EngineCore(PagedModelRunner(model, 64, 16), EngineConfig(num_blocks=64))
+    core = EngineCore(PagedModelRunner(model), EngineConfig(num_blocks=64))
     core.add_request("a", [5, 6, 7], SamplingParams(max_tokens=3, **GREEDY))
     model.fail = True
     with pytest.raises(RuntimeError, match="broke"):

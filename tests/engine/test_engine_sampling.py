@@ -39,6 +39,7 @@ class LogitsRunner:
 
     vocab_size = VOCAB
     max_model_len = 4096
+    kv_spec = None  # keeps no K/V
 
     def __init__(self) -> None:
         self.batch_sizes: list[int] = []

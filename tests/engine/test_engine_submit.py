@@ -20,7 +20,7 @@ RUNNING = SamplingParams(max_tokens=40, **GREEDY)
 
 def test_empty_steps_keep_the_schedule_update_protocol(weights):
     """Item 1: a step with nothing scheduled still completes schedule/update, so the next works."""
-    core = EngineCore(PagedModelRunner(LlamaModel(weights), 32, 16), EngineConfig(num_blocks=32))
+    core = EngineCore(PagedModelRunner(LlamaModel(weights)), EngineConfig(num_blocks=32))
     assert core.step() == ([], [])
     assert core.step() == ([], [])
     core.add_request("a", [5, 6, 7], SamplingParams(max_tokens=2, **GREEDY))
@@ -134,8 +134,8 @@ def test_max_model_len_past_the_models_positions_is_refused(weights):
     model = LlamaModel(weights)
     limit = model.config.max_position_embeddings
     with pytest.raises(InvalidArgumentError, match="max_model_len"):
-        EngineCore(PagedModelRunner(model, 1024, 16), EngineConfig(num_blocks=1024, max_model_len=limit + 1))
-    core = EngineCore(PagedModelRunner(model, 1024, 16), EngineConfig(num_blocks=1024, max_model_len=limit))
+        EngineCore(PagedModelRunner(model), EngineConfig(num_blocks=1024, max_model_len=limit + 1))
+    core = EngineCore(PagedModelRunner(model), EngineConfig(num_blocks=1024, max_model_len=limit))
     assert core.max_model_len == limit
 
 

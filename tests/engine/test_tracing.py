@@ -17,7 +17,7 @@ GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 def make_core(weights, tracer=None, **config) -> EngineCore:
     config = EngineConfig(**{"num_blocks": 32, "block_size": 4, **config})
-    runner = PagedModelRunner(LlamaModel(weights), config.num_blocks, config.block_size)
+    runner = PagedModelRunner(LlamaModel(weights))
     return EngineCore(runner, config, tracer=tracer)
 
 

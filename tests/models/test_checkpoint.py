@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pagedkv import CheckpointError
+from pagedkv import CacheStep, CheckpointError
 from pagedkv.loaders import load_checkpoint, load_config, load_tokenizer, save_checkpoint
 from pagedkv.models import DenseReference, LlamaConfig, LlamaModel, LlamaWeights
 from pagedkv.models.rope import rope_frequencies
@@ -107,7 +107,7 @@ def test_llama3_scaled_model_runs_the_scaled_rope(tmp_path: Path) -> None:
     tokens = np.random.default_rng(4).integers(3, 512, 40)
     model = LlamaModel(weights)
     cache = model.new_kv_cache(num_blocks=8, block_size=8)
-    logits = model.forward(single_sequence_step(tokens), cache)
+    logits = model.forward(CacheStep(single_sequence_step(tokens), cache))
     want = DenseReference(weights).logits(tokens)
     assert np.max(np.abs(logits - want)) < 1e-4
     unscaled = DenseReference(LlamaWeights.from_named_tensors(TINY, dict(weights.named_tensors()))).logits(tokens)
@@ -284,7 +284,7 @@ def test_rotary_angles_are_not_tabled_for_max_position_embeddings() -> None:
     assert peak < 16 << 20, f"peak {peak / 2**20:.1f} MiB"  # the fused weights are ~3 MiB
     # the last position still runs, its angles computed on the fly
     cache = model.new_kv_cache(num_blocks=1, block_size=8)
-    logits = model.forward(Step(np.array([5]), np.array([2**20 - 1])), cache)
+    logits = model.forward(CacheStep(Step(np.array([5]), np.array([2**20 - 1])), cache))
     assert logits.shape == (1, 512) and np.isfinite(logits).all()
 
 

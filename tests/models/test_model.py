@@ -18,7 +18,7 @@ import pytest
 from threadpoolctl import threadpool_limits
 
 import pagedkv
-from pagedkv import BlockManager, CheckpointError, InvalidArgumentError
+from pagedkv import BlockManager, CacheStep, CheckpointError, InvalidArgumentError
 from pagedkv.loaders import load_checkpoint, load_tokenizer, save_checkpoint
 from pagedkv.models import DenseReference, LlamaConfig, LlamaModel, LlamaWeights, SimulatedModel, StepCostModel
 from pagedkv.sampling import SamplingParams, sample
@@ -97,7 +97,7 @@ class Harness:
     def run(self, work: Sequence[Work], copy_ops: Sequence[tuple[int, int]] = ()) -> list[np.ndarray]:
         """Runs one step; checks every row against the reference; returns each item's logits."""
         step = build_step(self.manager, work, copy_ops)
-        logits = self.model.forward(step, self.cache)
+        logits = self.model.forward(CacheStep(step, self.cache))
         assert logits.dtype == np.float32 and logits.shape == (len(step.input_ids), self.model.config.vocab_size)
         per_item = np.split(logits, step.query_start_loc[1:-1])
         for (seq, tokens, start, end), got in zip(work, per_item, strict=True):
@@ -208,7 +208,7 @@ def test_greedy_generation_through_the_paged_model_matches_the_reference() -> No
     step = build_step(h.manager, [(seq, t, 0, len(t)) for seq, t in enumerate(sequences)])
     step.logits_indices = step.query_start_loc[1:].astype(np.int64) - 1
     for _ in range(6):
-        logits = h.model.forward(step, h.cache)
+        logits = h.model.forward(CacheStep(step, h.cache))
         for seq, tokens in enumerate(sequences):
             tokens.append(int(np.argmax(logits[seq])))
             h.manager.append(seq, [tokens[-1]])
@@ -223,7 +223,7 @@ def test_forward_reads_only_the_requested_logit_rows() -> None:
     h.manager.allocate(0, tokens)
     step = build_step(h.manager, [(0, tokens, 0, 10)])
     step.logits_indices = np.array([9, 4], dtype=np.int64)
-    logits = h.model.forward(step, h.cache)
+    logits = h.model.forward(CacheStep(step, h.cache))
     want = h.reference.logits(tokens)[[9, 4]]
     assert logits.shape == (2, 512) and np.max(np.abs(logits - want)) < TOLERANCE
 

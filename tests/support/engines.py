@@ -51,8 +51,8 @@ class PoisonedModel(GatedModel):
         super().__init__(model, open=True)
         self.fail = False
 
-    def forward(self, step, kv_cache):
-        logits = super().forward(step, kv_cache)  # waits at the gate
+    def forward(self, step):
+        logits = super().forward(step)  # waits at the gate
         if self.fail:
             raise RuntimeError("the model broke")
         for row, request_id in enumerate(step.sample_request_ids):

@@ -30,10 +30,10 @@ class GatedModel:
         self._arrived = 0  # forward passes that reached the gate
         self._passed = 0  # ... and went through it
 
-    def new_kv_cache(self, *args):
-        return self.model.new_kv_cache(*args)
+    def kv_spec(self, dtype=None):
+        return self.model.kv_spec(dtype)
 
-    def forward(self, step, kv_cache):
+    def forward(self, step):
         with self._cond:
             self._arrived += 1
             self._cond.notify_all()
@@ -41,7 +41,7 @@ class GatedModel:
                 raise TimeoutError(f"the test left the gate closed for {HANG_GUARD_S} s")
             self._passes -= 1
             self._passed += 1
-        return self.model.forward(step, kv_cache)
+        return self.model.forward(step)
 
     def allow(self, passes: float = 1) -> None:
         with self._cond:

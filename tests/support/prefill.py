@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from pagedkv.models import LlamaModel
+from pagedkv.models import CacheStep, LlamaModel
 
 
 def prefill_logits(model: LlamaModel, tokens: Sequence[int]) -> np.ndarray:
@@ -25,4 +25,4 @@ def prefill_logits(model: LlamaModel, tokens: Sequence[int]) -> np.ndarray:
         copy_ops=[],
         logits_indices=np.arange(n, dtype=np.int64),
     )
-    return model.forward(step, model.new_kv_cache(blocks))
+    return model.forward(CacheStep(step, model.new_kv_cache(blocks)))

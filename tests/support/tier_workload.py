@@ -46,7 +46,7 @@ def tiny_core(
     settings = dict(num_blocks=num_blocks, block_size=BLOCK_SIZE, max_num_seqs=4, max_num_batched_tokens=256,
                     offload_watermark_blocks=num_blocks) | disk | config
     engine_config = EngineConfig(**settings)  # type: ignore[arg-type]
-    runner = PagedModelRunner(model, engine_config.num_blocks, BLOCK_SIZE)
+    runner = PagedModelRunner(model)
     return EngineCore(runner, engine_config, eos_token_ids=model.config.eos_token_ids, model_identity=identity)
 
 

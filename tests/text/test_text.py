@@ -245,6 +245,7 @@ class ScriptedRunner:
     script is a list of tokens (for all its samples) or a tuple of one list per sample."""
 
     max_model_len = 4096
+    kv_spec = None  # keeps no K/V
 
     def __init__(self, vocab_size: int, scripts: dict[str, list[int]]) -> None:
         self.vocab_size = vocab_size

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pagedkv import InvalidArgumentError, KVCache, Scheduler
+from pagedkv import InvalidArgumentError, KvSpec, Scheduler
 from pagedkv.__main__ import main
 from pagedkv.cli import add_engine_arguments, byte_size, engine_kwargs
 from pagedkv.engine import DEFAULT_KV_DISK_BYTES, Engine, EngineConfig
@@ -135,44 +135,43 @@ def test_an_engine_built_from_a_model_needs_its_digest_for_a_tier(tmp_path: Path
     assert not (tmp_path / "tier").exists()
 
 
-def scheduler(**options: object) -> Scheduler:
-    return Scheduler(num_blocks=16, block_size=16, **options)  # type: ignore[arg-type]
+def scheduler(kv: bool = True, **options: object) -> Scheduler:
+    """A scheduler of 16 blocks of 16 tokens, owning K/V of a small spec unless ``kv`` is False."""
+    spec = KvSpec(2, 2, 8) if kv else None
+    return Scheduler(num_blocks=16, block_size=16, kv_spec=spec, **options)  # type: ignore[arg-type]
 
 
-def cache(num_blocks: int = 16, block_size: int = 16) -> KVCache:
-    return KVCache(2, num_blocks, block_size, 2, 8)
-
-
+# A tier attaches over the scheduler's own K/V, shaped from its pool: a cache of another pool or
+# block size (refused here before the scheduler owned its K/V) can no longer be given at all.
 @pytest.mark.parametrize(
-    ("args", "match"),
+    ("kv", "args", "match"),
     [
-        (lambda d: ("not a cache", d, 1 << 20, b"id"), "kv_cache must be a KVCache"),
-        (lambda d: (cache(num_blocks=8), d, 1 << 20, b"id"), "free list holds 16 blocks"),
-        (lambda d: (cache(block_size=8), d, 1 << 20, b"id"), "blocks of 8 tokens"),
-        (lambda d: (cache(), str(d).encode(), 1 << 20, b"id"), "path must be a str or os.PathLike"),
-        (lambda d: (cache(), d, -5, b"id"), "capacity_bytes"),
-        (lambda d: (cache(), d, 1 << 20, "id"), "identity must be bytes"),
+        (False, lambda d: (d, 1 << 20, b"id"), "needs a runtime that keeps K/V"),
+        (True, lambda d: (str(d).encode(), 1 << 20, b"id"), "path must be a str or os.PathLike"),
+        (True, lambda d: (d, -5, b"id"), "capacity_bytes"),
+        (True, lambda d: (d, 1 << 20, "id"), "identity must be bytes"),
     ],
 )
-def test_scheduler_attach_refusals_are_typed_and_attach_nothing(args, match: str, tmp_path: Path) -> None:
-    s = scheduler()
+def test_scheduler_attach_refusals_are_typed_and_attach_nothing(kv: bool, args, match: str, tmp_path: Path) -> None:
+    s = scheduler(kv)
     with pytest.raises(InvalidArgumentError, match=match):
         s.attach_disk_tier(*args(tmp_path / "tier"))
     assert "disk_blocks" not in s.stats() and s.detach_disk_tier() == []
-    assert s.attach_disk_tier(cache(), tmp_path / "ok", 1 << 20, b"id") == {"recovered": 0, "cleared": False}
+    if kv:
+        assert s.attach_disk_tier(tmp_path / "ok", 1 << 20, b"id") == {"recovered": 0, "cleared": False}
 
 
 def test_a_tier_attaches_once_and_only_to_a_fresh_scheduler(tmp_path: Path) -> None:
     s = scheduler()
-    s.attach_disk_tier(cache(), tmp_path / "a", 1 << 20, b"id")
+    s.attach_disk_tier(tmp_path / "a", 1 << 20, b"id")
     with pytest.raises(InvalidArgumentError, match="attached already"):
-        s.attach_disk_tier(cache(), tmp_path / "b", 1 << 20, b"id")
+        s.attach_disk_tier(tmp_path / "b", 1 << 20, b"id")
     used = scheduler()
     used.add_request("r", list(range(40)), max_tokens=1)
     step = used.schedule()
     used.update(step, [5])
     with pytest.raises(InvalidArgumentError, match="before any sequence or cached block"):
-        used.attach_disk_tier(cache(), tmp_path / "c", 1 << 20, b"id")
+        used.attach_disk_tier(tmp_path / "c", 1 << 20, b"id")
     assert "disk_blocks" not in used.stats()
     assert s.detach_disk_tier() == [] and "disk_blocks" in s.stats()  # no events asked; the figures stay
     assert s.take_kv_events() == [] and s.kv_blocks() == []
@@ -180,10 +179,10 @@ def test_a_tier_attaches_once_and_only_to_a_fresh_scheduler(tmp_path: Path) -> N
 
 def test_an_identity_change_clears_the_tier_and_says_so(tmp_path: Path) -> None:
     s = scheduler(emit_kv_events=True)
-    assert s.attach_disk_tier(cache(), tmp_path, 1 << 20, b"model A") == {"recovered": 0, "cleared": False}
+    assert s.attach_disk_tier(tmp_path, 1 << 20, b"model A") == {"recovered": 0, "cleared": False}
     assert s.detach_disk_tier() == [("cleared", "disk")]
     s = scheduler(emit_kv_events=True)
-    assert s.attach_disk_tier(cache(), tmp_path, 1 << 20, b"model B")["cleared"] is True
+    assert s.attach_disk_tier(tmp_path, 1 << 20, b"model B")["cleared"] is True
     assert s.take_kv_events() == [("cleared", "disk")]
 
 
@@ -194,9 +193,9 @@ def test_a_disk_tier_larger_than_its_file_system_is_refused(tmp_path: Path) -> N
         with pytest.raises(InvalidArgumentError, match="file system"):
             Engine.from_pretrained("tiny", kv_disk_path=tmp_path / "tier", kv_disk_bytes=size)
         with pytest.raises(InvalidArgumentError, match="file system"):
-            scheduler().attach_disk_tier(cache(), tmp_path / "tier", size, b"id")
+            scheduler().attach_disk_tier(tmp_path / "tier", size, b"id")
     assert not (tmp_path / "tier").exists()
-    assert scheduler().attach_disk_tier(cache(), tmp_path / "tier", 1 << 20, b"id")["recovered"] == 0
+    assert scheduler().attach_disk_tier(tmp_path / "tier", 1 << 20, b"id")["recovered"] == 0
 
 
 def test_an_empty_tier_path_is_refused_not_taken_for_the_current_directory(
@@ -208,7 +207,7 @@ def test_an_empty_tier_path_is_refused_not_taken_for_the_current_directory(
     with pytest.raises(InvalidArgumentError, match="empty path"):
         Engine.from_pretrained("tiny", kv_disk_path="")
     with pytest.raises(InvalidArgumentError, match="empty path"):
-        scheduler().attach_disk_tier(cache(), "", 1 << 20, b"id")
+        scheduler().attach_disk_tier("", 1 << 20, b"id")
     with pytest.raises(SystemExit) as exit:
         main(["demo", "--model", "tiny", "--requests", "1", "--kv-disk-path", ""])
     assert exit.value.code == 2 and "--kv-disk-path" in capsys.readouterr().err

@@ -46,7 +46,7 @@ class EngineConfig:
     # "lru" or "slru" (segmented LRU: cached blocks a prefix lookup hit outlive never-hit ones;
     # the core's default, and why, at DEFAULT_EVICTION_POLICY in src/scheduler/mod.rs).
     eviction_policy: str = _SCHEDULER["eviction_policy"]
-    kv_dtype: str = "float32"
+    kv_dtype: str = _SCHEDULER["kv_dtype"]
     # The disk tier (issue 13): evicted cached blocks are offloaded to a store in this directory
     # (created if missing) and loaded back on a prefix hit, across restarts. None: RAM only.
     kv_disk_path: str | Path | None = None

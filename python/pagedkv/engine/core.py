@@ -63,7 +63,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pagedkv._core import KVCache, Scheduler, SchedulerOutput
+from pagedkv._core import Scheduler, SchedulerOutput
 from pagedkv.callbacks import call_guarded
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.output_processor import append_token
@@ -114,7 +114,7 @@ class EngineCore:
         position (``runner.max_model_len``), and whatever the scheduler refuses in ``config``.
         With a ``tokenizer``, outputs carry text and requests may have stop strings. With a
         ``tracer`` (:func:`pagedkv.observability.tracing.configure`), each request is traced. A disk tier
-        (``config.kv_disk_path``) needs a runner with a KV cache and the ``model_identity``
+        (``config.kv_disk_path``) needs a runner that keeps K/V and the ``model_identity``
         (:func:`pagedkv.loaders.identity.kv_identity`) it records; one that cannot be opened raises
         :class:`~pagedkv.errors.KvTierError`."""
         self.runner = runner
@@ -139,6 +139,7 @@ class EngineCore:
             emit_kv_events=config.emit_kv_events,
             min_load_blocks=config.min_load_blocks,
             offload_watermark_blocks=config.offload_watermark_blocks,
+            kv_spec=runner.kv_spec,
         )
         self.max_model_len: int = self.scheduler.max_model_len  # as the scheduler validated it
         if self.max_model_len > runner.max_model_len:
@@ -153,11 +154,10 @@ class EngineCore:
         self.disk_tier: dict[str, int | bool] | None = None
         tier = config.disk_tier()
         if tier is not None:
-            kv_cache = getattr(runner, "kv_cache", None)
-            if not isinstance(kv_cache, KVCache) or model_identity is None:
-                raise InvalidArgumentError("a disk tier needs a model runner with a KV cache and the model's identity")
+            if runner.kv_spec is None or model_identity is None:
+                raise InvalidArgumentError("a disk tier needs a model runner that keeps K/V and the model's identity")
             directory, capacity = tier
-            self.disk_tier = self.scheduler.attach_disk_tier(kv_cache, str(directory), capacity, model_identity)
+            self.disk_tier = self.scheduler.attach_disk_tier(str(directory), capacity, model_identity)
         self._tier_attached = self.disk_tier is not None  # until close()
         self._lock = threading.Lock()  # guards _requests with the scheduler's request set
         self._requests: dict[str, _Request] = {}

@@ -130,7 +130,7 @@ class Engine:
             if weights_digest is None:
                 raise InvalidArgumentError("a disk tier needs the model's weights_digest (Engine.from_pretrained computes it)")
             identity = kv_identity(model.config, weights_digest, model.weight_dtype, config.kv_dtype, config.block_size)
-        runner = PagedModelRunner(model, config.num_blocks, config.block_size, config.kv_dtype)
+        runner = PagedModelRunner(model, config.kv_dtype)
         core = EngineCore(
             runner, config, eos_token_ids=model.config.eos_token_ids, tokenizer=tokenizer, tracer=tracer, model_identity=identity
         )

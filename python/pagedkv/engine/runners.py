@@ -3,7 +3,8 @@ the paged KV cache, or a simulated model on virtual time.
 
 Invariants: a runner's ``run`` returns one row per ``step.logits_indices`` entry, drawn under that
 row's parameters and generator; a simulated runner advances its clock by the modelled step time
-and computes nothing.
+and computes nothing. A runner declares what it keeps of K/V (``kv_spec``, None for none); the
+scheduler owns that K/V and the runner's model reaches it only through each step.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Protocol
 
 import numpy as np
 
-from pagedkv._core import KVCache
+from pagedkv._core import KvSpec
 from pagedkv.models.simulated import SimulatedModel
 from pagedkv.models.step import ModelStep
 from pagedkv.sampling import Samples, SamplingParams, TokenHistory, sample_with_logprobs
@@ -26,6 +27,7 @@ class ModelRunner(Protocol):
 
     vocab_size: int
     max_model_len: int
+    kv_spec: KvSpec | None
 
     def run(
         self,
@@ -55,11 +57,12 @@ class VirtualClock:
 
 
 class PagedModelRunner:
-    """A model computing logits over a paged :class:`KVCache` (e.g. :class:`pagedkv.LlamaModel`)."""
+    """A model computing logits over paged K/V (e.g. :class:`pagedkv.LlamaModel`), stored as
+    ``kv_dtype`` (None: the core's default)."""
 
-    def __init__(self, model, num_blocks: int, block_size: int, kv_dtype: str = "float32") -> None:
+    def __init__(self, model, kv_dtype: str | None = None) -> None:
         self.model = model
-        self.kv_cache: KVCache = model.new_kv_cache(num_blocks, block_size, kv_dtype)
+        self.kv_spec: KvSpec | None = model.kv_spec(kv_dtype)
         self.vocab_size = model.config.vocab_size
         self.max_model_len = model.config.max_position_embeddings
 
@@ -70,7 +73,7 @@ class PagedModelRunner:
         generators: Sequence[np.random.Generator],
         histories: Sequence[TokenHistory | None],
     ) -> Samples:
-        logits = self.model.forward(step, self.kv_cache)
+        logits = self.model.forward(step)
         return sample_with_logprobs(logits, params, generators, histories)
 
 
@@ -80,6 +83,7 @@ class SimulatedRunner:
     def __init__(self, model: SimulatedModel, clock: VirtualClock, max_model_len: int = 1 << 20) -> None:
         self.model = model
         self.clock = clock
+        self.kv_spec = None
         self.vocab_size = model.vocab_size
         self.max_model_len = max_model_len
 

@@ -13,10 +13,11 @@ from pagedkv.models.config import LlamaConfig, RopeScaling
 from pagedkv.models.llama import DEFAULT_WEIGHT_DTYPE, WEIGHT_DTYPES, LlamaModel
 from pagedkv.models.reference import DenseReference
 from pagedkv.models.simulated import SimulatedModel, StepCostModel
-from pagedkv.models.step import ModelStep
+from pagedkv.models.step import CacheStep, ModelStep, StepArrays
 from pagedkv.models.weights import LayerWeights, LlamaWeights
 
 __all__ = [
+    "CacheStep",
     "DEFAULT_WEIGHT_DTYPE",
     "WEIGHT_DTYPES",
     "DenseReference",
@@ -27,5 +28,6 @@ __all__ = [
     "ModelStep",
     "RopeScaling",
     "SimulatedModel",
+    "StepArrays",
     "StepCostModel",
 ]

@@ -1,8 +1,9 @@
 """The Llama forward pass on the paged KV cache: :class:`LlamaModel`.
 
 One call runs one scheduler step, any mix of prefill chunks and decode tokens: each token's K/V
-is written into the cache at its slot, and attention reads every sequence's context through its
-block table with ``KVCache.attention`` (the Rust paged kernel). Positions come from the step, so
+is written at its slot and attention reads every sequence's context through its block table, each
+through the step (:class:`~pagedkv.models.step.ModelStep`: the Rust paged kernel over the
+scheduler's K/V). Positions come from the step, so
 chunked prefill, prefix-cache hits and recompute after preemption need nothing special here; the
 rotary angles are computed for those positions only (no table over ``max_position_embeddings``).
 Matrix products run on the whole batch in the Rust linear kernel (``pagedkv._core.Linear``: weights
@@ -24,7 +25,7 @@ from typing import NamedTuple
 import numpy as np
 from threadpoolctl import ThreadpoolController
 
-from pagedkv._core import KVCache, Linear
+from pagedkv._core import KVCache, KvSpec, Linear
 from pagedkv.errors import InvalidArgumentError, ShapeError
 from pagedkv.models.config import LlamaConfig
 from pagedkv.models.rope import apply_rope, rope_cos_sin, rope_frequencies
@@ -56,7 +57,7 @@ def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
 
 
 class LlamaModel:
-    """A Llama decoder running on a paged :class:`~pagedkv.KVCache`.
+    """A Llama decoder running on paged K/V, reached through each step (:class:`ModelStep`).
 
     The projections are packed fused (``[q|k|v]`` and ``[gate|up]``) into
     :class:`~pagedkv._core.Linear` weights of ``weight_dtype`` ("float32", "float16" or
@@ -154,26 +155,34 @@ class LlamaModel:
         linears = [self._lm_head, *(w for layer in self._layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down))]
         return sum(a.nbytes for a in arrays) + sum(w.nbytes for w in linears)
 
-    def new_kv_cache(self, num_blocks: int, block_size: int = 16, dtype: str = "float32") -> KVCache:
-        """A KV cache shaped for this model (one K and V buffer per layer)."""
+    def kv_spec(self, dtype: str | None = None) -> KvSpec:
+        """What this model keeps of K/V (every layer, its K/V heads and head size), stored as
+        ``dtype`` (None: the core's default): what a :class:`~pagedkv.Scheduler` given it
+        (``kv_spec=``) allocates for its pool."""
         c = self.config
-        return KVCache(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim, dtype)
+        if dtype is None:
+            return KvSpec(c.num_layers, c.num_kv_heads, c.head_dim)
+        return KvSpec(c.num_layers, c.num_kv_heads, c.head_dim, dtype)
 
-    def forward(self, step: ModelStep, kv_cache: KVCache) -> np.ndarray:
-        """Runs one step: applies ``step.copy_ops`` to the cache, writes every token's K/V at
-        ``step.slot_mapping``, attends through ``step.block_tables`` and returns the float32
-        logits ``[len(step.logits_indices), vocab_size]`` of the rows ``step.logits_indices``.
-        Every touch of the cache goes through the step (``step=``): while a disk tier shares the
-        cache, the scheduler's step awaiting update is the only key it takes."""
+    def new_kv_cache(self, num_blocks: int, block_size: int = 16, dtype: str | None = None) -> KVCache:
+        """A K/V cache of one's own shaped for this model (for a :class:`~pagedkv.models.step.CacheStep`)."""
+        spec = self.kv_spec(dtype)
+        return KVCache(spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim, spec.dtype)
+
+    def forward(self, step: ModelStep) -> np.ndarray:
+        """Runs one step: applies its copy-on-write copies, writes every token's K/V at its slots,
+        attends through its tables (each through the step: ``step.copy_blocks()``,
+        ``step.write``, ``step.attention``) and returns the float32 logits
+        ``[len(step.logits_indices), vocab_size]`` of the rows ``step.logits_indices``."""
         with self._blas_limit():
-            return self._forward(step, kv_cache)
+            return self._forward(step)
 
     def _blas_limit(self) -> contextlib.AbstractContextManager[object]:
         if self._blas is None:
             return contextlib.nullcontext()
         return self._blas.limit(limits=self._blas_threads, user_api="blas")
 
-    def _forward(self, step: ModelStep, kv_cache: KVCache) -> np.ndarray:
+    def _forward(self, step: ModelStep) -> np.ndarray:
         c = self.config
         input_ids = np.asarray(step.input_ids)
         positions = np.asarray(step.positions)
@@ -184,8 +193,7 @@ class LlamaModel:
             raise InvalidArgumentError(
                 f"position {int(positions.max())} is past max_position_embeddings {c.max_position_embeddings}"
             )
-        if len(step.copy_ops):
-            kv_cache.copy_blocks(step=step)
+        step.copy_blocks()
 
         cos, sin = rope_cos_sin(self._rope_frequencies, positions)
         hidden = self._embed[input_ids]
@@ -196,8 +204,8 @@ class LlamaModel:
             k = qkv[:, self._q_dim : self._q_dim + self._kv_dim].reshape(num_tokens, c.num_kv_heads, c.head_dim)
             v = np.ascontiguousarray(qkv[:, self._q_dim + self._kv_dim :]).reshape(num_tokens, c.num_kv_heads, c.head_dim)
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            kv_cache.write(index, k, v, step=step)
-            attn = kv_cache.attention(index, q, scale=self._scale, step=step)
+            step.write(index, k, v)
+            attn = step.attention(index, q, scale=self._scale)
             hidden = hidden + layer.o(attn.reshape(num_tokens, self._q_dim))
             x = rms_norm(hidden, layer.post_norm, c.rms_norm_eps)
             gate_up = layer.gate_up(x)

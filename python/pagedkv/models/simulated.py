@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pagedkv.errors import InvalidArgumentError
-from pagedkv.models.step import ModelStep
+from pagedkv.models.step import StepArrays
 
 __all__ = ["StepCostModel", "SimulatedModel"]
 
@@ -47,7 +47,7 @@ class StepCostModel:
 
 
 class SimulatedModel:
-    """Reads the same :class:`~pagedkv.models.step.ModelStep` as the real model, but returns a
+    """Reads the same :class:`~pagedkv.models.step.StepArrays` as the real model, but returns a
     modelled step time and pseudo-random tokens instead of logits.
 
     Tokens lie in ``[first_token_id, vocab_size)`` and are never one of ``stop_token_ids``, except
@@ -79,11 +79,11 @@ class SimulatedModel:
         self.stop_probability = stop_probability
         self.seed = seed
 
-    def step_seconds(self, step: ModelStep) -> float:
+    def step_seconds(self, step: StepArrays) -> float:
         """Modelled duration of ``step`` (reads ``input_ids`` and ``context_lens``)."""
         return self.cost.step_seconds(len(step.input_ids), int(np.sum(step.context_lens, dtype=np.int64)))
 
-    def sample(self, step: ModelStep) -> np.ndarray:
+    def sample(self, step: StepArrays) -> np.ndarray:
         """One token per ``step.logits_indices`` row (int64), a hash of that row's position, input
         token and the model's seed (reads ``logits_indices``, ``positions``, ``input_ids``)."""
         rows = np.asarray(step.logits_indices)

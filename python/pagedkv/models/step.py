@@ -1,6 +1,11 @@
-"""What a model reads from one scheduler step: the :class:`ModelStep` protocol.
+"""What a model reads from one scheduler step, and its one way into the K/V: :class:`ModelStep`.
 
-``pagedkv.Scheduler.schedule()`` returns an object with these attributes; tests build their own.
+``pagedkv.Scheduler.schedule()`` returns a :class:`ModelStep` (a ``SchedulerOutput`` of a
+scheduler made with a ``kv_spec``): its arrays, and ``write``/``copy_blocks``/``attention``, which
+touch the scheduler's K/V only where the step was scheduled, and only until it is updated.
+:class:`CacheStep` gives the same to a step's arrays over a :class:`~pagedkv.KVCache` of one's own
+(tests, benchmarks, driving a model by hand).
+
 The step's tokens are flattened: sequence ``i`` owns rows ``query_start_loc[i]:query_start_loc[i+1]``
 of ``input_ids``, ``positions`` and ``slot_mapping``.
 """
@@ -12,10 +17,12 @@ from typing import Protocol
 
 import numpy as np
 
-__all__ = ["ModelStep"]
+from pagedkv._core import KVCache
+
+__all__ = ["CacheStep", "ModelStep", "StepArrays"]
 
 
-class ModelStep(Protocol):
+class StepArrays(Protocol):
     """The arrays of one batched step.
 
     - ``input_ids`` int ``[num_tokens]``: the tokens to run (prefill chunks and decode tokens).
@@ -52,3 +59,70 @@ class ModelStep(Protocol):
 
     @property
     def logits_indices(self) -> np.ndarray: ...
+
+
+class ModelStep(StepArrays, Protocol):
+    """A step's arrays and its K/V calls, each at the step's own slots and tables."""
+
+    def write(self, layer: int, keys: np.ndarray, values: np.ndarray) -> None:
+        """Stores the step's K and V rows (float32 ``[num_tokens, num_kv_heads, head_dim]``) of ``layer``."""
+        ...
+
+    def copy_blocks(self) -> None:
+        """Applies the step's copy-on-write block copies."""
+        ...
+
+    def attention(self, layer: int, query: np.ndarray, scale: float | None = None, kernel: str | None = None) -> np.ndarray:
+        """Attention of ``query`` over ``layer`` through the step's tables."""
+        ...
+
+
+class CacheStep:
+    """A :class:`ModelStep` over a :class:`~pagedkv.KVCache` of one's own: ``arrays`` (a step built
+    by hand, or a ``SchedulerOutput`` of a scheduler without K/V) addressing ``kv_cache``."""
+
+    def __init__(self, arrays: StepArrays, kv_cache: KVCache) -> None:
+        self.arrays = arrays
+        self.kv_cache = kv_cache
+
+    @property
+    def input_ids(self) -> np.ndarray:
+        return self.arrays.input_ids
+
+    @property
+    def positions(self) -> np.ndarray:
+        return self.arrays.positions
+
+    @property
+    def slot_mapping(self) -> np.ndarray:
+        return self.arrays.slot_mapping
+
+    @property
+    def query_start_loc(self) -> np.ndarray:
+        return self.arrays.query_start_loc
+
+    @property
+    def context_lens(self) -> np.ndarray:
+        return self.arrays.context_lens
+
+    @property
+    def block_tables(self) -> np.ndarray:
+        return self.arrays.block_tables
+
+    @property
+    def copy_ops(self) -> np.ndarray | Iterable[tuple[int, int]]:
+        return self.arrays.copy_ops
+
+    @property
+    def logits_indices(self) -> np.ndarray:
+        return self.arrays.logits_indices
+
+    def write(self, layer: int, keys: np.ndarray, values: np.ndarray) -> None:
+        self.kv_cache.write(layer, keys, values, self.arrays.slot_mapping)
+
+    def copy_blocks(self) -> None:
+        self.kv_cache.copy_blocks(self.arrays.copy_ops)
+
+    def attention(self, layer: int, query: np.ndarray, scale: float | None = None, kernel: str | None = None) -> np.ndarray:
+        a = self.arrays
+        return self.kv_cache.attention(layer, query, a.block_tables, a.context_lens, a.query_start_loc, scale, kernel)

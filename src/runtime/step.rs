@@ -1,0 +1,58 @@
+//! `Step`: what a step of a [`KvRuntime`](super::KvRuntime) may touch of the K/V bytes.
+//!
+//! Invariants:
+//! - A step holds its own copy of the arrays that address the K/V bytes (slot mapping, block
+//!   tables, context lengths, query offsets, copy-on-write ops), made when the runtime scheduled
+//!   it. Whatever a caller does with the arrays it was handed (the binding moves them into numpy
+//!   arrays Python may write to), the runtime writes and reads only where the scheduler put the
+//!   step.
+//! - Only the runtime makes steps (the fields are private), so a `Step` is always one its
+//!   runtime scheduled; whether it still awaits `finish_step` is the gate's to say.
+
+use crate::ids::CopyOp;
+use crate::scheduler::{StepId, StepOutput};
+
+/// The K/V addressing of one scheduled step.
+#[derive(Debug, Clone)]
+pub struct Step {
+    pub(super) id: StepId,
+    pub(super) slot_mapping: Vec<i64>,
+    pub(super) query_start_loc: Vec<i32>,
+    pub(super) context_lens: Vec<i32>,
+    pub(super) block_tables: Vec<i32>,
+    pub(super) block_table_width: usize,
+    pub(super) copy_ops: Vec<CopyOp>,
+}
+
+impl Step {
+    /// The addressing of `output`, copied (a few integers per token and sequence).
+    pub(super) fn of(output: &StepOutput) -> Step {
+        Step {
+            id: output.id,
+            slot_mapping: output.slot_mapping.clone(),
+            query_start_loc: output.query_start_loc.clone(),
+            context_lens: output.context_lens.clone(),
+            block_tables: output.block_tables.clone(),
+            block_table_width: output.block_table_width,
+            // Block ids come from the pool, below MAX_NUM_BLOCKS: they fit u32.
+            copy_ops: output
+                .copy_ops
+                .chunks_exact(2)
+                .map(|pair| CopyOp {
+                    src: pair[0] as u32,
+                    dst: pair[1] as u32,
+                })
+                .collect(),
+        }
+    }
+
+    /// Which step of which scheduler this is.
+    pub fn id(&self) -> StepId {
+        self.id
+    }
+
+    /// Tokens in the step.
+    pub fn num_tokens(&self) -> usize {
+        self.slot_mapping.len()
+    }
+}
