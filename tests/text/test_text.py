@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import codecs
 import sys
+import threading
 from collections.abc import Sequence
 
 import numpy as np
@@ -26,6 +27,7 @@ from pagedkv.sampling import MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, Samples, S
 from pagedkv.text import detokenizer
 from pagedkv.text.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from pagedkv.text.tokenizer import ByteTokenizer, HFTokenizer
+from support.gated_model import HANG_GUARD_S
 
 BYTES = ByteTokenizer()
 
@@ -377,3 +379,45 @@ def test_a_tokenizer_that_raises_fails_its_request_alone():
     assert ended["bad"].outputs[0].finish_reason == "error"
     assert (ended["good"].text, ended["good"].error) == ("fine", None)
     assert not core.scheduler.has_unfinished()
+
+
+def test_detokenizing_holds_up_no_other_request():
+    """Issue 19: a step's output processing (detokenizing, stop strings) runs outside the core's
+    lock. While a tokenizer's decode is held inside a step, another thread adds a request and
+    aborts another; both return (the hang guard only turns a hang into a failure) and the held
+    request ends with its text once released."""
+    entered, release = threading.Event(), threading.Event()
+
+    class Held(ByteTokenizer):
+        def decode(self, token_ids):
+            if 0x21 + 3 in token_ids and not release.is_set():  # "!": hold the step here
+                entered.set()
+                assert release.wait(HANG_GUARD_S), "the test never released the tokenizer"
+            return super().decode(token_ids)
+
+    runner = ScriptedRunner(300, {"held": byte_ids("hi!"), "other": byte_ids("ok"), "late": byte_ids("x")})
+    core = EngineCore(runner, EngineConfig(num_blocks=64, block_size=4), tokenizer=Held())
+    core.add_request("held", [5, 6], SamplingParams(max_tokens=3))
+    core.add_request("other", [5, 6], SamplingParams(max_tokens=8))
+    ended: dict[str, object] = {}
+
+    def drive() -> None:
+        while core.has_unfinished():
+            for output in core.step()[1]:
+                ended[output.request_id] = output
+
+    stepping = threading.Thread(target=drive, daemon=True)
+    stepping.start()
+    assert entered.wait(HANG_GUARD_S), "the step never decoded the held token"
+    meanwhile = threading.Thread(
+        target=lambda: (core.add_request("late", [5], SamplingParams(max_tokens=1)), core.abort("other")), daemon=True
+    )
+    meanwhile.start()
+    meanwhile.join(HANG_GUARD_S)
+    released_late = not meanwhile.is_alive()
+    release.set()
+    stepping.join(HANG_GUARD_S)
+    assert released_late, "add_request or abort waited for another request's detokenizing"
+    assert not stepping.is_alive() and not core.has_unfinished()
+    assert ended["held"].text == "hi!" and ended["late"].text == "x"
+    assert "other" not in ended  # aborted: its output went to the abort's caller

@@ -10,8 +10,11 @@ Invariants:
   by ``update()`` before it returns or raises, whether the step ran nothing, the model failed, or a
   request was aborted meanwhile. Nothing else calls either.
 - A request is in the scheduler exactly when it is in ``_requests``: a lock guards the two, so
-  ``add_request`` and ``abort`` may come from any thread while another runs ``step`` (the model
-  runs outside the lock).
+  ``add_request`` and ``abort`` may come from any thread while another runs ``step``. The model,
+  the sampler and the output processing (:mod:`pagedkv.engine.output_processor`: detokenizing,
+  stop strings) run outside that lock; a request's output is changed only under its own lock,
+  which the step appending its tokens and an abort ending it both take, so an abort meanwhile
+  either comes after the step's tokens or leaves them out.
 - Arguments are checked once: the scheduler checks everything it receives; this module adds only
   what the scheduler cannot know (the vocabulary, the type of the sampling parameters, the model's
   longest position).
@@ -58,7 +61,7 @@ import operator
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -94,6 +97,14 @@ class _Request:
     output: RequestOutput
     texts: list[SampleText] | None  # per sample; None without a tokenizer
     histories: list[TokenHistory] | None  # per sample; None without a penalty
+    # The output's: held by the step appending tokens (outside the core's lock) and by an abort
+    # ending it, so neither sees the other's half-made change.
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+# A token an update produced: (its request, request id, sample index, token, the scheduler's
+# finish reason or None).
+_Produced = tuple[_Request, str, int, int, "str | None"]
 
 
 class EngineCore:
@@ -242,9 +253,10 @@ class EngineCore:
         with self._lock:
             self.scheduler.abort(request_id)
             request = self._requests.pop(request_id)
-        for completion in request.output.outputs:
-            completion.finish_reason = completion.finish_reason or "abort"
-        self._finish(request.output)
+        with request.lock:  # after the tokens a step is appending to it, if any
+            for completion in request.output.outputs:
+                completion.finish_reason = completion.finish_reason or "abort"
+            self._finish(request.output)
         return request.output
 
     def has_unfinished(self) -> bool:
@@ -282,13 +294,20 @@ class EngineCore:
                 updated = True
                 if self._tracer is not None:
                     call_guarded(self._tracer.step, step, update.request_ids, started, now, what="tracer")
-                events, finished = self._record(update, now, _logprobs_by_sample(step, requests, samples))
+                produced, done = self._take_produced(update)
                 self._record_kv_events()
         finally:
             if not updated:
                 self._abandon(step)
+        # Outside the lock (detokenizing holds up no add_request or abort of another request).
+        events, ended, stopped = self._append(produced, now, _logprobs_by_sample(step, requests, samples))
+        with self._lock:
+            done |= self._settle(ended, stopped)
         self.kv_events.deliver()  # outside the lock: a subscriber may call back into the engine
         for output in failed:
+            self._finish(output, now)
+        finished = [request.output for request in done.values()]
+        for output in finished:
             self._finish(output, now)
         if step.num_scheduled_tokens == 0 and self.scheduler.num_loading:
             # Only loads from the disk tier are left to wait for: yield the CPU to the tier's
@@ -323,56 +342,69 @@ class EngineCore:
             failed.append(request.output)
         return failed
 
-    def _record(
-        self, update, now: float, logprobs: dict[tuple[str, int], TokenLogprob]
-    ) -> tuple[list[TokenEvent], list[RequestOutput]]:
-        """Appends an update's tokens (with their ``logprobs``, by (request id, sample index), and
-        text) to their requests' outputs and histories; pops the finished
-        requests: those the scheduler finished, those every sample of which met a stop string
-        (aborted in the scheduler here), and those whose tokens the tokenizer could not decode."""
+    def _take_produced(self, update) -> tuple[list[_Produced], dict[str, _Request]]:
+        """Under the lock, right after ``update``: each produced token as (its request, request
+        id, sample index, token, the scheduler's finish reason), and the requests the scheduler
+        finished, popped (an abort can no longer reach them)."""
+        produced = [
+            (self._requests[request_id], request_id, index, token, reason)
+            for request_id, index, token, reason in zip(
+                update.request_ids, update.seq_indices.tolist(), update.token_ids.tolist(), update.finish_reasons, strict=True
+            )
+        ]
+        done = {request_id: self._requests.pop(request_id) for request_id in update.finished_request_ids}
+        return produced, done
+
+    def _append(
+        self, produced: list[_Produced], now: float, logprobs: dict[tuple[str, int], TokenLogprob]
+    ) -> tuple[list[TokenEvent], dict[str, None], list[tuple[str, int]]]:
+        """Appends the produced tokens (with their ``logprobs``, by (request id, sample index), and
+        text) to their requests' outputs and histories, each under its request's lock, skipping a
+        request an abort ended meanwhile. Returns the token events, the requests ended here (every
+        sample met a stop string, or the tokenizer could not decode) and the samples a stop string
+        ended, for :meth:`_settle`."""
         events = []
-        ended: dict[str, None] = {}  # ended here, not by the scheduler: aborted below
-        stopped: list[tuple[str, int]] = []  # samples ended here by a stop string: finished below
-        for request_id, index, token, reason in zip(
-            update.request_ids, update.seq_indices.tolist(), update.token_ids.tolist(), update.finish_reasons, strict=True
-        ):
-            request = self._requests[request_id]
-            if request.output.outputs[index].finish_reason is not None:
-                continue  # its request failed this step
-            logprob = logprobs.get((request_id, index))
-            if request.params.logprobs:
-                assert logprob is not None and logprob.token_id == token, "every kept token has its sampled logprob"
-            text = None if request.texts is None else request.texts[index]
-            try:
-                event = append_token(request.output, text, index, token, reason, logprob, now)
-            except BaseException as error:  # noqa: BLE001 - whatever the tokenizer raises fails this request only
-                _log.error("the tokenizer raised %r decoding request %r", error, request_id, exc_info=error)
-                request.output.error = f"its tokens cannot be decoded: {error!r}"
-                for failed in request.output.outputs:
-                    failed.finish_reason = "error"
-                ended[request_id] = None
-                continue
-            if request.histories is not None:
-                request.histories[index].append(token)
-            if reason is None and event.finish_reason is not None:  # a stop string the scheduler has not seen
-                stopped.append((request_id, index))
-                if all(c.finish_reason is not None for c in request.output.outputs):
+        ended: dict[str, None] = {}  # ended here, not by the scheduler
+        stopped: list[tuple[str, int]] = []  # samples ended here by a stop string
+        for request, request_id, index, token, reason in produced:
+            with request.lock:
+                if request.output.finished or request.output.outputs[index].finish_reason is not None:
+                    continue  # aborted meanwhile, or its request failed this step
+                logprob = logprobs.get((request_id, index))
+                if request.params.logprobs:
+                    assert logprob is not None and logprob.token_id == token, "every kept token has its sampled logprob"
+                text = None if request.texts is None else request.texts[index]
+                try:
+                    event = append_token(request.output, text, index, token, reason, logprob, now)
+                except BaseException as error:  # noqa: BLE001 - whatever the tokenizer raises fails this request only
+                    _log.error("the tokenizer raised %r decoding request %r", error, request_id, exc_info=error)
+                    request.output.error = f"its tokens cannot be decoded: {error!r}"
+                    for failed in request.output.outputs:
+                        failed.finish_reason = "error"
                     ended[request_id] = None
-            events.append(event)
-        finished_ids = list(update.finished_request_ids)
+                    continue
+                if request.histories is not None:
+                    request.histories[index].append(token)
+                if reason is None and event.finish_reason is not None:  # a stop string the scheduler has not seen
+                    stopped.append((request_id, index))
+                    if all(c.finish_reason is not None for c in request.output.outputs):
+                        ended[request_id] = None
+                events.append(event)
+        return events, ended, stopped
+
+    def _settle(self, ended: dict[str, None], stopped: list[tuple[str, int]]) -> dict[str, _Request]:
+        """Under the lock: takes out of the scheduler what :meth:`_append` ended — a sample a stop
+        string ended while siblings run (``finish_sample``), a request it ended whole (aborted
+        there, popped here) — unless an abort took the request meanwhile. Returns those popped."""
         for request_id, index in stopped:
-            if request_id not in ended:  # a sibling still runs (it has no finish reason)
+            if request_id not in ended and request_id in self._requests:
                 self.scheduler.finish_sample(request_id, index)
+        popped = {}
         for request_id in ended:
-            if request_id not in finished_ids:
+            if request_id in self._requests:  # not finished by the scheduler, nor aborted meanwhile
                 self.scheduler.abort(request_id)
-                finished_ids.append(request_id)
-        finished = []
-        for request_id in finished_ids:
-            output = self._requests.pop(request_id).output
-            self._finish(output, now)
-            finished.append(output)
-        return events, finished
+                popped[request_id] = self._requests.pop(request_id)
+        return popped
 
     def _abandon(self, step: SchedulerOutput) -> None:
         """Completes the protocol of a step that could not run: aborts its requests, so that the
