@@ -25,6 +25,9 @@ __all__ = [
     "BlockManager",
     "KVCache",
     "KvSpec",
+    "BlockStored",
+    "BlockRemoved",
+    "AllBlocksCleared",
     "Scheduler",
     "SchedulerOutput",
     "UpdateOutput",
@@ -51,7 +54,7 @@ __version__: str
 # Private: a name of the stub only (the extension has no such attribute); documented as TokenIds above.
 _TokenIds: TypeAlias = Sequence[int] | npt.NDArray[np.integer]
 # Private too: a KV event as Scheduler.take_kv_events gives it.
-_KvEventTuple: TypeAlias = tuple[str, int, int, list[int], str] | tuple[str, int, str] | tuple[str, str]
+_KvEvent: TypeAlias = BlockStored | BlockRemoved | AllBlocksCleared
 
 @final
 class BlockManager:
@@ -246,18 +249,18 @@ class Scheduler:
         opened or locked (another scheduler holds them), or are refused: the directory (created
         0700) must be the user's own, not a symbolic link, writable by no one else; the files
         (0600) are never opened through a symbolic link."""
-    def detach_disk_tier(self) -> list[_KvEventTuple]:
+    def detach_disk_tier(self) -> list[_KvEvent]:
         """Finish the tier's queued writes and loads and close it (the directory may then be
         opened again); cached RAM blocks stay, its figures stay in ``stats()``. Returns its last
-        KV events (with ``emit_kv_events``: those not yet taken, then ``("cleared", "disk")``), to
+        KV events (with ``emit_kv_events``: those not yet taken, then ``AllBlocksCleared("disk")``), to
         publish after ``take_kv_events()``. Without a tier, ``[]``."""
     def flush_disk_tier(self) -> None:
         """Block until the disk tier has finished every queued write and load."""
-    def take_kv_events(self) -> list[_KvEventTuple]:
+    def take_kv_events(self) -> list[_KvEvent]:
         """KV events since the last call, in order (none unless ``emit_kv_events``):
-        ``("stored", block_hash, parent_block_hash, token_ids, medium)``, ``("removed",
-        block_hash, medium)``, ``("cleared", medium)``; medium ``"ram"`` or ``"disk"``, hashes
-        those of ``block_hashes``. Replaying all of them gives ``kv_blocks()``."""
+        :class:`BlockStored`, :class:`BlockRemoved`, :class:`AllBlocksCleared`; medium ``"ram"``
+        or ``"disk"``, hashes those of ``block_hashes``. Replaying all of them gives
+        ``kv_blocks()``."""
     def kv_blocks(self) -> list[tuple[int, str]]:
         """The ``(block_hash, medium)`` pairs findable now by prefix lookup."""
     def add_request(
@@ -323,6 +326,52 @@ class Scheduler:
     def __len__(self) -> int: ...
     def __contains__(self, request_id: object, /) -> bool:
         """Never raises: anything that is not a valid request id is not in it."""
+
+@final
+class BlockStored:
+    """The block of prefix hash ``block_hash`` (after ``parent_block_hash``, holding ``token_ids``)
+    is now findable in ``medium`` ("ram" or "disk"; any other is ``InvalidArgumentError``)."""
+
+    def __new__(cls, block_hash: int, parent_block_hash: int, token_ids: Sequence[int], medium: str) -> Self: ...
+    def __eq__(self, other: object, /) -> bool: ...
+    def __ne__(self, other: object, /) -> bool: ...
+    def __hash__(self) -> int: ...
+    def __reduce__(self) -> tuple[type[BlockStored], tuple[int, int, tuple[int, ...], str]]: ...
+    @property
+    def block_hash(self) -> int: ...
+    @property
+    def parent_block_hash(self) -> int: ...
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        """The block's tokens."""
+    @property
+    def medium(self) -> str: ...
+
+@final
+class BlockRemoved:
+    """The block of prefix hash ``block_hash`` is no longer findable in ``medium``."""
+
+    def __new__(cls, block_hash: int, medium: str) -> Self: ...
+    def __eq__(self, other: object, /) -> bool: ...
+    def __ne__(self, other: object, /) -> bool: ...
+    def __hash__(self) -> int: ...
+    def __reduce__(self) -> tuple[type[BlockRemoved], tuple[int, str]]: ...
+    @property
+    def block_hash(self) -> int: ...
+    @property
+    def medium(self) -> str: ...
+
+@final
+class AllBlocksCleared:
+    """No block is findable in ``medium`` any more."""
+
+    def __new__(cls, medium: str) -> Self: ...
+    def __eq__(self, other: object, /) -> bool: ...
+    def __ne__(self, other: object, /) -> bool: ...
+    def __hash__(self) -> int: ...
+    def __reduce__(self) -> tuple[type[AllBlocksCleared], tuple[str]]: ...
+    @property
+    def medium(self) -> str: ...
 
 @final
 class KvSpec:

@@ -1,9 +1,11 @@
 """KV cache events in Python: what an engine tells a router about the blocks it holds, and the
 publisher that numbers them, keeps a replay buffer, and serves snapshots.
 
-The event kinds mirror ``src/memory/events.rs`` (vLLM's names): :class:`BlockStored` when a full block
-becomes findable by prefix lookup in a medium (``"ram"`` or ``"disk"``), :class:`BlockRemoved` when
-it stops being findable there, :class:`AllBlocksCleared` when a whole medium is emptied.
+The event kinds are the core's (``src/memory/events.rs``, vLLM's names), one frozen class each made
+in Rust straight from the block manager's event (``src/python/events.rs``): :class:`BlockStored`
+when a full block becomes findable by prefix lookup in a medium (``"ram"`` or ``"disk"``),
+:class:`BlockRemoved` when it stops being findable there, :class:`AllBlocksCleared` when a whole
+medium is emptied.
 
 Invariants of a :class:`KvEventPublisher`:
 
@@ -38,11 +40,11 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from pagedkv._core import AllBlocksCleared, BlockRemoved, BlockStored
 from pagedkv.callbacks import call_guarded
 from pagedkv.errors import InvalidArgumentError
 
 __all__ = [
-    "MEDIA",
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
@@ -51,50 +53,6 @@ __all__ = [
     "KvEventPublisher",
     "KvSnapshot",
 ]
-
-# Where a block is held: the names src/memory/events.rs gives its `Medium` variants.
-MEDIA = ("ram", "disk")
-
-
-def _check_medium(medium: str) -> None:
-    if medium not in MEDIA:
-        raise InvalidArgumentError(f"medium must be one of {', '.join(MEDIA)}, got {medium!r}")
-
-
-@dataclass(frozen=True, slots=True)
-class BlockStored:
-    """The block of prefix hash ``block_hash`` (after ``parent_block_hash``, holding ``token_ids``)
-    is now findable in ``medium``."""
-
-    block_hash: int
-    parent_block_hash: int
-    token_ids: tuple[int, ...]
-    medium: str
-
-    def __post_init__(self) -> None:
-        _check_medium(self.medium)
-
-
-@dataclass(frozen=True, slots=True)
-class BlockRemoved:
-    """The block of prefix hash ``block_hash`` is no longer findable in ``medium``."""
-
-    block_hash: int
-    medium: str
-
-    def __post_init__(self) -> None:
-        _check_medium(self.medium)
-
-
-@dataclass(frozen=True, slots=True)
-class AllBlocksCleared:
-    """No block is findable in ``medium`` any more."""
-
-    medium: str
-
-    def __post_init__(self) -> None:
-        _check_medium(self.medium)
-
 
 KvEvent = BlockStored | BlockRemoved | AllBlocksCleared
 _EVENT_TYPES = (BlockStored, BlockRemoved, AllBlocksCleared)

@@ -9,6 +9,7 @@ mod attention;
 mod attention_call;
 mod block_manager;
 mod errors;
+mod events;
 mod hashing;
 mod kv_cache;
 mod linear;
@@ -33,6 +34,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<scheduler::PyUpdateOutput>()?;
     m.add("SCHEDULER_DEFAULTS", scheduler::defaults(m.py())?)?;
     attention::register(m)?;
+    events::register(m)?;
     hashing::register(m)?;
     linear::register(m)?;
     sampling::register(m)?;

@@ -19,6 +19,7 @@ use pyo3::types::{PyDict, PyList, PyTuple};
 use super::args::{arg, c_order, expect_shape, invalid, opt, typed_array, Bytes, Param};
 use super::attention_call::{query_array, scale_and_path};
 use super::errors::IntoPyResult;
+use super::events;
 use super::sync::{detached, locked};
 use super::tier;
 use crate::ids::TokenId;
@@ -26,8 +27,8 @@ use crate::memory::block_manager::DEFAULT_BLOCK_SIZE;
 use crate::memory::eviction::EvictionPolicy;
 use crate::runtime::{KvRuntime, KvSpec, Step};
 use crate::scheduler::{
-    default_offload_watermark, FinishReason, Policy, RequestEvent, RequestOptions, SamplingParams,
-    Scheduler, SchedulerConfig, StepOutput, UpdateOutput, DEFAULT_AGING_STEPS,
+    default_offload_watermark, Figure, FinishReason, Policy, RequestEvent, RequestOptions,
+    SamplingParams, Scheduler, SchedulerConfig, StepOutput, UpdateOutput, DEFAULT_AGING_STEPS,
 };
 use crate::store::dtype::KvDtype;
 use crate::store::kv_cache::KvShape;
@@ -125,6 +126,18 @@ impl PyScheduler {
     ) -> PyResult<T> {
         detached(py, || f(&self.inner))
     }
+}
+
+/// Stats figures as a dict, by their names.
+fn figures<'py>(py: Python<'py>, figures: &[(&str, Figure)]) -> PyResult<Bound<'py, PyDict>> {
+    let dict = PyDict::new(py);
+    for &(name, figure) in figures {
+        match figure {
+            Figure::Count(n) => dict.set_item(name, n)?,
+            Figure::Fraction(x) => dict.set_item(name, x)?,
+        }
+    }
+    Ok(dict)
 }
 
 fn strings<'py>(py: Python<'py>, ids: &[Arc<str>]) -> PyResult<Bound<'py, PyList>> {
@@ -265,7 +278,7 @@ impl PyScheduler {
     /// publish after `take_kv_events()`. Without a tier, nothing (an empty list).
     fn detach_disk_tier<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let last = self.run(py, KvRuntime::close_disk_tier)?;
-        tier::events(py, &last)
+        events::events(py, &last)
     }
 
     /// Blocks until the disk tier has finished every queued write and load (the next
@@ -280,7 +293,7 @@ impl PyScheduler {
     /// since the scheduler was made gives `kv_blocks()`.
     fn take_kv_events<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let taken = self.run(py, KvRuntime::take_kv_events)?;
-        tier::events(py, &taken)
+        events::events(py, &taken)
     }
 
     /// The blocks findable now by prefix lookup, as `(block_hash, medium)` pairs (a block may be
@@ -418,28 +431,7 @@ impl PyScheduler {
     /// Cumulative figures and current occupancy as a dict.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let (s, tier) = self.run(py, |r| Ok((r.read(Scheduler::stats)?, r.tier_counters()?)))?;
-        let dict = PyDict::new(py);
-        dict.set_item("steps", s.steps)?;
-        dict.set_item("num_running", s.num_running)?;
-        dict.set_item("num_waiting", s.num_waiting)?;
-        dict.set_item("num_unfinished_requests", s.num_unfinished_requests)?;
-        dict.set_item("scheduled_tokens", s.scheduled_tokens)?;
-        dict.set_item("prefill_tokens", s.prefill_tokens)?;
-        dict.set_item("generated_tokens", s.generated_tokens)?;
-        dict.set_item("preemptions", s.preemptions)?;
-        dict.set_item("finished_requests", s.finished_requests)?;
-        dict.set_item("aborted_requests", s.aborted_requests)?;
-        dict.set_item("peak_running", s.peak_running)?;
-        dict.set_item("prefix_queried_tokens", s.prefix_queried_tokens)?;
-        dict.set_item("prefix_hit_tokens", s.prefix_hit_tokens)?;
-        dict.set_item("prefix_hit_rate", s.prefix_hit_rate)?;
-        dict.set_item("kv_usage", s.kv_usage)?;
-        dict.set_item("cow_copies", s.cow_copies)?;
-        dict.set_item("num_loading", s.num_loading)?;
-        if let Some(tier) = tier {
-            tier::add_stats(&dict, &s, &tier)?;
-        }
-        Ok(dict)
+        figures(py, &s.figures(tier.as_ref()))
     }
 
     /// Raises AssertionError naming the first broken invariant of the scheduler or block manager.
@@ -788,18 +780,7 @@ impl PySchedulerOutput {
     /// num_scheduled_tokens, num_prefill_tokens, prefix_queried_tokens, prefix_hit_tokens, kv_usage.
     #[getter]
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = &self.stats;
-        let dict = PyDict::new(py);
-        dict.set_item("num_running", s.num_running)?;
-        dict.set_item("num_waiting", s.num_waiting)?;
-        dict.set_item("num_preempted", s.num_preempted)?;
-        dict.set_item("num_admitted", s.num_admitted)?;
-        dict.set_item("num_scheduled_tokens", s.num_scheduled_tokens)?;
-        dict.set_item("num_prefill_tokens", s.num_prefill_tokens)?;
-        dict.set_item("prefix_queried_tokens", s.prefix_queried_tokens)?;
-        dict.set_item("prefix_hit_tokens", s.prefix_hit_tokens)?;
-        dict.set_item("kv_usage", s.kv_usage)?;
-        Ok(dict)
+        figures(py, &self.stats.figures())
     }
 
     fn __repr__(&self) -> String {

@@ -54,8 +54,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 pub use output::{
-    Produced, RequestEvent, RequestEventKind, SchedulerStats, StepId, StepOutput, StepStats,
-    UpdateOutput,
+    Figure, Produced, RequestEvent, RequestEventKind, SchedulerStats, StepId, StepOutput,
+    StepStats, UpdateOutput,
 };
 pub use queue::{Policy, DEFAULT_AGING_STEPS};
 pub use request::{FinishReason, SamplingParams};

@@ -225,3 +225,97 @@ pub struct SchedulerStats {
     /// The tier's own counters (zero without a tier).
     pub tier: TierCounters,
 }
+
+/// One figure of the stats, by the one name it has everywhere (the Python dicts, the metrics).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Figure {
+    Count(u64),
+    Fraction(f64),
+}
+
+impl From<u64> for Figure {
+    fn from(n: u64) -> Figure {
+        Figure::Count(n)
+    }
+}
+
+impl From<usize> for Figure {
+    fn from(n: usize) -> Figure {
+        Figure::Count(n as u64)
+    }
+}
+
+impl From<f64> for Figure {
+    fn from(x: f64) -> Figure {
+        Figure::Fraction(x)
+    }
+}
+
+macro_rules! figures {
+    ($($name:literal => $value:expr),* $(,)?) => {
+        vec![$(($name, Figure::from($value))),*]
+    };
+}
+
+impl SchedulerStats {
+    /// Every figure by name; with `tier` (the attached tier's counters, or those it had when
+    /// detached), the disk tier's too (`disk_*`: the block manager's counts and the tier's own).
+    pub fn figures(&self, tier: Option<&TierCounters>) -> Vec<(&'static str, Figure)> {
+        let mut out = figures![
+            "steps" => self.steps,
+            "num_running" => self.num_running,
+            "num_waiting" => self.num_waiting,
+            "num_unfinished_requests" => self.num_unfinished_requests,
+            "scheduled_tokens" => self.scheduled_tokens,
+            "prefill_tokens" => self.prefill_tokens,
+            "generated_tokens" => self.generated_tokens,
+            "preemptions" => self.preemptions,
+            "finished_requests" => self.finished_requests,
+            "aborted_requests" => self.aborted_requests,
+            "peak_running" => self.peak_running,
+            "prefix_queried_tokens" => self.prefix_queried_tokens,
+            "prefix_hit_tokens" => self.prefix_hit_tokens,
+            "prefix_hit_rate" => self.prefix_hit_rate,
+            "kv_usage" => self.kv_usage,
+            "cow_copies" => self.cow_copies,
+            "num_loading" => self.num_loading,
+        ];
+        if let Some(tier) = tier {
+            out.extend(figures![
+                "disk_hits" => self.tier_hit_blocks,
+                "disk_hit_tokens" => self.tier_hit_tokens,
+                "disk_loads" => tier.loads,
+                "disk_loads_dropped" => self.loads_dropped,
+                "disk_dropped_corrupt" => tier.dropped_corrupt,
+                "disk_load_misses" => tier.load_misses,
+                "disk_offloads_issued" => self.offloads_issued,
+                "disk_offloads" => tier.offloads,
+                "disk_offloads_lost" => tier.offloads_lost,
+                "disk_evictions_without_offload" => self.evictions_without_offload,
+                "disk_evictions" => tier.evictions,
+                "disk_bytes_written" => tier.bytes_written,
+                "disk_bytes_read" => tier.bytes_read,
+                "disk_blocks" => tier.blocks,
+                "disk_jobs_in_flight" => tier.jobs_in_flight,
+            ]);
+        }
+        out
+    }
+}
+
+impl StepStats {
+    /// Every figure of the step by name.
+    pub fn figures(&self) -> Vec<(&'static str, Figure)> {
+        figures![
+            "num_running" => self.num_running,
+            "num_waiting" => self.num_waiting,
+            "num_preempted" => self.num_preempted,
+            "num_admitted" => self.num_admitted,
+            "num_scheduled_tokens" => self.num_scheduled_tokens,
+            "num_prefill_tokens" => self.num_prefill_tokens,
+            "prefix_queried_tokens" => self.prefix_queried_tokens,
+            "prefix_hit_tokens" => self.prefix_hit_tokens,
+            "kv_usage" => self.kv_usage,
+        ]
+    }
+}

@@ -1,18 +1,38 @@
-"""The KV event publisher: sequence numbers without gaps, the replay buffer behind ``since``,
-snapshots equal to the fold of every batch, and subscriptions."""
+"""The KV events — one class per kind, made in Rust straight from the scheduler's event — and the
+publisher: sequence numbers without gaps, the replay buffer behind ``since``, snapshots equal to
+the fold of every batch, and subscriptions."""
 
 from __future__ import annotations
 
+import pickle
 import random
 
 import pytest
 
+from pagedkv import Scheduler, block_hashes
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEventBatch, KvEventPublisher
 
 
 def stored(h: int, medium: str = "ram") -> BlockStored:
-    return BlockStored(block_hash=h, parent_block_hash=h - 1, token_ids=(1, 2), medium=medium)
+    return BlockStored(block_hash=h, parent_block_hash=h + 100, token_ids=(1, 2), medium=medium)  # hashes are u128: no -1
+
+
+def test_the_schedulers_events_are_the_published_classes_by_value():
+    """One shape from the block manager to the router: what ``take_kv_events`` returns is the
+    class a router receives (through Ray too: it pickles), equal and hashed by value."""
+    s = Scheduler(num_blocks=8, block_size=2, emit_kv_events=True)
+    s.add_request("r", [5, 6, 7], max_tokens=1)
+    s.update(s.schedule(), [9])
+    (first,) = block_hashes([5, 6, 7], 2)
+    events = s.take_kv_events()  # the full prompt block; the last sampled token is never computed
+    assert events == [BlockStored(first, 0, (5, 6), "ram")]
+    assert [pickle.loads(pickle.dumps(e)) for e in events] == events
+    assert len({*events, BlockStored(first, 0, [5, 6], "ram")}) == 1 and events[0] != BlockRemoved(first, "ram")
+    assert repr(events[0]) == f"BlockStored(block_hash={first}, parent_block_hash=0, token_ids=(5, 6), medium='ram')"
+    for make in (lambda: BlockStored(1, 0, (1,), "tape"), lambda: BlockRemoved(-1, "ram"), lambda: AllBlocksCleared(3)):
+        with pytest.raises(InvalidArgumentError):
+            make()
 
 
 def test_batches_are_numbered_from_one_and_empty_publishes_consume_no_number():

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pagedkv import InvalidArgumentError, KvSpec, Scheduler
+from pagedkv import AllBlocksCleared, InvalidArgumentError, KvSpec, Scheduler
 from pagedkv.__main__ import main
 from pagedkv.cli import add_engine_arguments, byte_size, engine_kwargs
 from pagedkv.engine import DEFAULT_KV_DISK_BYTES, Engine, EngineConfig
@@ -180,10 +180,10 @@ def test_a_tier_attaches_once_and_only_to_a_fresh_scheduler(tmp_path: Path) -> N
 def test_an_identity_change_clears_the_tier_and_says_so(tmp_path: Path) -> None:
     s = scheduler(emit_kv_events=True)
     assert s.attach_disk_tier(tmp_path, 1 << 20, b"model A") == {"recovered": 0, "cleared": False}
-    assert s.detach_disk_tier() == [("cleared", "disk")]
+    assert s.detach_disk_tier() == [AllBlocksCleared("disk")]
     s = scheduler(emit_kv_events=True)
     assert s.attach_disk_tier(tmp_path, 1 << 20, b"model B")["cleared"] is True
-    assert s.take_kv_events() == [("cleared", "disk")]
+    assert s.take_kv_events() == [AllBlocksCleared("disk")]
 
 
 def test_a_disk_tier_larger_than_its_file_system_is_refused(tmp_path: Path) -> None:

@@ -73,7 +73,7 @@ from pagedkv.engine.output_processor import append_token
 from pagedkv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenEvent, TokenLogprob
 from pagedkv.engine.runners import ModelRunner
 from pagedkv.errors import InvalidArgumentError
-from pagedkv.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEvent, KvEventPublisher, KvSnapshot
+from pagedkv.kv_events import KvEventPublisher, KvSnapshot
 from pagedkv.sampling import NO_TOKEN, Samples, SamplingParams, TokenHistory
 from pagedkv.text.detokenizer import SampleText
 from pagedkv.text.tokenizer import Tokenizer
@@ -431,7 +431,7 @@ class EngineCore:
         batch numbers follow the scheduler's order); the caller delivers them once it has
         released the lock."""
         if self._emit_kv_events:
-            self.kv_events.record([_kv_event(raw) for raw in self.scheduler.take_kv_events()])
+            self.kv_events.record(self.scheduler.take_kv_events())
 
     def kv_snapshot(self) -> KvSnapshot:
         """The blocks findable now, as ``(block_hash, medium)`` pairs, tagged with the number of
@@ -453,7 +453,7 @@ class EngineCore:
                 self._tier_attached = False
                 last = self.scheduler.detach_disk_tier()  # the tier's last events, then its medium cleared
                 if self._emit_kv_events:
-                    self.kv_events.record([_kv_event(raw) for raw in [*self.scheduler.take_kv_events(), *last]])
+                    self.kv_events.record([*self.scheduler.take_kv_events(), *last])
         self.kv_events.deliver()
 
 
@@ -474,17 +474,6 @@ def _logprobs_by_sample(
             alternatives = tuple((t, lp) for t, lp in top if t >= 0)  # fewer than k: -1 pads the row
             out[(request_id, index)] = TokenLogprob(int(samples.tokens[row]), float(samples.logprobs[row]), alternatives)
     return out
-
-
-def _kv_event(raw: tuple) -> KvEvent:
-    """A :meth:`Scheduler.take_kv_events` tuple as the event of :mod:`pagedkv.kv_events`."""
-    kind = raw[0]
-    if kind == "stored":
-        _, block_hash, parent, token_ids, medium = raw
-        return BlockStored(block_hash, parent, tuple(token_ids), medium)
-    if kind == "removed":
-        return BlockRemoved(raw[1], raw[2])
-    return AllBlocksCleared(raw[1])
 
 
 def _vocabulary_tokens(prompt: Sequence[int], vocab_size: int) -> list[int]:

@@ -1,0 +1,208 @@
+//! The KV events as Python sees them: `BlockStored`, `BlockRemoved` and `AllBlocksCleared`,
+//! frozen classes made straight from the core's `KvEvent` (one shape from the block manager to
+//! the router: no tuple or dataclass in between). Each compares and hashes by value, pickles (a
+//! replica's events cross to the front end through Ray), and refuses a medium other than "ram" or
+//! "disk" when made by hand.
+
+use pyo3::prelude::*;
+use pyo3::types::{PyList, PyTuple};
+
+use super::args::arg;
+use super::errors::IntoPyResult;
+use crate::ids::TokenId;
+use crate::memory::events::{KvEvent, Medium};
+use crate::memory::prefix_cache::BlockHash;
+
+fn medium(name: &Bound<'_, PyAny>) -> PyResult<Medium> {
+    let name: String = arg(name, "medium")?;
+    Medium::from_name(&name).py_err()
+}
+
+/// The block of prefix hash `block_hash` (after `parent_block_hash`, holding `token_ids`) is now
+/// findable in `medium`.
+#[pyclass(name = "BlockStored", module = "pagedkv", frozen, eq, hash)]
+#[derive(PartialEq, Eq, Hash)]
+pub struct PyBlockStored {
+    #[pyo3(get)]
+    block_hash: BlockHash,
+    #[pyo3(get)]
+    parent_block_hash: BlockHash,
+    tokens: Vec<TokenId>,
+    medium: Medium,
+}
+
+#[pymethods]
+impl PyBlockStored {
+    #[new]
+    fn new(
+        block_hash: &Bound<'_, PyAny>,
+        parent_block_hash: &Bound<'_, PyAny>,
+        token_ids: &Bound<'_, PyAny>,
+        medium: &Bound<'_, PyAny>,
+    ) -> PyResult<Self> {
+        Ok(PyBlockStored {
+            block_hash: arg(block_hash, "block_hash")?,
+            parent_block_hash: arg(parent_block_hash, "parent_block_hash")?,
+            tokens: arg(token_ids, "token_ids")?,
+            medium: self::medium(medium)?,
+        })
+    }
+
+    /// The block's tokens.
+    #[getter]
+    fn token_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
+        PyTuple::new(py, &self.tokens)
+    }
+
+    #[getter]
+    fn medium(&self) -> &'static str {
+        self.medium.name()
+    }
+
+    fn __reduce__<'py>(
+        slf: &Bound<'py, Self>,
+    ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyTuple>)> {
+        let e = slf.get();
+        let args = (
+            e.block_hash,
+            e.parent_block_hash,
+            e.token_ids(slf.py())?,
+            e.medium.name(),
+        );
+        Ok((slf.get_type().into_any(), args.into_pyobject(slf.py())?))
+    }
+
+    fn __repr__(&self) -> String {
+        let tokens: Vec<String> = self.tokens.iter().map(u32::to_string).collect();
+        let comma = if tokens.len() == 1 { "," } else { "" };
+        format!(
+            "BlockStored(block_hash={}, parent_block_hash={}, token_ids=({}{comma}), medium='{}')",
+            self.block_hash,
+            self.parent_block_hash,
+            tokens.join(", "),
+            self.medium.name()
+        )
+    }
+}
+
+/// The block of prefix hash `block_hash` is no longer findable in `medium`.
+#[pyclass(name = "BlockRemoved", module = "pagedkv", frozen, eq, hash)]
+#[derive(PartialEq, Eq, Hash)]
+pub struct PyBlockRemoved {
+    #[pyo3(get)]
+    block_hash: BlockHash,
+    medium: Medium,
+}
+
+#[pymethods]
+impl PyBlockRemoved {
+    #[new]
+    fn new(block_hash: &Bound<'_, PyAny>, medium: &Bound<'_, PyAny>) -> PyResult<Self> {
+        Ok(PyBlockRemoved {
+            block_hash: arg(block_hash, "block_hash")?,
+            medium: self::medium(medium)?,
+        })
+    }
+
+    #[getter]
+    fn medium(&self) -> &'static str {
+        self.medium.name()
+    }
+
+    fn __reduce__<'py>(
+        slf: &Bound<'py, Self>,
+    ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyTuple>)> {
+        let e = slf.get();
+        let args = (e.block_hash, e.medium.name());
+        Ok((slf.get_type().into_any(), args.into_pyobject(slf.py())?))
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "BlockRemoved(block_hash={}, medium='{}')",
+            self.block_hash,
+            self.medium.name()
+        )
+    }
+}
+
+/// No block is findable in `medium` any more.
+#[pyclass(name = "AllBlocksCleared", module = "pagedkv", frozen, eq, hash)]
+#[derive(PartialEq, Eq, Hash)]
+pub struct PyAllBlocksCleared {
+    medium: Medium,
+}
+
+#[pymethods]
+impl PyAllBlocksCleared {
+    #[new]
+    fn new(medium: &Bound<'_, PyAny>) -> PyResult<Self> {
+        Ok(PyAllBlocksCleared {
+            medium: self::medium(medium)?,
+        })
+    }
+
+    #[getter]
+    fn medium(&self) -> &'static str {
+        self.medium.name()
+    }
+
+    fn __reduce__<'py>(
+        slf: &Bound<'py, Self>,
+    ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyTuple>)> {
+        let args = (slf.get().medium.name(),);
+        Ok((slf.get_type().into_any(), args.into_pyobject(slf.py())?))
+    }
+
+    fn __repr__(&self) -> String {
+        format!("AllBlocksCleared(medium='{}')", self.medium.name())
+    }
+}
+
+/// A core event as its Python class.
+fn event<'py>(py: Python<'py>, event: &KvEvent) -> PyResult<Bound<'py, PyAny>> {
+    Ok(match event {
+        KvEvent::BlockStored {
+            hash,
+            parent,
+            tokens,
+            medium,
+        } => Bound::new(
+            py,
+            PyBlockStored {
+                block_hash: *hash,
+                parent_block_hash: *parent,
+                tokens: tokens.clone(),
+                medium: *medium,
+            },
+        )?
+        .into_any(),
+        KvEvent::BlockRemoved { hash, medium } => Bound::new(
+            py,
+            PyBlockRemoved {
+                block_hash: *hash,
+                medium: *medium,
+            },
+        )?
+        .into_any(),
+        KvEvent::AllBlocksCleared { medium } => {
+            Bound::new(py, PyAllBlocksCleared { medium: *medium })?.into_any()
+        }
+    })
+}
+
+/// Events as a list of their Python classes, in order.
+pub fn events<'py>(py: Python<'py>, events: &[KvEvent]) -> PyResult<Bound<'py, PyList>> {
+    let items = events
+        .iter()
+        .map(|e| event(py, e))
+        .collect::<PyResult<Vec<_>>>()?;
+    PyList::new(py, items)
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PyBlockStored>()?;
+    m.add_class::<PyBlockRemoved>()?;
+    m.add_class::<PyAllBlocksCleared>()?;
+    Ok(())
+}
