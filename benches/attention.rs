@@ -5,7 +5,8 @@
 use std::hint::black_box;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
-use pagedkv::compute::attention::{paged_attention_with, ContiguousKv, KernelPath};
+use pagedkv::compute::attention::{default_isa, paged_attention_with, ContiguousKv, ISAS};
+use pagedkv::compute::cpu::Isa;
 use pagedkv::{AttentionBatch, KvCache, KvDtype, KvShape};
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
@@ -68,7 +69,7 @@ impl Setup {
         self.cache.shape().num_kv_heads * HEADS / KV_HEADS
     }
 
-    fn run(&self, path: KernelPath, out: &mut [f32]) {
+    fn run(&self, path: Isa, out: &mut [f32]) {
         let batch = AttentionBatch {
             block_tables: &self.tables,
             max_blocks_per_seq: self.width,
@@ -89,11 +90,8 @@ impl Setup {
     }
 }
 
-fn paths() -> Vec<KernelPath> {
-    KernelPath::ALL
-        .into_iter()
-        .filter(|p| p.available())
-        .collect()
+fn paths() -> Vec<Isa> {
+    Isa::available_of(&ISAS)
 }
 
 /// One KV head, 256 keys (256 KiB of f32 K/V): stays in the 512 KiB L2, so this is the loop's
@@ -126,7 +124,7 @@ fn decode_from_memory(c: &mut Criterion) {
         group.throughput(Throughput::Bytes(
             (2 * batch * context * KV_HEADS * HEAD_DIM * 4) as u64,
         ));
-        let path = KernelPath::best();
+        let path = default_isa();
         group.bench_function(BenchmarkId::new("paged_shuffled", block_size), |b| {
             b.iter(|| setup.run(path, &mut out))
         });

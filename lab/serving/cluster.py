@@ -43,6 +43,7 @@ import numpy as np
 
 from lab.serving.simulation import ServingSetup
 from lab.serving.workload import Workload
+from pagedkv.cluster.feed import Feed, apply_batches, feed_since, replica_load
 from pagedkv.cluster.router import NoReplicaError, ReplicaLoad, Router
 from pagedkv.engine import EngineCore, RequestOutput, SimulatedRunner, TokenEvent, VirtualClock
 from pagedkv.errors import InvalidArgumentError
@@ -322,8 +323,7 @@ class _Cluster:
             self.remaining -= 1
         core = replica.core
         assert core is not None
-        load = ReplicaLoad(core.scheduler.num_waiting, core.scheduler.num_running, _kv_usage(core))
-        self.send(self.deliver_load, replica, generation, load)
+        self.send(self.deliver_load, replica, generation, replica_load(core))
         if core.has_unfinished():
             replica.clock.now = self.now
             replica.ended = core.step()
@@ -361,7 +361,7 @@ class _Cluster:
     def deliver_batch(self, replica: _Replica, generation: int, batch: KvEventBatch) -> None:
         if not self.current(replica, generation):
             return
-        if not self.router.apply(replica.name, batch) and not replica.resyncing:
+        if not apply_batches(self.router, replica.name, Feed((batch,), None, batch.seq)) and not replica.resyncing:
             replica.resyncing = True
             seq = self.router.applied_seq(replica.name)
             self.at(self.now + self.setup.event_delay_s, self.answer_resync, replica, generation, seq)
@@ -372,21 +372,19 @@ class _Cluster:
             return
         core = replica.core
         assert core is not None
-        replay = core.kv_events.since(seq) if core.kv_events.last_seq - seq <= self.setup.replay else None
-        reply = replay if replay is not None else core.kv_snapshot()
-        self.at(self.now + self.setup.event_delay_s, self.resynced, replica, generation, reply)
+        feed = feed_since(core.kv_events, seq, core.kv_snapshot, self.setup.replay)
+        self.at(self.now + self.setup.event_delay_s, self.resynced, replica, generation, feed)
 
-    def resynced(self, replica: _Replica, generation: int, reply) -> None:
+    def resynced(self, replica: _Replica, generation: int, feed: Feed) -> None:
         if not self.current(replica, generation):
             return
         replica.resyncing = False
-        if isinstance(reply, list):
+        if feed.snapshot is None:
             self.replays += 1
-            for batch in reply:
-                self.router.apply(replica.name, batch)
+            apply_batches(self.router, replica.name, feed)
         else:
             self.snapshots += 1
-            self.router.resync(replica.name, reply)
+            self.router.resync(replica.name, feed.snapshot)
 
     # -- failures -------------------------------------------------------------------------------
 
@@ -439,11 +437,6 @@ class _Cluster:
 def _imbalance(values: list[float] | list[int]) -> float:
     mean = float(np.mean(values))
     return float(np.max(values)) / mean if mean > 0 else 1.0
-
-
-def _kv_usage(core: EngineCore) -> float:
-    step = core.last_step
-    return float(step.stats["kv_usage"]) if step is not None else 0.0
 
 
 def simulate_cluster(workload: Workload, setup: ClusterSetup) -> ClusterResult:

@@ -36,6 +36,7 @@ __all__ = [
     "set_num_threads",
     "get_num_threads",
     "available_kernels",
+    "default_isas",
     "measure_read_bandwidth",
     "measure_fma_peak",
     "attention_kernel_seconds",
@@ -548,22 +549,30 @@ class PrefixIndex:
         ``InvalidArgumentError`` unless ``block_size`` is positive."""
 
 def set_num_threads(threads: int) -> None:
-    """Sets the attention thread count, 1 to 1024 (default: ``PAGEDKV_NUM_THREADS`` when within
-    that range, else every CPU). ``InvalidArgumentError`` for a count outside it, ``MemoryError``
-    for one the system cannot start; the previous count stays then."""
+    """Sets the worker pool's thread count (attention, linear and sampling run on it), 1 to 1024
+    (default: ``PAGEDKV_NUM_THREADS`` when within that range, else every CPU).
+    ``InvalidArgumentError`` for a count outside it, ``MemoryError`` for one the system cannot
+    start; the previous count stays then."""
 
 def get_num_threads() -> int:
-    """The attention thread count."""
+    """The worker pool's thread count."""
 
 def available_kernels() -> list[str]:
-    """Kernel paths this CPU runs, fastest first, e.g. ``["avx2", "portable"]``."""
+    """The instruction sets attention has kernels for that this CPU runs, best first, e.g.
+    ``["avx2", "portable"]`` (each a ``kernel=`` value)."""
+
+def default_isas() -> list[tuple[str, str]]:
+    """What the kernels run on by default: ``[("ceiling", ...), ("attention", ...), ("linear",
+    ...)]``. The ceiling is ``PAGEDKV_ISA`` ("avx512", "avx2" or "portable") when set, valid and
+    available, else the best set this CPU has (read once per process); each family takes the
+    best set it has kernels for, at most the ceiling."""
 
 def measure_read_bandwidth(nbytes: int, sweeps: int = 5) -> list[float]:
     """GB/s of each read-only sweep over a freshly written ``nbytes`` buffer, on the attention
     threads (``MemoryError`` when it cannot be allocated)."""
 
 def measure_fma_peak() -> float:
-    """f32 GFLOP/s (an FMA counts 2) of all attention threads running a register-only FMA loop."""
+    """f32 GFLOP/s (an FMA counts 2) of all worker pool threads running a register-only FMA loop."""
 
 @final
 class ReadBandwidthProbe:
@@ -593,7 +602,7 @@ def attention_kernel_seconds(
 class Linear:
     """A weight ``W`` ``[in_features, out_features]`` stored as float32, float16 or bfloat16
     (rounded to nearest), and ``x @ W`` for float32 ``x`` ``[M, in_features]``, summed in float32
-    on the attention threads. A C- or Fortran-ordered float32 weight is packed without a copy of
+    on the worker pool. A C- or Fortran-ordered float32 weight is packed without a copy of
     its own (``w.T`` of an ``[out, in]`` checkpoint matrix is Fortran-ordered); other layouts are
     read in C order. ``ShapeError`` for a wrong ndim, dtype or extent, ``InvalidArgumentError``
     for an unknown dtype or kernel."""
@@ -609,7 +618,8 @@ class Linear:
         "portable") forces a path (``InvalidArgumentError`` if this CPU cannot run it)."""
 
 def available_linear_kernels() -> list[str]:
-    """Linear kernels this CPU runs, fastest first, e.g. ``["avx2", "portable"]``."""
+    """The instruction sets linear has kernels for that this CPU runs, best first, e.g.
+    ``["avx2", "portable"]``."""
 
 SAMPLING_COLUMNS: list[str]
 # The defaults of ``Scheduler(...)``, set once in the core (``SchedulerConfig::new``): block_size,

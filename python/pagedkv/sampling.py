@@ -2,7 +2,7 @@
 sample, for the penalties) and :func:`sample` (per step).
 
 The work is the Rust kernel ``pagedkv._core.sample_rows`` (``src/compute/sampling.rs``), rows in parallel
-on the attention pool: numpy needed a full sort per row for top-p (191 ms for 16 × 49,152 logits)
+on the worker pool: numpy needed a full sort per row for top-p (191 ms for 16 × 49,152 logits)
 and ~29 ms for plain temperature. What a row goes through, in order:
 
 1. penalties on the logits: repetition (HF/vLLM: a positive logit of a token in the prompt or the

@@ -1,10 +1,11 @@
 //! Choosing the next token of each row of a batch of logits: penalties, temperature, top-k, min-p,
-//! top-p, one draw, and the model's logprobs. Rows run in parallel on the attention pool.
+//! top-p, one draw, and the model's logprobs. Rows run in parallel on the worker pool (`cpu::pool`).
 //!
 //! Why Rust: at a 49,152-token vocabulary numpy needs a full sort per row for top-p (191 ms for 16
 //! rows) and several full-width temporaries even for plain temperature (29 ms); `argpartition`
 //! alone costs ~0.4 ms per row. Here a row costs a few passes over its logits, each vectorisable
-//! (max, a polynomial `exp`, compares), and no sort wider than the candidates kept.
+//! (max, the polynomial `exp` of `cpu::vmath`, compares), and no sort wider than the candidates
+//! kept.
 //!
 //! Invariants (the Python `pagedkv.sampling` documents them to users):
 //! - The processed logits are: repetition penalty on every token of the row's history (positive
@@ -27,6 +28,7 @@
 
 use rayon::prelude::*;
 
+use crate::compute::cpu::vmath::{self, exp_nonpositive};
 use crate::error::{ensure, Result};
 
 /// The token of a row with nothing to draw from.
@@ -106,7 +108,7 @@ pub fn sample(
             )
         })?;
     }
-    let pool = crate::compute::attention::pool()?;
+    let pool = crate::compute::cpu::pool()?;
     Ok(pool.install(|| {
         logits
             .par_chunks(vocab)
@@ -213,40 +215,6 @@ fn max_and_nan(row: &[f32]) -> (f32, bool) {
     (m, n)
 }
 
-/// The sum of `values`, in eight lanes (a strict left-to-right float sum does not vectorise).
-fn sum_lanes(values: &[f32]) -> f32 {
-    let mut lanes = [0.0f32; 8];
-    let chunks = values.chunks_exact(8);
-    let tail: f32 = chunks.remainder().iter().sum();
-    for chunk in chunks {
-        for j in 0..8 {
-            lanes[j] += chunk[j];
-        }
-    }
-    lanes.iter().sum::<f32>() + tail
-}
-
-/// `exp(x)` for `x ≤ 0`, within (3e-7 + 1e-7·|x|) relative (the rounding of x·log2 e); 0 below -87 (and for -inf). Branch-free so the
-/// loops calling it vectorise: 2^(x·log2 e) split into a rounded integer and a fraction in
-/// [-0.5, 0.5], the fraction's power by its degree-6 Taylor polynomial.
-#[inline(always)]
-fn exp_nonpositive(x: f32) -> f32 {
-    const ROUND: f32 = 12_582_912.0; // 1.5 × 2^23: adding it rounds to an integer
-    let t = x.max(-87.0) * std::f32::consts::LOG2_E;
-    let n = (t + ROUND) - ROUND;
-    let f = (t - n) * std::f32::consts::LN_2;
-    let poly = 1.0
-        + f * (1.0
-            + f * (0.5
-                + f * (1.0 / 6.0 + f * (1.0 / 24.0 + f * (1.0 / 120.0 + f * (1.0 / 720.0))))));
-    let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
-    if x >= -87.0 {
-        poly * scale
-    } else {
-        0.0
-    }
-}
-
 /// `ln Σ exp(x - max)` over the row.
 fn log_sum_exp_shifted(row: &[f32], max: f32) -> f32 {
     let mut buf = [0.0f32; 1024];
@@ -255,7 +223,7 @@ fn log_sum_exp_shifted(row: &[f32], max: f32) -> f32 {
         for (e, &x) in buf.iter_mut().zip(chunk) {
             *e = exp_nonpositive(x - max);
         }
-        sum += sum_lanes(&buf[..chunk.len()]) as f64;
+        sum += vmath::sum(&buf[..chunk.len()]) as f64;
     }
     sum.ln() as f32
 }
@@ -391,7 +359,7 @@ fn draw(
         .chunks(CHUNK)
         .enumerate()
         .map(|(c, chunk)| match cut {
-            None => sum_lanes(chunk) as f64,
+            None => vmath::sum(chunk) as f64,
             Some(_) => chunk
                 .iter()
                 .enumerate()
@@ -501,19 +469,6 @@ mod tests {
             uniform: 0.5,
             top_logprobs: None,
         }
-    }
-
-    #[test]
-    fn exp_is_close_to_std() {
-        for i in 0..10_000 {
-            let x = -(i as f32) * 0.0087;
-            let (fast, exact) = (exp_nonpositive(x), x.exp());
-            assert!(
-                (fast - exact).abs() <= (3e-7 + 1e-7 * -x) * exact,
-                "{x}: {fast} vs {exact}"
-            );
-        }
-        assert_eq!(exp_nonpositive(f32::NEG_INFINITY), 0.0);
     }
 
     #[test]

@@ -11,7 +11,8 @@ use super::args::{arg, invalid, Param};
 use super::attention_call::{Arrays, Tables};
 use super::kv_cache::PyKVCache;
 use super::sync::detached;
-use crate::compute::attention::{self, ContiguousKv, KernelPath};
+use crate::compute::attention::{self, ContiguousKv};
+use crate::compute::cpu::{self, Isa};
 
 /// Seconds per call of the kernel alone (no argument conversion, no Python), averaged over
 /// `iterations` calls made from Rust with the GIL released: `KVCache.attention` from Python
@@ -52,29 +53,41 @@ fn attention_kernel_seconds(
     })
 }
 
-/// Sets the number of threads attention uses, 1 to 1024 (default: `PAGEDKV_NUM_THREADS`, else
+/// Sets the number of threads the worker pool (attention, linear, sampling) uses, 1 to 1024 (default: `PAGEDKV_NUM_THREADS`, else
 /// every CPU). Raises InvalidArgumentError for a count outside that range, MemoryError for one
 /// the system cannot start; the previous count stays then.
 #[pyfunction]
 fn set_num_threads(py: Python<'_>, threads: &Bound<'_, PyAny>) -> PyResult<()> {
     let threads: usize = arg(threads, "threads")?;
-    detached(py, || attention::set_num_threads(threads))
+    detached(py, || cpu::set_num_threads(threads))
 }
 
-/// The number of threads attention uses.
+/// The number of threads the worker pool uses.
 #[pyfunction]
 fn get_num_threads() -> usize {
-    attention::num_threads()
+    cpu::num_threads()
 }
 
-/// Kernel paths this CPU can run, fastest first (e.g. `["avx2", "portable"]`).
+/// The instruction sets attention has kernels for that this CPU runs, best first (e.g.
+/// `["avx2", "portable"]`).
 #[pyfunction]
 fn available_kernels() -> Vec<&'static str> {
-    KernelPath::ALL
+    Isa::available_of(&attention::ISAS)
         .into_iter()
-        .filter(|p| p.available())
-        .map(KernelPath::name)
+        .map(Isa::name)
         .collect()
+}
+
+/// What each kernel family runs on by default: `{"ceiling": ..., "attention": ..., "linear":
+/// ...}`, the ceiling being `PAGEDKV_ISA` when set, valid and available, else the best set this
+/// CPU has (read once per process).
+#[pyfunction]
+fn default_isas() -> Vec<(&'static str, &'static str)> {
+    vec![
+        ("ceiling", cpu::ceiling().name()),
+        ("attention", attention::default_isa().name()),
+        ("linear", crate::compute::linear::default_isa().name()),
+    ]
 }
 
 /// Read-only memory bandwidth in GB/s of each of `sweeps` sweeps over a fresh `nbytes` buffer, on
@@ -88,20 +101,20 @@ fn measure_read_bandwidth(
 ) -> PyResult<Vec<f64>> {
     let nbytes: usize = arg(nbytes, "nbytes")?;
     let sweeps: usize = sweeps.or("sweeps", 5)?;
-    detached(py, || attention::measure_read_bandwidth(nbytes, sweeps))
+    detached(py, || cpu::measure_read_bandwidth(nbytes, sweeps))
 }
 
 /// f32 GFLOP/s (an FMA counts 2) of all attention threads running a register-only FMA loop.
 #[pyfunction]
 fn measure_fma_peak(py: Python<'_>) -> PyResult<f64> {
-    detached(py, attention::measure_fma_peak)
+    detached(py, cpu::measure_fma_peak)
 }
 
 /// A freshly written buffer of `nbytes` of memory whose read-only sweeps measure bandwidth on
 /// the attention threads; keep one and sweep it between the measurements it is compared with.
 #[pyclass(name = "ReadBandwidthProbe", module = "pagedkv", frozen)]
 pub struct PyReadBandwidthProbe {
-    inner: attention::ReadProbe,
+    inner: cpu::ReadProbe,
 }
 
 #[pymethods]
@@ -110,7 +123,7 @@ impl PyReadBandwidthProbe {
     fn new(py: Python<'_>, nbytes: &Bound<'_, PyAny>) -> PyResult<Self> {
         let nbytes: usize = arg(nbytes, "nbytes")?;
         Ok(PyReadBandwidthProbe {
-            inner: detached(py, || attention::ReadProbe::new(nbytes))?,
+            inner: detached(py, || cpu::ReadProbe::new(nbytes))?,
         })
     }
 
@@ -217,6 +230,7 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(set_num_threads, m)?)?;
     m.add_function(wrap_pyfunction!(get_num_threads, m)?)?;
     m.add_function(wrap_pyfunction!(available_kernels, m)?)?;
+    m.add_function(wrap_pyfunction!(default_isas, m)?)?;
     m.add_function(wrap_pyfunction!(measure_read_bandwidth, m)?)?;
     m.add_function(wrap_pyfunction!(measure_fma_peak, m)?)?;
     m.add_function(wrap_pyfunction!(attention_kernel_seconds, m)?)?;

@@ -11,7 +11,8 @@ use pyo3::prelude::*;
 
 use super::args::{c_order, expect_shape, opt, typed_array};
 use super::errors::IntoPyResult;
-use crate::compute::attention::{self, AttentionBatch, KernelPath};
+use crate::compute::attention::{self, AttentionBatch};
+use crate::compute::cpu::Isa;
 use crate::KvCache;
 
 /// The numpy arrays of a call, kept alive while their data is borrowed.
@@ -30,7 +31,7 @@ pub(crate) struct Call<'a> {
     pub context_lens: Cow<'a, [i32]>,
     pub query_start_loc: Cow<'a, [i32]>,
     pub scale: f32,
-    pub path: KernelPath,
+    pub path: Isa,
 }
 
 /// A call's block tables (int32 `[num_seqs, max_blocks_per_seq]`), kept alive while borrowed.
@@ -89,10 +90,10 @@ pub(crate) fn scale_and_path(
     head_dim: usize,
     scale: Option<&Bound<'_, PyAny>>,
     kernel: Option<&Bound<'_, PyAny>>,
-) -> PyResult<(f32, KernelPath)> {
+) -> PyResult<(f32, Isa)> {
     let scale = opt::<f64>(scale, "scale")?.unwrap_or(1.0 / (head_dim as f64).sqrt()) as f32;
     let path = match opt::<String>(kernel, "kernel")? {
-        None => attention::default_kernel_path(),
+        None => attention::default_isa(),
         Some(name) => name.parse().py_err()?,
     };
     Ok((scale, path))

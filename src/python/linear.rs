@@ -9,7 +9,8 @@ use pyo3::prelude::*;
 
 use super::args::{c_order, expect_shape, opt, typed_array, Param};
 use super::errors::IntoPyResult;
-use crate::compute::linear::{Linear, LinearKernel};
+use crate::compute::cpu::Isa;
+use crate::compute::linear::{self, Linear};
 use crate::KvDtype;
 
 /// A weight `W` (`[in_features, out_features]`) stored as float32, float16 or bfloat16, and
@@ -50,7 +51,7 @@ impl PyLinear {
         kernel: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let kernel = match opt::<String>(kernel, "kernel")? {
-            None => LinearKernel::best(),
+            None => linear::default_isa(),
             Some(name) => name.parse().py_err()?,
         };
         let array: PyReadonlyArray<'_, f32, Ix2> = typed_array(x, "x", "float32")?;
@@ -93,10 +94,9 @@ impl PyLinear {
 /// Linear kernels this CPU can run, fastest first (e.g. `["avx2", "portable"]`).
 #[pyfunction]
 fn available_linear_kernels() -> Vec<&'static str> {
-    LinearKernel::ALL
+    Isa::available_of(&linear::ISAS)
         .into_iter()
-        .filter(|k| k.available())
-        .map(LinearKernel::name)
+        .map(Isa::name)
         .collect()
 }
 

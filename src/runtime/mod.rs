@@ -27,7 +27,8 @@ use std::sync::{Mutex, MutexGuard};
 
 pub use step::Step;
 
-use crate::compute::attention::{self, AttentionBatch, KernelPath};
+use crate::compute::attention::{self, AttentionBatch};
+use crate::compute::cpu::Isa;
 use crate::error::{ensure, Error, Result};
 use crate::ids::TokenId;
 use crate::memory::events::{KvEvent, Medium};
@@ -193,7 +194,7 @@ impl KvRuntime {
     pub fn attention(
         &self,
         step: &Step,
-        path: KernelPath,
+        path: Isa,
         layer: usize,
         query: &[f32],
         num_heads: usize,

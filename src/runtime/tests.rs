@@ -2,7 +2,7 @@
 //! does — an old step, another runtime's step, a runtime without K/V — each refused untouched.
 
 use super::*;
-use crate::compute::attention::default_kernel_path;
+use crate::compute::attention::default_isa;
 
 const HEADS: usize = 2;
 const HEAD_DIM: usize = 8;
@@ -66,7 +66,7 @@ fn a_step_writes_at_its_slots_and_attends_through_its_tables() {
     // One query head per K/V head: attention equals the kernel run on the store by hand.
     let query = rows(n, 0.5);
     let mut out = vec![0.0; query.len()];
-    let path = default_kernel_path();
+    let path = default_isa();
     rt.attention(&step, path, 1, &query, HEADS, 0.5, &mut out)
         .unwrap();
     let mut expected = vec![0.0; query.len()];
@@ -101,7 +101,7 @@ fn only_the_step_awaiting_its_finish_reaches_the_store() {
     );
     assert!(rt.copy_blocks(&first).is_err());
     let mut out = vec![0.0; n * HEADS * HEAD_DIM];
-    let path = default_kernel_path();
+    let path = default_isa();
     assert!(rt
         .attention(&first, path, 0, &rows(n, 0.0), HEADS, 1.0, &mut out)
         .is_err());

@@ -51,6 +51,7 @@ from typing import Any, TypeVar
 import ray
 from ray.exceptions import RayError, RayTaskError
 
+from pagedkv.cluster.feed import apply_batches
 from pagedkv.cluster.replica import Ended, PollReply, Replica, ReplicaInfo
 from pagedkv.cluster.router import NoReplicaError, Router
 from pagedkv.engine import (
@@ -320,13 +321,9 @@ class Cluster:
                 if status.alive and reply.incarnation != status.incarnation:
                     self._down(replica)  # it restarted between two polls: what ran there is gone
                     continue
-                snapshot = reply.snapshot
-                if reply.batches is not None:
-                    for batch in reply.batches:
-                        if not self.router.apply(status.id, batch):
-                            break
-                    if self.router.applied_seq(status.id) < reply.last_seq:  # a batch lost or refused: a gap
-                        snapshot = await asyncio.wait_for(_await(replica.actor.kv_snapshot.remote()), deadline)
+                snapshot = reply.feed.snapshot
+                if snapshot is None and not apply_batches(self.router, status.id, reply.feed):  # a gap
+                    snapshot = await asyncio.wait_for(_await(replica.actor.kv_snapshot.remote()), deadline)
             except (RayError, asyncio.TimeoutError):
                 self._down(replica)
                 await asyncio.sleep(REJOIN_RETRY)

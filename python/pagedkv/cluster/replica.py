@@ -39,10 +39,11 @@ import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 
+from pagedkv.cluster.feed import Feed, feed_since, replica_load
 from pagedkv.cluster.router import ReplicaLoad
 from pagedkv.engine import Engine, EngineClosedError, TokenEvent, TokenLogprob
 from pagedkv.errors import ModelError, PagedKVError
-from pagedkv.kv_events import KvEventBatch, KvSnapshot
+from pagedkv.kv_events import KvSnapshot
 from pagedkv.observability import tracing
 from pagedkv.sampling import SamplingParams
 from pagedkv.text.tokenizer import Tokenizer
@@ -82,16 +83,13 @@ class ReplicaInfo:
 
 @dataclass(frozen=True)
 class PollReply:
-    """One heartbeat: who answered (``pid``, ``incarnation``), its load, and its KV events since
-    the seq asked (``batches``) or, when they are gone, a ``snapshot``; ``last_seq``: the batch
-    the reply brings the receiver to (a receiver short of it lost one)."""
+    """One heartbeat: who answered (``pid``, ``incarnation``), its load, and its KV event
+    ``feed`` since the seq asked (:mod:`pagedkv.cluster.feed`)."""
 
     incarnation: str
     pid: int
     load: ReplicaLoad
-    batches: list[KvEventBatch] | None
-    snapshot: KvSnapshot | None
-    last_seq: int
+    feed: Feed
 
 
 class Replica:
@@ -188,17 +186,11 @@ class Replica:
                 await asyncio.wait_for(self._news.wait(), wait)
             except asyncio.TimeoutError:
                 pass
-        batches = None if after_seq is None else publisher.since(after_seq)
-        if batches is None:
-            snapshot = engine.kv_snapshot()
-            return PollReply(self.incarnation, os.getpid(), self.load(), None, snapshot, snapshot.seq)
-        last_seq = batches[-1].seq if batches else after_seq
-        return PollReply(self.incarnation, os.getpid(), self.load(), batches, None, last_seq)
+        feed = feed_since(publisher, after_seq, engine.kv_snapshot)
+        return PollReply(self.incarnation, os.getpid(), self.load(), feed)
 
     def kv_snapshot(self) -> KvSnapshot:
         return self._live_engine().kv_snapshot()
 
     def load(self) -> ReplicaLoad:
-        core = self._live_engine().core
-        scheduler, num_blocks = core.scheduler, core.config.num_blocks
-        return ReplicaLoad(scheduler.num_waiting, scheduler.num_running, 1 - scheduler.num_free_blocks / num_blocks)
+        return replica_load(self._live_engine().core)

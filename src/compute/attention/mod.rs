@@ -16,18 +16,11 @@
 mod compute;
 mod layout;
 mod plan;
-mod probes;
 mod simd;
-mod threads;
-
-use std::sync::OnceLock;
 
 use rayon::prelude::*;
 
-pub use probes::{measure_fma_peak, measure_read_bandwidth, ReadProbe, MIN_PROBE_BYTES};
-pub use simd::KernelPath;
-pub(crate) use threads::pool;
-pub use threads::{num_threads, set_num_threads, MAX_THREADS, NUM_THREADS_ENV};
+use crate::compute::cpu::{num_threads, pool, Isa};
 
 use crate::error::{Error, Result};
 use crate::store::dtype::{KvDtype, KvElement};
@@ -37,8 +30,8 @@ use layout::{Contiguous, KvLayout, Paged};
 use plan::Plan;
 use simd::{Kernels, Portable};
 
-/// Environment variable that forces a kernel path ("portable" or "avx2") for every call.
-pub const KERNEL_ENV: &str = "PAGEDKV_ATTENTION_KERNEL";
+/// The instruction sets attention has kernels for.
+pub const ISAS: [Isa; 2] = [Isa::Avx2, Isa::Portable];
 
 /// The per-batch tables an attention call reads, as the block manager and scheduler hand them out.
 #[derive(Debug, Clone, Copy)]
@@ -52,16 +45,9 @@ pub struct AttentionBatch<'a> {
     pub query_start_loc: &'a [i32],
 }
 
-/// The kernel path calls take: `PAGEDKV_ATTENTION_KERNEL` if set (and available), else the best.
-pub fn default_kernel_path() -> KernelPath {
-    static PATH: OnceLock<KernelPath> = OnceLock::new();
-    *PATH.get_or_init(|| {
-        std::env::var(KERNEL_ENV)
-            .ok()
-            .and_then(|name| name.parse::<KernelPath>().ok())
-            .filter(|path| path.available())
-            .unwrap_or_else(KernelPath::best)
-    })
+/// The instruction set calls take by default: the best of [`ISAS`] under `cpu::ceiling`.
+pub fn default_isa() -> Isa {
+    Isa::default_of(&ISAS)
 }
 
 /// Attention of `q` (`[num_tokens, num_heads, head_dim]` f32) over layer `layer` of `cache`
@@ -75,22 +61,13 @@ pub fn paged_attention(
     scale: f32,
     out: &mut [f32],
 ) -> Result<()> {
-    paged_attention_with(
-        default_kernel_path(),
-        cache,
-        layer,
-        q,
-        num_heads,
-        batch,
-        scale,
-        out,
-    )
+    paged_attention_with(default_isa(), cache, layer, q, num_heads, batch, scale, out)
 }
 
-/// [`paged_attention`] on a chosen kernel path (tests compare every path with the portable one).
+/// [`paged_attention`] on a chosen instruction set (tests compare every one with the portable one).
 #[allow(clippy::too_many_arguments)]
 pub fn paged_attention_with(
-    path: KernelPath,
+    path: Isa,
     cache: &KvCache,
     layer: usize,
     q: &[f32],
@@ -188,7 +165,7 @@ impl ContiguousKv {
     #[allow(clippy::too_many_arguments)]
     pub fn attention(
         &self,
-        path: KernelPath,
+        path: Isa,
         q: &[f32],
         num_heads: usize,
         context_lens: &[i32],
@@ -383,31 +360,23 @@ fn validate_tables(
     Ok(())
 }
 
-fn check_path(path: KernelPath) -> Result<()> {
-    if path.available() {
-        Ok(())
-    } else {
-        Err(Error::InvalidArgument(format!(
-            "kernel path {} is not available on this CPU",
-            path.name()
-        )))
-    }
+fn check_path(path: Isa) -> Result<()> {
+    path.check_for("attention", &ISAS)
 }
 
 /// Runs a validated call on `path`. Fails only when the thread pool cannot be had, before
 /// anything is written.
 fn execute<T: KvElement, L: KvLayout<T>>(
-    path: KernelPath,
+    path: Isa,
     problem: &Problem<'_>,
     layout: &L,
     out: &mut [f32],
 ) -> Result<()> {
     match path {
-        KernelPath::Portable => execute_on::<Portable, T, L>(problem, layout, out),
         #[cfg(target_arch = "x86_64")]
-        KernelPath::Avx2 => execute_on::<simd::Avx2, T, L>(problem, layout, out),
-        #[cfg(not(target_arch = "x86_64"))]
-        KernelPath::Avx2 => unreachable!("check_path refuses unavailable paths"),
+        Isa::Avx2 => execute_on::<simd::Avx2, T, L>(problem, layout, out),
+        Isa::Portable => execute_on::<Portable, T, L>(problem, layout, out),
+        _ => unreachable!("check_path refuses sets attention has no kernel for, or this CPU lacks"),
     }
 }
 
@@ -423,11 +392,7 @@ fn execute_on<K: Kernels, T: KvElement, L: KvLayout<T>>(
         std::mem::size_of::<T>(),
         threads,
     );
-    let pool = if plan.inline {
-        None
-    } else {
-        Some(threads::pool()?)
-    };
+    let pool = if plan.inline { None } else { Some(pool()?) };
     let max_rows = plan.max_rows;
     let mut partials =
         vec![0.0f32; plan.partial_slots() * partial_slot_len(max_rows, problem.head_dim)];

@@ -6,76 +6,20 @@
 //!   per tile, never per element.
 //! - `head_dim` is a multiple of 8 (checked by the caller): vector loops have no element tails.
 //! - K/V elements are converted to f32 on load; every sum is accumulated in f32.
-//! - An implementation other than [`Portable`] may only be called when [`KernelPath::available`]
-//!   says its CPU features are present: that is the safety contract of the `unsafe` methods.
+//! - An implementation other than [`Portable`] may only be called when its [`Isa`] is available
+//!   on this CPU (`cpu::isa`): that is the safety contract of the `unsafe` methods.
+//! - The softmax's `exp` is the one of `cpu::vmath`.
 
+use crate::compute::cpu::vmath;
+#[cfg(doc)]
+use crate::compute::cpu::Isa;
 use crate::store::dtype::KvElement;
-
-/// Which implementation of [`Kernels`] runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum KernelPath {
-    /// Plain Rust the compiler vectorises for the baseline target; runs everywhere.
-    Portable,
-    /// x86-64 AVX2 + FMA + F16C, chosen at run time.
-    Avx2,
-}
-
-impl KernelPath {
-    /// Every path, best first.
-    pub const ALL: [KernelPath; 2] = [KernelPath::Avx2, KernelPath::Portable];
-
-    /// Whether this CPU can run the path.
-    pub fn available(self) -> bool {
-        match self {
-            KernelPath::Portable => true,
-            #[cfg(target_arch = "x86_64")]
-            KernelPath::Avx2 => {
-                is_x86_feature_detected!("avx2")
-                    && is_x86_feature_detected!("fma")
-                    && is_x86_feature_detected!("f16c")
-            }
-            #[cfg(not(target_arch = "x86_64"))]
-            KernelPath::Avx2 => false,
-        }
-    }
-
-    /// The fastest path this CPU runs.
-    pub fn best() -> KernelPath {
-        KernelPath::ALL
-            .into_iter()
-            .find(|path| path.available())
-            .unwrap_or(KernelPath::Portable)
-    }
-
-    /// Lower-case name: "portable" or "avx2".
-    pub fn name(self) -> &'static str {
-        match self {
-            KernelPath::Portable => "portable",
-            KernelPath::Avx2 => "avx2",
-        }
-    }
-}
-
-impl std::str::FromStr for KernelPath {
-    type Err = crate::Error;
-
-    fn from_str(name: &str) -> crate::Result<Self> {
-        KernelPath::ALL
-            .into_iter()
-            .find(|path| path.name() == name)
-            .ok_or_else(|| {
-                crate::Error::InvalidArgument(format!(
-                    "unknown attention kernel {name:?}; expected avx2 or portable"
-                ))
-            })
-    }
-}
 
 /// Tile-level kernels of the attention loop. Slices are row-major with the strides named.
 ///
 /// # Safety
-/// Implementations may require CPU features: call them only when their [`KernelPath`] is
-/// available on this CPU.
+/// Implementations may require CPU features: call them only when their [`Isa`] is available on
+/// this CPU.
 pub(crate) trait Kernels {
     /// `scores[i * stride + r] = q[i] · k[r]` for query rows `i < m` and key rows `r < rows`;
     /// `q` is `m × head_dim`, `k` is at least `rows × head_dim`. `prefetch` (possibly empty) is a
@@ -118,13 +62,6 @@ pub(crate) trait Kernels {
     /// Asks the cache to start loading all of `tile` at once (an item's first tiles, before any
     /// arithmetic to pace the requests with).
     unsafe fn prefetch<T>(tile: &[T]);
-
-    /// Sum of `data` (the read-bandwidth probe): the same loads as the attention loop, no compute.
-    unsafe fn sum(data: &[f32]) -> f32;
-
-    /// Runs `iterations` rounds of independent FMAs on registers (the FMA-peak probe); returns
-    /// the FLOPs done (an FMA counts 2).
-    unsafe fn fma_loop(iterations: usize) -> f64;
 }
 
 /// The portable implementation: 8-wide accumulator arrays that the compiler vectorises.
@@ -163,10 +100,7 @@ impl Kernels for Portable {
     }
 
     unsafe fn exp_sub_sum(row: &mut [f32], max: f32) -> f32 {
-        row.iter_mut().fold(0.0, |sum, x| {
-            *x = (*x - max).exp();
-            sum + *x
-        })
+        vmath::exp_sub_sum(row, max)
     }
 
     unsafe fn accumulate<T: KvElement>(
@@ -194,35 +128,6 @@ impl Kernels for Portable {
     }
 
     unsafe fn prefetch<T>(_tile: &[T]) {}
-
-    unsafe fn sum(data: &[f32]) -> f32 {
-        let mut lanes = [0.0f32; 32];
-        let chunks = data.chunks_exact(32);
-        let tail: f32 = chunks.remainder().iter().sum();
-        for chunk in chunks {
-            for lane in 0..32 {
-                lanes[lane] += chunk[lane];
-            }
-        }
-        lanes.iter().sum::<f32>() + tail
-    }
-
-    unsafe fn fma_loop(iterations: usize) -> f64 {
-        let mut acc = [[1.0f32; 8]; 12];
-        let (a, b) = (
-            std::hint::black_box(0.999_999f32),
-            std::hint::black_box(1e-7f32),
-        );
-        for _ in 0..iterations {
-            for lanes in acc.iter_mut() {
-                for x in lanes.iter_mut() {
-                    *x = *x * a + b;
-                }
-            }
-        }
-        std::hint::black_box(acc);
-        (iterations * 12 * 8 * 2) as f64
-    }
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -237,6 +142,8 @@ mod avx2 {
     use std::arch::x86_64::*;
 
     use super::Kernels;
+    use crate::compute::cpu::vmath;
+    use crate::compute::cpu::vmath::avx2::hsum;
     use crate::store::dtype::{load8, KvElement};
 
     pub(crate) struct Avx2;
@@ -294,14 +201,6 @@ mod avx2 {
                 self.line();
             }
         }
-    }
-
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    fn hsum(v: __m256) -> f32 {
-        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
-        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps::<1>(s, s)))
     }
 
     /// Dot products of `QH` query rows with `KR` key rows, written to `out[i * stride + r]`.
@@ -460,63 +359,6 @@ mod avx2 {
         }
     }
 
-    /// `exp(x)` for `x ≤ 0` (scores minus their running maximum): `2^n · e^f` with
-    /// `x = n ln 2 + f`, `|f| ≤ ln 2 / 2`, and a degree-7 Taylor polynomial for `e^f` (relative
-    /// error below 1e-7). Inputs below -87 (including -inf, the causal mask) give exactly 0.
-    #[inline]
-    #[target_feature(enable = "avx2,fma,f16c")]
-    fn exp_nonpositive(x: __m256) -> __m256 {
-        let underflow = _mm256_cmp_ps::<_CMP_LT_OQ>(x, _mm256_set1_ps(-87.0));
-        let x = _mm256_max_ps(x, _mm256_set1_ps(-87.0));
-        let n = _mm256_round_ps::<{ _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC }>(
-            _mm256_mul_ps(x, _mm256_set1_ps(std::f32::consts::LOG2_E)),
-        );
-        // ln 2 split in a part exact in f32 and a remainder, so n·ln2 subtracts without rounding.
-        let f = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693_359_4), x);
-        let f = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.121_944_4e-4), f);
-        let mut poly = _mm256_set1_ps(1.0 / 5040.0);
-        for coefficient in [
-            1.0 / 720.0,
-            1.0 / 120.0,
-            1.0 / 24.0,
-            1.0 / 6.0,
-            0.5,
-            1.0,
-            1.0,
-        ] {
-            poly = _mm256_fmadd_ps(poly, f, _mm256_set1_ps(coefficient));
-        }
-        let exponent = _mm256_slli_epi32::<23>(_mm256_add_epi32(
-            _mm256_cvtps_epi32(n),
-            _mm256_set1_epi32(127),
-        ));
-        let result = _mm256_mul_ps(poly, _mm256_castsi256_ps(exponent));
-        _mm256_andnot_ps(underflow, result)
-    }
-
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn exp_sub_sum_avx2(row: &mut [f32], max: f32) -> f32 {
-        let max = _mm256_set1_ps(max);
-        let mut sum = _mm256_setzero_ps();
-        let mut chunks = row.chunks_exact_mut(8);
-        for chunk in &mut chunks {
-            let e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(chunk.as_ptr()), max));
-            _mm256_storeu_ps(chunk.as_mut_ptr(), e);
-            sum = _mm256_add_ps(sum, e);
-        }
-        let tail = chunks.into_remainder();
-        if !tail.is_empty() {
-            // Pad the tail with -inf (exp → 0) so it takes the same vector path.
-            let mut lanes = [f32::NEG_INFINITY; 8];
-            lanes[..tail.len()].copy_from_slice(tail);
-            let e = exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(lanes.as_ptr()), max));
-            _mm256_storeu_ps(lanes.as_mut_ptr(), e);
-            tail.copy_from_slice(&lanes[..tail.len()]);
-            sum = _mm256_add_ps(sum, e);
-        }
-        hsum(sum)
-    }
-
     impl Kernels for Avx2 {
         #[target_feature(enable = "avx2,fma,f16c")]
         unsafe fn scores<T: KvElement>(
@@ -567,7 +409,7 @@ mod avx2 {
 
         #[target_feature(enable = "avx2,fma,f16c")]
         unsafe fn exp_sub_sum(row: &mut [f32], max: f32) -> f32 {
-            exp_sub_sum_avx2(row, max)
+            vmath::avx2::exp_sub_sum(row, max)
         }
 
         #[target_feature(enable = "avx2,fma,f16c")]
@@ -630,36 +472,6 @@ mod avx2 {
                 _mm_prefetch::<_MM_HINT_T1>(base.add(offset));
                 offset += 64;
             }
-        }
-
-        #[target_feature(enable = "avx2,fma,f16c")]
-        unsafe fn sum(data: &[f32]) -> f32 {
-            let mut acc = [_mm256_setzero_ps(); 4];
-            let mut chunks = data.chunks_exact(32);
-            for chunk in &mut chunks {
-                for (j, a) in acc.iter_mut().enumerate() {
-                    *a = _mm256_add_ps(*a, _mm256_loadu_ps(chunk.as_ptr().add(8 * j)));
-                }
-            }
-            let total = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
-            hsum(total) + chunks.remainder().iter().sum::<f32>()
-        }
-
-        #[target_feature(enable = "avx2,fma,f16c")]
-        unsafe fn fma_loop(iterations: usize) -> f64 {
-            // 12 chains: two FMA units × 4 cycles of latency need at least 8 in flight.
-            let mut acc = [_mm256_set1_ps(1.0); 12];
-            let (a, b) = (
-                _mm256_set1_ps(std::hint::black_box(0.999_999)),
-                _mm256_set1_ps(std::hint::black_box(1e-7)),
-            );
-            for _ in 0..iterations {
-                for x in acc.iter_mut() {
-                    *x = _mm256_fmadd_ps(*x, a, b);
-                }
-            }
-            std::hint::black_box(acc);
-            (iterations * 12 * 8 * 2) as f64
         }
     }
 }

@@ -7,6 +7,7 @@ use rand::{Rng, SeedableRng};
 
 use super::plan::Plan;
 use super::*;
+use crate::compute::cpu::set_num_threads;
 use crate::store::kv_cache::KvShape;
 
 /// A cache holding `contexts[i]` tokens of sequence i in shuffled physical blocks.
@@ -150,11 +151,8 @@ fn relative_error(actual: &[f32], expected: &[f64]) -> f64 {
         / scale
 }
 
-fn paths() -> Vec<KernelPath> {
-    KernelPath::ALL
-        .into_iter()
-        .filter(|p| p.available())
-        .collect()
+fn paths() -> Vec<Isa> {
+    Isa::available_of(&ISAS)
 }
 
 const DTYPES: [KvDtype; 3] = [KvDtype::F32, KvDtype::F16, KvDtype::Bf16];
@@ -316,7 +314,7 @@ fn contiguous_layout_runs_the_same_computation() {
     }
     assert!(kv
         .attention(
-            KernelPath::Portable,
+            Isa::Portable,
             &q,
             num_heads,
             &[101, 1],
@@ -446,11 +444,4 @@ fn bad_arguments_are_typed_errors_and_leave_out_untouched() {
         1.0,
         &mut [0.0; 12]
     )));
-}
-
-#[test]
-fn read_bandwidth_is_positive() {
-    let sweeps = measure_read_bandwidth(1 << 22, 2).unwrap();
-    assert_eq!(sweeps.len(), 2);
-    assert!(sweeps.iter().all(|&gbps| gbps > 0.1 && gbps.is_finite()));
 }

@@ -9,9 +9,10 @@
 //!   the rounding of one product per term).
 //! - The `R·P` combinations each path instantiates are listed in its `tile` match; `panels_for`
 //!   only returns widths that match lists, and the `P = 1` tail exists for every `R`.
-//! - A path other than [`Isa::Portable`] runs only when [`super::LinearKernel::available`] says
-//!   its CPU features are present: that is the safety contract of the `unsafe` functions here.
+//! - A path other than [`Isa::Portable`] runs only when [`Isa::available`] says its CPU features
+//!   are present: that is the safety contract of the `unsafe` functions here.
 
+use crate::compute::cpu::Isa;
 use crate::store::dtype::KvElement;
 
 /// Columns of one packed panel.
@@ -82,34 +83,44 @@ impl Ahead {
 #[cfg(target_arch = "x86_64")]
 const UNROLL: usize = 4;
 
-/// The instruction set a tile runs on (the resolved form of `LinearKernel`).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Isa {
-    Portable,
-    #[cfg(target_arch = "x86_64")]
-    Avx2,
-    #[cfg(target_arch = "x86_64")]
-    Avx512,
+/// The tiles of each instruction set.
+pub(crate) trait Tiles {
+    /// Rows of `x` one tile covers at most.
+    fn max_rows(self) -> usize;
+    /// Panels per tile for `rows` rows.
+    fn panels_for(self, rows: usize) -> usize;
+    /// One tile (see the impl).
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn tile<T: KvElement>(
+        self,
+        rows: usize,
+        panels: usize,
+        x: *const f32,
+        w: *const T,
+        k: usize,
+        out: *mut f32,
+        ahead: Ahead,
+    );
+    /// Converts `src` to f32 into `dst` (see the impl).
+    unsafe fn convert<T: KvElement>(self, src: &[T], dst: &mut [f32]);
 }
 
-impl Isa {
-    /// Rows of `x` one tile covers at most.
-    pub(crate) fn max_rows(self) -> usize {
+impl Tiles for Isa {
+    fn max_rows(self) -> usize {
         match self {
-            Isa::Portable => 4,
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => 6,
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512 => 8,
+            _ => 4,
         }
     }
 
     /// Panels per tile for `rows` rows: enough independent accumulators (≥ 8) to hide the FMA
     /// latency when few rows share each weight load, which is what keeps M = 1 at the memory's
     /// pace instead of the FMA chain's.
-    pub(crate) fn panels_for(self, rows: usize) -> usize {
+    fn panels_for(self, rows: usize) -> usize {
         match (self, rows) {
-            (Isa::Portable, _) => 1,
             #[cfg(target_arch = "x86_64")]
             (Isa::Avx2, 1) => 4,
             #[cfg(target_arch = "x86_64")]
@@ -122,6 +133,7 @@ impl Isa {
             (Isa::Avx512, 2) => 4,
             #[cfg(target_arch = "x86_64")]
             (Isa::Avx512, _) => 2,
+            _ => 1,
         }
     }
 
@@ -132,8 +144,7 @@ impl Isa {
     /// The CPU runs this path; `x` holds `rows` rows of `k`, interleaved; `w` holds
     /// `panels · k · 16` elements; `out` holds `rows · panels · 16`; `(rows, panels)` is a
     /// combination this path lists (see [`Isa::panels_for`]; `panels = 1` always is).
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) unsafe fn tile<T: KvElement>(
+    unsafe fn tile<T: KvElement>(
         self,
         rows: usize,
         panels: usize,
@@ -144,11 +155,11 @@ impl Isa {
         ahead: Ahead,
     ) {
         match self {
-            Isa::Portable => portable::tile(rows, x, w, k, out),
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 => avx2::tile(rows, panels, x, w, k, out, ahead),
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512 => avx512::tile(rows, panels, x, w, k, out, ahead),
+            _ => portable::tile(rows, x, w, k, out),
         }
     }
 
@@ -156,7 +167,7 @@ impl Isa {
     ///
     /// # Safety
     /// The CPU runs this path.
-    pub(crate) unsafe fn convert<T: KvElement>(self, src: &[T], dst: &mut [f32]) {
+    unsafe fn convert<T: KvElement>(self, src: &[T], dst: &mut [f32]) {
         match self {
             #[cfg(target_arch = "x86_64")]
             Isa::Avx2 | Isa::Avx512 => avx2::convert(src, dst),

@@ -13,7 +13,7 @@
 //!   is one f32 sum in increasing `k`.
 //! - When a panel serves more than one tile of rows, 16-bit weights are converted to f32 once
 //!   into a per-task buffer (K·16·P floats, ≤ 200 KB) instead of once per tile.
-//! - Calls run on `attention::pool()`, the same workers as the attention kernel: a model step
+//! - Calls run on `cpu::pool()`, the same workers as the attention kernel: a model step
 //!   alternates the two on the same threads instead of two pools fighting over the cores.
 //! - Shapes are checked before any work ([`crate::Error::Shape`]); an unavailable kernel is
 //!   [`crate::Error::InvalidArgument`]. Nothing here panics on caller input.
@@ -41,83 +41,18 @@ mod tests;
 use half::{bf16, f16};
 use rayon::prelude::*;
 
-use crate::compute::attention::pool;
+use crate::compute::cpu::pool;
+use crate::compute::cpu::Isa;
 use crate::error::{Error, Result};
 use crate::store::dtype::{KvDtype, KvElement};
-use kernels::{Ahead, Isa, MAX_TILE, PANEL};
+use kernels::{Ahead, Tiles, MAX_TILE, PANEL};
 
-/// Which implementation of the tiles runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum LinearKernel {
-    /// Plain Rust the compiler vectorises for the baseline target; runs everywhere.
-    Portable,
-    /// x86-64 AVX2 + FMA + F16C.
-    Avx2,
-    /// x86-64 AVX-512F (16-lane FMAs; f16 and bf16 converted with AVX-512F instructions).
-    Avx512,
-}
+/// The instruction sets linear has tiles for: every one.
+pub const ISAS: [Isa; 3] = Isa::ALL;
 
-impl LinearKernel {
-    /// Every kernel, best first.
-    pub const ALL: [LinearKernel; 3] = [
-        LinearKernel::Avx512,
-        LinearKernel::Avx2,
-        LinearKernel::Portable,
-    ];
-
-    /// Whether this CPU can run the kernel.
-    pub fn available(self) -> bool {
-        self.isa().is_some()
-    }
-
-    /// The fastest kernel this CPU runs.
-    pub fn best() -> LinearKernel {
-        LinearKernel::ALL
-            .into_iter()
-            .find(|kernel| kernel.available())
-            .unwrap_or(LinearKernel::Portable)
-    }
-
-    /// Lower-case name: "avx512", "avx2" or "portable".
-    pub fn name(self) -> &'static str {
-        match self {
-            LinearKernel::Portable => "portable",
-            LinearKernel::Avx2 => "avx2",
-            LinearKernel::Avx512 => "avx512",
-        }
-    }
-
-    fn isa(self) -> Option<Isa> {
-        match self {
-            LinearKernel::Portable => Some(Isa::Portable),
-            #[cfg(target_arch = "x86_64")]
-            LinearKernel::Avx2 => (is_x86_feature_detected!("avx2")
-                && is_x86_feature_detected!("fma")
-                && is_x86_feature_detected!("f16c"))
-            .then_some(Isa::Avx2),
-            #[cfg(target_arch = "x86_64")]
-            LinearKernel::Avx512 => (is_x86_feature_detected!("avx512f")
-                && LinearKernel::Avx2.available())
-            .then_some(Isa::Avx512),
-            #[cfg(not(target_arch = "x86_64"))]
-            _ => None,
-        }
-    }
-}
-
-impl std::str::FromStr for LinearKernel {
-    type Err = Error;
-
-    fn from_str(name: &str) -> Result<Self> {
-        LinearKernel::ALL
-            .into_iter()
-            .find(|kernel| kernel.name() == name)
-            .ok_or_else(|| {
-                Error::InvalidArgument(format!(
-                    "unknown linear kernel {name:?}; expected avx512, avx2 or portable"
-                ))
-            })
-    }
+/// The instruction set calls take by default: the best this CPU has under `cpu::ceiling`.
+pub fn default_isa() -> Isa {
+    Isa::default_of(&ISAS)
 }
 
 /// The packed weight in its storage type.
@@ -201,19 +136,13 @@ impl Linear {
         self.out_features.div_ceil(PANEL)
     }
 
-    /// `y = x · W` for `x` row-major `[m, K]` into `y` row-major `[m, N]`, with the best kernel.
+    /// `y = x · W` for `x` row-major `[m, K]` into `y` row-major `[m, N]`, on [`default_isa`].
     pub fn forward(&self, x: &[f32], m: usize, y: &mut [f32]) -> Result<()> {
-        self.forward_with(LinearKernel::best(), x, m, y)
+        self.forward_with(default_isa(), x, m, y)
     }
 
-    /// [`Linear::forward`] on a chosen kernel.
-    pub fn forward_with(
-        &self,
-        kernel: LinearKernel,
-        x: &[f32],
-        m: usize,
-        y: &mut [f32],
-    ) -> Result<()> {
+    /// [`Linear::forward`] on a chosen instruction set.
+    pub fn forward_with(&self, isa: Isa, x: &[f32], m: usize, y: &mut [f32]) -> Result<()> {
         let (k, n) = (self.in_features, self.out_features);
         if Some(x.len()) != m.checked_mul(k) || Some(y.len()) != m.checked_mul(n) {
             return Err(Error::Shape(format!(
@@ -222,12 +151,7 @@ impl Linear {
                 y.len()
             )));
         }
-        let isa = kernel.isa().ok_or_else(|| {
-            Error::InvalidArgument(format!(
-                "the {} linear kernel does not run on this CPU",
-                kernel.name()
-            ))
-        })?;
+        isa.check_for("linear", &ISAS)?;
         if m == 0 {
             return Ok(());
         }

@@ -1,4 +1,5 @@
-//! The dedicated rayon pool attention runs on.
+//! The one rayon pool every kernel runs on (attention, linear, sampling): a model step
+//! alternates them on the same threads instead of pools fighting over the cores.
 //!
 //! Invariants:
 //! - One pool per process. Its size is the last [`set_num_threads`] value, else
@@ -23,7 +24,7 @@ use crate::error::{ensure, Error, Result};
 /// Environment variable read for the default thread count.
 pub const NUM_THREADS_ENV: &str = "PAGEDKV_NUM_THREADS";
 
-/// The most threads attention runs on. The pool starts every thread at once, and attention gains
+/// The most threads the pool runs. The pool starts every thread at once, and the kernels gain
 /// nothing from more threads than CPUs; the bound keeps a mistyped count from exhausting the
 /// process's threads or address space.
 pub const MAX_THREADS: usize = 1024;
@@ -38,7 +39,7 @@ struct Pool {
 
 static POOL: Mutex<Option<Pool>> = Mutex::new(None);
 
-/// Sets the number of attention threads, `1..=MAX_THREADS` (from the next call on).
+/// Sets the number of pool threads, `1..=MAX_THREADS` (from the next call on).
 pub fn set_num_threads(threads: usize) -> Result<()> {
     ensure((1..=MAX_THREADS).contains(&threads), || {
         format!("the number of threads must be in 1..={MAX_THREADS}, got {threads}")
@@ -56,7 +57,7 @@ pub fn set_num_threads(threads: usize) -> Result<()> {
     Ok(())
 }
 
-/// The number of threads attention runs on.
+/// The number of threads the pool runs.
 pub fn num_threads() -> usize {
     match REQUESTED_THREADS.load(Ordering::Relaxed) {
         0 => default_threads(),
@@ -84,16 +85,16 @@ fn default_threads() -> usize {
 /// (a binding reports that as `InternalError`) rather than use the slot.
 fn lock_pool() -> MutexGuard<'static, Option<Pool>> {
     POOL.lock()
-        .expect("an earlier panic poisoned the attention thread pool's lock")
+        .expect("an earlier panic poisoned the worker pool's lock")
 }
 
 /// A pool of `threads` threads for this process.
 fn build(threads: usize) -> Result<Pool> {
     let pool = ThreadPoolBuilder::new()
         .num_threads(threads)
-        .thread_name(|i| format!("pagedkv-attention-{i}"))
+        .thread_name(|i| format!("pagedkv-worker-{i}"))
         .build()
-        .map_err(|e| Error::OutOfMemory(format!("{threads} attention threads ({e})")))?;
+        .map_err(|e| Error::OutOfMemory(format!("{threads} worker threads ({e})")))?;
     Ok(Pool {
         pid: std::process::id(),
         pool: Arc::new(pool),

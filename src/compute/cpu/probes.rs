@@ -1,0 +1,153 @@
+//! What this machine gives the worker pool, measured in the same run as the kernels: read-only
+//! memory bandwidth (the ceiling of decode) and f32 FMA throughput (the ceiling of prefill), each
+//! on the instruction set the kernels use by default (`isa::ceiling`, as far as a probe is written
+//! for it: AVX2 or portable).
+//!
+//! Invariants: the bandwidth probe buffer is written once before timing (so every page is backed by real
+//! memory, not the shared zero page), then swept read-only by the attention pool with the same
+//! vector loads and independent accumulators the kernels use; each sweep is timed separately.
+
+use std::time::Instant;
+
+use rayon::prelude::*;
+
+use super::{pool, vmath, Isa};
+use crate::error::{ensure, Result};
+use crate::store::buffer;
+
+/// The instruction sets the probes are written for.
+const PROBES: [Isa; 2] = [Isa::Avx2, Isa::Portable];
+
+/// Bytes each task sweeps: large enough to amortise scheduling, small enough to balance.
+const CHUNK_BYTES: usize = 1 << 20;
+
+/// The smallest probe: one page; below, a sweep times the call, not memory.
+pub const MIN_PROBE_BYTES: usize = 4096;
+
+/// A buffer of real memory to sweep: build once, then time sweeps between other measurements.
+pub struct ReadProbe {
+    data: Vec<f32>,
+}
+
+impl ReadProbe {
+    /// Allocates and writes `nbytes` (at least [`MIN_PROBE_BYTES`], rounded down to whole f32);
+    /// fails when the memory cannot be had.
+    pub fn new(nbytes: usize) -> Result<Self> {
+        ensure(nbytes >= MIN_PROBE_BYTES, || {
+            format!("nbytes must be at least {MIN_PROBE_BYTES}, got {nbytes}")
+        })?;
+        Ok(ReadProbe {
+            data: buffer::random_vec(nbytes / 4, 1, "the read bandwidth probe")?,
+        })
+    }
+
+    /// Bytes one sweep reads.
+    pub fn nbytes(&self) -> usize {
+        self.data.len() * 4
+    }
+
+    /// Reads the whole buffer once on the worker pool; returns GB/s (10^9 bytes per second).
+    pub fn sweep(&self) -> Result<f64> {
+        let isa = Isa::default_of(&PROBES);
+        let sum = |chunk: &[f32]| -> f32 {
+            match isa {
+                // SAFETY: the default is available on this CPU.
+                #[cfg(target_arch = "x86_64")]
+                Isa::Avx2 => unsafe { vmath::avx2::sum(chunk) },
+                _ => vmath::sum(chunk),
+            }
+        };
+        let pool = pool::pool()?;
+        let start = Instant::now();
+        let total: f32 = pool.install(|| self.data.par_chunks(CHUNK_BYTES / 4).map(sum).sum());
+        let seconds = start.elapsed().as_secs_f64();
+        std::hint::black_box(total);
+        Ok(self.nbytes() as f64 / seconds / 1e9)
+    }
+}
+
+/// Read bandwidth in GB/s of each of `sweeps` sweeps over a fresh buffer of `nbytes`.
+pub fn measure_read_bandwidth(nbytes: usize, sweeps: usize) -> Result<Vec<f64>> {
+    ensure(sweeps > 0, || "sweeps must be positive".into())?;
+    let probe = ReadProbe::new(nbytes)?;
+    (0..sweeps).map(|_| probe.sweep()).collect()
+}
+
+/// f32 FLOP/s (an FMA counts 2) of every pool thread running a register-only FMA loop with
+/// enough independent accumulators to hide the FMA latency, in GFLOP/s.
+pub fn measure_fma_peak() -> Result<f64> {
+    const ITERATIONS: usize = 2_000_000;
+    let isa = Isa::default_of(&PROBES);
+    let pool = pool::pool()?;
+    let threads = pool.current_num_threads();
+    let start = Instant::now();
+    let flops: f64 = pool.install(|| {
+        (0..threads)
+            .into_par_iter()
+            .with_max_len(1)
+            .map(|_| match isa {
+                // SAFETY: the default is available on this CPU.
+                #[cfg(target_arch = "x86_64")]
+                Isa::Avx2 => unsafe { fma_loop_avx2(ITERATIONS) },
+                _ => fma_loop(ITERATIONS),
+            })
+            .sum()
+    });
+    Ok(flops / start.elapsed().as_secs_f64() / 1e9)
+}
+
+/// Runs `iterations` rounds of independent FMAs on registers; returns the FLOPs done (an FMA
+/// counts 2). 12 chains of 8 lanes: two FMA units × 4 cycles of latency need at least 8 in flight.
+fn fma_loop(iterations: usize) -> f64 {
+    let mut acc = [[1.0f32; 8]; 12];
+    let (a, b) = (
+        std::hint::black_box(0.999_999f32),
+        std::hint::black_box(1e-7f32),
+    );
+    for _ in 0..iterations {
+        for lanes in acc.iter_mut() {
+            for x in lanes.iter_mut() {
+                *x = *x * a + b;
+            }
+        }
+    }
+    std::hint::black_box(acc);
+    (iterations * 12 * 8 * 2) as f64
+}
+
+/// [`fma_loop`] on AVX2 + FMA.
+///
+/// # Safety
+/// AVX2 and FMA must be available.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn fma_loop_avx2(iterations: usize) -> f64 {
+    use std::arch::x86_64::*;
+    let mut acc = [_mm256_set1_ps(1.0); 12];
+    let (a, b) = (
+        _mm256_set1_ps(std::hint::black_box(0.999_999)),
+        _mm256_set1_ps(std::hint::black_box(1e-7)),
+    );
+    for _ in 0..iterations {
+        for x in acc.iter_mut() {
+            *x = _mm256_fmadd_ps(*x, a, b);
+        }
+    }
+    std::hint::black_box(acc);
+    (iterations * 12 * 8 * 2) as f64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_probes_measure_something() {
+        let sweeps = measure_read_bandwidth(1 << 22, 2).unwrap();
+        assert_eq!(sweeps.len(), 2);
+        assert!(sweeps.iter().all(|&gbps| gbps > 0.1 && gbps.is_finite()));
+        let peak = measure_fma_peak().unwrap();
+        assert!(peak > 0.1 && peak.is_finite());
+        assert!(ReadProbe::new(MIN_PROBE_BYTES - 1).is_err());
+    }
+}
