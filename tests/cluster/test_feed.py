@@ -54,7 +54,8 @@ def test_a_receiver_applies_in_order_and_finds_a_gap() -> None:
 
 def test_a_replicas_load_is_its_queue_and_the_blocks_in_use() -> None:
     clock = VirtualClock()
-    core = EngineCore(SimulatedRunner(SimulatedModel(vocab_size=64), clock), EngineConfig(num_blocks=16, block_size=4), clock=clock)
+    runner = SimulatedRunner(SimulatedModel(vocab_size=64), clock)
+    core = EngineCore(runner, EngineConfig(num_blocks=16, block_size=4), clock=clock)
     assert replica_load(core) == ReplicaLoad(0, 0, 0.0)
     core.add_request("r", list(range(1, 9)), SamplingParams(max_tokens=4))
     assert replica_load(core).num_waiting == 1
