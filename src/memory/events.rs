@@ -20,12 +20,12 @@ impl Medium {
     pub const ALL: [Medium; 2] = [Medium::Ram, Medium::Disk];
 
     /// The medium named `name` ("ram" or "disk"); `InvalidArgument` for any other.
-    pub fn from_name(name: &str) -> crate::Result<Medium> {
+    pub fn from_name(name: &str) -> crate::error::Result<Medium> {
         Medium::ALL
             .into_iter()
             .find(|m| m.name() == name)
             .ok_or_else(|| {
-                crate::Error::InvalidArgument(format!(
+                crate::error::Error::InvalidArgument(format!(
                     "medium must be one of ram, disk, got {name:?}"
                 ))
             })

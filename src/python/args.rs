@@ -21,7 +21,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyByteArray, PyBytes, PyFloat, PyInt, PySequence, PyString};
 
 use super::errors::to_py;
-use crate::Error;
+use crate::error::Error;
 
 pub fn invalid(message: String) -> PyErr {
     to_py(Error::InvalidArgument(message))

@@ -13,7 +13,7 @@ use super::args::{c_order, expect_shape, opt, typed_array};
 use super::errors::IntoPyResult;
 use crate::compute::attention::{self, AttentionBatch};
 use crate::compute::cpu::Isa;
-use crate::KvCache;
+use crate::store::kv_cache::KvCache;
 
 /// The numpy arrays of a call, kept alive while their data is borrowed.
 pub(crate) struct Arrays<'py> {
@@ -124,7 +124,7 @@ impl Call<'_> {
         block_tables: &[i32],
         width: usize,
         out: &mut [f32],
-    ) -> crate::Result<()> {
+    ) -> crate::error::Result<()> {
         let batch = AttentionBatch {
             block_tables,
             max_blocks_per_seq: width,

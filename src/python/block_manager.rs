@@ -12,7 +12,7 @@ use super::args::{arg, opt, Param};
 use super::sync::{detached, locked};
 use crate::ids::{SeqId, TokenId};
 use crate::memory::block_manager::DEFAULT_BLOCK_SIZE;
-use crate::{BlockManager, BlockStats};
+use crate::memory::block_manager::{BlockManager, BlockStats};
 
 /// Paged KV block manager: allocates fixed-size blocks to sequences, shares full blocks between
 /// sequences with equal prefixes, and copies shared blocks on write. Thread-safe.
@@ -25,7 +25,7 @@ impl PyBlockManager {
     fn with<T: Send>(
         &self,
         py: Python<'_>,
-        f: impl FnOnce(&mut BlockManager) -> crate::Result<T> + Send,
+        f: impl FnOnce(&mut BlockManager) -> crate::error::Result<T> + Send,
     ) -> PyResult<T> {
         locked(py, &self.inner, f)
     }

@@ -10,7 +10,7 @@ use pyo3::exceptions::PyMemoryError;
 use pyo3::import_exception;
 use pyo3::prelude::*;
 
-use crate::Error;
+use crate::error::Error;
 
 import_exception!(pagedkv.errors, OutOfBlocksError);
 import_exception!(pagedkv.errors, UnknownSequenceError);
@@ -60,7 +60,7 @@ pub trait IntoPyResult<T> {
     fn py_err(self) -> PyResult<T>;
 }
 
-impl<T> IntoPyResult<T> for crate::Result<T> {
+impl<T> IntoPyResult<T> for crate::error::Result<T> {
     fn py_err(self) -> PyResult<T> {
         self.map_err(to_py)
     }

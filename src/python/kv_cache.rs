@@ -14,7 +14,9 @@ use pyo3::types::{PyByteArray, PyBytes, PyString};
 use super::args::{arg, c_order, expect_shape, invalid, shape_error, typed_array, Param};
 use super::attention_call::{Arrays, Tables};
 use super::sync::{detached, locked};
-use crate::{CopyOp, KvCache, KvDtype, KvShape};
+use crate::ids::CopyOp;
+use crate::store::dtype::KvDtype;
+use crate::store::kv_cache::{KvCache, KvShape};
 
 /// Paged K/V storage for all layers of a model, owned by Rust. Token slot `s` is row
 /// `s % block_size` of block `s // block_size`. Thread-safe.
@@ -33,7 +35,7 @@ impl PyKVCache {
     pub(crate) fn with<T: Send>(
         &self,
         py: Python<'_>,
-        f: impl FnOnce(&mut KvCache) -> crate::Result<T> + Send,
+        f: impl FnOnce(&mut KvCache) -> crate::error::Result<T> + Send,
     ) -> PyResult<T> {
         locked(py, &self.inner, f)
     }

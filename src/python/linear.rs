@@ -11,7 +11,7 @@ use super::args::{c_order, expect_shape, opt, typed_array, Param};
 use super::errors::IntoPyResult;
 use crate::compute::cpu::Isa;
 use crate::compute::linear::{self, Linear};
-use crate::KvDtype;
+use crate::store::dtype::KvDtype;
 
 /// A weight `W` (`[in_features, out_features]`) stored as float32, float16 or bfloat16, and
 /// `y = x @ W` for float32 `x` `[M, in_features]`, summed in float32 on the attention threads.

@@ -122,7 +122,7 @@ impl PyScheduler {
     fn run<T: Send>(
         &self,
         py: Python<'_>,
-        f: impl FnOnce(&KvRuntime) -> crate::Result<T> + Send,
+        f: impl FnOnce(&KvRuntime) -> crate::error::Result<T> + Send,
     ) -> PyResult<T> {
         detached(py, || f(&self.inner))
     }
@@ -570,7 +570,7 @@ impl PySchedulerOutput {
     fn run<T: Send>(
         &self,
         py: Python<'_>,
-        f: impl FnOnce(&KvRuntime, &Step) -> crate::Result<T> + Send,
+        f: impl FnOnce(&KvRuntime, &Step) -> crate::error::Result<T> + Send,
     ) -> PyResult<T> {
         let runtime = &self.scheduler.get().inner;
         detached(py, || f(runtime, &self.step))

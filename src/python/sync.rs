@@ -35,7 +35,7 @@ fn internal(failure: Failure) -> PyErr {
 pub fn locked<S, T>(
     py: Python<'_>,
     mutex: &Mutex<S>,
-    operation: impl FnOnce(&mut S) -> crate::Result<T> + Send,
+    operation: impl FnOnce(&mut S) -> crate::error::Result<T> + Send,
 ) -> PyResult<T>
 where
     S: Send,
@@ -51,7 +51,7 @@ where
 /// Runs `operation` on the state behind `mutex`, keeping the GIL (see the module doc).
 pub fn locked_with_gil<S, T>(
     mutex: &Mutex<S>,
-    operation: impl FnOnce(&mut S) -> crate::Result<T>,
+    operation: impl FnOnce(&mut S) -> crate::error::Result<T>,
 ) -> PyResult<T> {
     run_locked(mutex, operation)
         .map_err(internal)?
@@ -61,7 +61,7 @@ pub fn locked_with_gil<S, T>(
 /// Runs `f` with the GIL released (see the module doc).
 pub fn detached<T: Send>(
     py: Python<'_>,
-    f: impl FnOnce() -> crate::Result<T> + Send,
+    f: impl FnOnce() -> crate::error::Result<T> + Send,
 ) -> PyResult<T> {
     py.detach(|| run_guarded(f).map_err(internal)?.map_err(to_py))
 }

@@ -15,8 +15,8 @@
 //!   into a per-task buffer (K·16·P floats, ≤ 200 KB) instead of once per tile.
 //! - Calls run on `cpu::pool()`, the same workers as the attention kernel: a model step
 //!   alternates the two on the same threads instead of two pools fighting over the cores.
-//! - Shapes are checked before any work ([`crate::Error::Shape`]); an unavailable kernel is
-//!   [`crate::Error::InvalidArgument`]. Nothing here panics on caller input.
+//! - Shapes are checked before any work ([`crate::error::Error::Shape`]); an unavailable kernel is
+//!   [`crate::error::Error::InvalidArgument`]. Nothing here panics on caller input.
 //!
 //! Why own kernels and not the `gemm` crate (0.18), measured on this 2-core Zen 2 AVX2 machine
 //! shared with other builds (load average 3–6): `gemm` f32 reached 85–93 GFLOP/s on one thread

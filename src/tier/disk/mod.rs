@@ -14,7 +14,7 @@ pub use index::BlockRecord;
 pub use store::{DiskCounters, DiskStore, Fetch, NewBlock, Opened};
 pub use tier::{DiskTier, DiskTierConfig};
 
-/// What can go wrong in the disk store ([`crate::Error`] at the tier's boundary).
+/// What can go wrong in the disk store ([`crate::error::Error`] at the tier's boundary).
 #[derive(Debug, thiserror::Error)]
 pub enum DiskError {
     #[error("disk tier I/O: {0}")]
@@ -31,12 +31,12 @@ pub enum DiskError {
 /// Short form of the tier's results.
 pub type DiskResult<T> = std::result::Result<T, DiskError>;
 
-impl From<DiskError> for crate::Error {
+impl From<DiskError> for crate::error::Error {
     fn from(error: DiskError) -> Self {
         match error {
-            DiskError::InvalidArgument(message) => crate::Error::InvalidArgument(message),
-            DiskError::OutOfMemory(message) => crate::Error::OutOfMemory(message),
-            other => crate::Error::Io(other.to_string()),
+            DiskError::InvalidArgument(message) => crate::error::Error::InvalidArgument(message),
+            DiskError::OutOfMemory(message) => crate::error::Error::OutOfMemory(message),
+            other => crate::error::Error::Io(other.to_string()),
         }
     }
 }

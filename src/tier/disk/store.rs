@@ -112,8 +112,8 @@ impl DiskStore {
         }
         files::check_args(dir, capacity_bytes)?;
         // The slot table is sized by the capacity: allocated fallibly, before any file is made.
-        let out_of_memory = |e: crate::Error| match e {
-            crate::Error::OutOfMemory(m) => DiskError::OutOfMemory(m),
+        let out_of_memory = |e: crate::error::Error| match e {
+            crate::error::Error::OutOfMemory(m) => DiskError::OutOfMemory(m),
             other => DiskError::InvalidArgument(other.to_string()),
         };
         let owners = try_vec_with(capacity, "the disk tier's slot table", |_| None)
