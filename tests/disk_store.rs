@@ -1,80 +1,21 @@
 //! The disk tier's store: round trip, reopen, corruption and truncation (dropped, never served),
 //! a missing hash (not dropped, not counted), another identity (cleared), capacity eviction, groups
-//! of stores (one commit: duplicates, evictions, refusals), and a crash test: a child process (this
-//! test binary re-executed) storing groups of random sizes in a loop is SIGKILLed at random points,
-//! 20 times; after every kill the tier reopens and every block it serves has exactly the bytes that
-//! were written. Then the refusals of issue 23 (a capacity past the file system, an empty path,
-//! planted links, a directory others can write or own), private modes, and damaged indexes
-//! (truncated, zeroed, 60 random corruptions): cleared, never a panic, the tier working after.
+//! of stores (one commit: duplicates, evictions, refusals). Then the refusals of issue 23 (a
+//! capacity past the file system, an empty path, planted links, a directory others can write or
+//! own), private modes, and damaged indexes (truncated, zeroed, 60 random corruptions): cleared,
+//! never a panic, the tier working after. The crash test is its own binary (`disk_crash.rs`).
 
-use std::io::Write;
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::PathBuf;
-use std::time::{Duration, Instant};
 
 use pagedkv::memory::eviction::EvictionPolicy;
 use pagedkv::tier::disk::{DiskError, DiskStore, Fetch, NewBlock, Opened};
 use rand::Rng;
 
-const SLOT: usize = 4096;
-const ID: &[u8] = b"model-a/f16/bs16";
-
-fn fresh_dir(name: &str) -> PathBuf {
-    let dir = std::env::temp_dir().join(format!("pagedkv-disk-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    dir
-}
-
-/// The bytes, tokens and parent of test block `i`: all derived from `i`, so a reader can check.
-fn block(i: u64) -> (u128, u128, Vec<u32>, Vec<u8>) {
-    let data: Vec<u8> = (0..SLOT).map(|b| (i as usize * 31 + b * 7) as u8).collect();
-    let tokens = vec![i as u32, i as u32 + 1, i as u32 + 2, i as u32 + 3];
-    (1000 + i as u128, i as u128, tokens, data)
-}
-
-fn open(dir: &std::path::Path, slots: u64) -> DiskStore {
-    DiskStore::open(dir, ID, SLOT, slots * SLOT as u64, EvictionPolicy::Slru)
-        .unwrap()
-        .0
-}
-
-type Block = (u128, u128, Vec<u32>, Vec<u8>);
-
-fn new_block((hash, parent, tokens, data): &Block) -> NewBlock<'_> {
-    NewBlock {
-        hash: *hash,
-        parent: *parent,
-        salt: b"",
-        tokens,
-        data,
-    }
-}
-
-fn store(s: &mut DiskStore, i: u64) -> bool {
-    s.store(new_block(&block(i))).unwrap()
-}
-
-/// Stores blocks `ids` as one group.
-fn store_group(s: &mut DiskStore, ids: &[u64]) -> Vec<bool> {
-    let blocks: Vec<Block> = ids.iter().map(|&i| block(i)).collect();
-    let group: Vec<NewBlock<'_>> = blocks.iter().map(new_block).collect();
-    s.store_group(&group).unwrap()
-}
-
-/// Loads block `i`; if served, asserts its bytes are exactly those written.
-fn fetch(s: &mut DiskStore, i: u64) -> Fetch {
-    let (hash, parent, tokens, data) = block(i);
-    let mut out = vec![0; SLOT];
-    let fetched = s.load(hash, parent, b"", &tokens, &mut out).unwrap();
-    if fetched == Fetch::Verified {
-        assert_eq!(out, data, "block {i} served with other bytes");
-    }
-    fetched
-}
-
-fn load(s: &mut DiskStore, i: u64) -> bool {
-    fetch(s, i) == Fetch::Verified
-}
+#[path = "support/disk_blocks.rs"]
+#[allow(dead_code)] // each binary uses part of it
+mod support;
+use support::*;
 
 #[test]
 fn blocks_round_trip_and_survive_a_reopen() {
@@ -233,85 +174,6 @@ fn a_group_commits_its_new_blocks_and_evicts_for_room() {
     for i in [0, 3, 4, 5] {
         assert!(load(&mut s, i), "block {i} after reopen");
     }
-    std::fs::remove_dir_all(&dir).unwrap();
-}
-
-const CHILD_ENV: &str = "PAGEDKV_DISK_CRASH_CHILD";
-
-/// The writer: stores blocks `start..` forever in groups of 1 to 6 blocks (the tier's capacity:
-/// a group may evict every block), logging `B i` before and `A i` after each group of first block
-/// `i`.
-fn crash_child(dir: &str, start: u64) -> ! {
-    let mut s = open(&PathBuf::from(dir), 6);
-    let mut log = std::fs::OpenOptions::new()
-        .append(true)
-        .create(true)
-        .open(format!("{dir}/log"))
-        .unwrap();
-    let mut rng = rand::rng();
-    let mut i = start;
-    loop {
-        let ids: Vec<u64> = (i..i + rng.random_range(1..=6)).collect();
-        log.write_all(format!("B {i}\n").as_bytes()).unwrap();
-        store_group(&mut s, &ids);
-        log.write_all(format!("A {i}\n").as_bytes()).unwrap();
-        i += ids.len() as u64;
-    }
-}
-
-#[test]
-fn sigkill_at_random_points_never_serves_a_wrong_block() {
-    if let Ok(spec) = std::env::var(CHILD_ENV) {
-        let (dir, start) = spec.split_once(',').unwrap();
-        crash_child(dir, start.parse().unwrap());
-    }
-    let dir = fresh_dir("crash");
-    std::fs::create_dir_all(&dir).unwrap();
-    let exe = std::env::current_exe().unwrap();
-    let mut rng = rand::rng();
-    let (mut mid_write, mut served_total) = (0, 0);
-    let deadline = Instant::now() + Duration::from_secs(60);
-    for run in 0..20u64 {
-        let start = run * 10_000;
-        let _ = std::fs::remove_file(dir.join("log"));
-        let mut child = std::process::Command::new(&exe)
-            .args([
-                "--exact",
-                "sigkill_at_random_points_never_serves_a_wrong_block",
-                "--nocapture",
-            ])
-            .env(CHILD_ENV, format!("{},{start}", dir.display()))
-            .stdout(std::process::Stdio::null())
-            .spawn()
-            .unwrap();
-        std::thread::sleep(Duration::from_millis(rng.random_range(20..120)));
-        child.kill().unwrap(); // SIGKILL on Unix
-        child.wait().unwrap();
-        assert!(
-            Instant::now() < deadline,
-            "the crash test overran its time limit"
-        );
-        let log = std::fs::read_to_string(dir.join("log")).unwrap_or_default();
-        if log.lines().last().is_some_and(|l| l.starts_with('B')) {
-            mid_write += 1;
-        }
-        let (mut s, _) =
-            DiskStore::open(&dir, ID, SLOT, 6 * SLOT as u64, EvictionPolicy::Slru).unwrap();
-        let hashes: Vec<u128> = s.hashes().collect();
-        for hash in hashes {
-            let i = (hash - 1000) as u64;
-            if load(&mut s, i) {
-                served_total += 1;
-            }
-        }
-    }
-    println!(
-        "crash test: 20 kills, {mid_write} mid-write, {served_total} blocks served and verified"
-    );
-    assert!(
-        served_total > 0,
-        "the writer never committed a block: the test proved nothing"
-    );
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
