@@ -19,6 +19,7 @@ use std::time::{Duration, Instant};
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use pagedkv::memory::eviction::EvictionPolicy;
+use pagedkv::memory::prefix_cache::BlockKey;
 use pagedkv::tier::disk::tier::{MAX_GROUP_BLOCKS, MAX_GROUP_BYTES};
 use pagedkv::tier::disk::{DiskStore, DiskTier, DiskTierConfig, NewBlock};
 use pagedkv::tier::{KvTier, LoadJob, LoadOutcome, OffloadJob, TierLink};
@@ -76,9 +77,11 @@ fn stored_tier(
     for i in 0..STORED {
         tier.offload(OffloadJob {
             block: i,
-            hash: i as u128 + 1,
-            parent: 0,
-            tokens: tokens(i),
+            key: BlockKey {
+                hash: i as u128 + 1,
+                parent: 0,
+                tokens: tokens(i).into(),
+            },
         });
     }
     tier.flush();
@@ -90,9 +93,11 @@ fn stored_tier(
 fn load_job(i: u32) -> LoadJob {
     LoadJob {
         block: STORED + i,
-        hash: i as u128 + 1,
-        parent: 0,
-        tokens: tokens(i),
+        key: BlockKey {
+            hash: i as u128 + 1,
+            parent: 0,
+            tokens: tokens(i).into(),
+        },
     }
 }
 
@@ -148,9 +153,11 @@ fn offload_round(tier: &mut DiskTier, round: u128) {
     for k in 0..AHEAD {
         tier.offload(OffloadJob {
             block: 2 * STORED + k,
-            hash: (round << 32) + k as u128,
-            parent: 0,
-            tokens: tokens(k),
+            key: BlockKey {
+                hash: (round << 32) + k as u128,
+                parent: 0,
+                tokens: tokens(k).into(),
+            },
         });
     }
 }
@@ -178,9 +185,11 @@ fn load_behind_stores(c: &mut Criterion) {
                 let start = Instant::now();
                 tier.load(LoadJob {
                     block: STORED + k % STORED,
-                    hash: ((round - 1) << 32) + k as u128,
-                    parent: 0,
-                    tokens: tokens(k),
+                    key: BlockKey {
+                        hash: ((round - 1) << 32) + k as u128,
+                        parent: 0,
+                        tokens: tokens(k).into(),
+                    },
                 });
                 let done = loop {
                     let done = tier.completed_loads();

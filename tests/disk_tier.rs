@@ -16,6 +16,7 @@ use std::time::Duration;
 
 use pagedkv::memory::events::{KvEvent, Medium};
 use pagedkv::memory::eviction::EvictionPolicy;
+use pagedkv::memory::prefix_cache::BlockKey;
 use pagedkv::tier::disk::{DiskTier, DiskTierConfig, Opened};
 use pagedkv::tier::{KvTier, LoadDone, LoadJob, LoadOutcome, OffloadJob, TierLink};
 use pagedkv::{FreeList, KvCache, KvDtype, KvShape};
@@ -85,19 +86,18 @@ fn open(dir: &Path, config: DiskTierConfig, kv: &KvCache, link: &TierLink) -> (D
 fn offload_job(block: u32, i: u32) -> OffloadJob {
     OffloadJob {
         block,
-        hash: 1000 + i as u128,
-        parent: i as u128,
-        tokens: vec![i; SHAPE.block_size],
+        key: BlockKey {
+            hash: 1000 + i as u128,
+            parent: i as u128,
+            tokens: vec![i; SHAPE.block_size].into(),
+        },
     }
 }
 
 fn load_job(block: u32, i: u32) -> LoadJob {
-    let job = offload_job(block, i);
     LoadJob {
         block,
-        hash: job.hash,
-        parent: job.parent,
-        tokens: job.tokens,
+        key: offload_job(block, i).key,
     }
 }
 
@@ -120,9 +120,10 @@ fn flushed_loads(tier: &mut DiskTier) -> Vec<LoadDone> {
 fn replay(set: &mut HashSet<u128>, events: &[KvEvent]) {
     for event in events {
         match event {
-            KvEvent::BlockStored { hash, medium, .. } => {
+            KvEvent::BlockStored { key, medium } => {
                 assert_eq!(*medium, Medium::Disk);
-                assert!(set.insert(*hash), "stored twice without a removal: {hash}");
+                let hash = key.hash;
+                assert!(set.insert(hash), "stored twice without a removal: {hash}");
             }
             KvEvent::BlockRemoved { hash, medium } => {
                 assert_eq!(*medium, Medium::Disk);
@@ -193,9 +194,7 @@ fn offload_then_load_round_trips_every_dtype_exactly() {
             assert_eq!(
                 events[0],
                 KvEvent::BlockStored {
-                    hash: 1000,
-                    parent: 0,
-                    tokens: vec![0; 4],
+                    key: offload_job(0, 0).key,
                     medium: Medium::Disk
                 }
             );
@@ -291,14 +290,9 @@ fn a_reopened_tier_recovers_its_blocks_and_replays_them_as_events() {
         assert_eq!((opened.recovered, opened.cleared), (4, false));
         let events = check_events(&mut tier, &mut HashSet::new());
         let expected: Vec<KvEvent> = (0..4)
-            .map(|i| {
-                let job = offload_job(i, i);
-                KvEvent::BlockStored {
-                    hash: job.hash,
-                    parent: job.parent,
-                    tokens: job.tokens,
-                    medium: Medium::Disk,
-                }
+            .map(|i| KvEvent::BlockStored {
+                key: offload_job(i, i).key,
+                medium: Medium::Disk,
             })
             .collect();
         assert_eq!(events, expected);
@@ -494,7 +488,9 @@ fn loads_queued_behind_offloads_run_before_the_stores() {
         }
         tier.load(load_job(120, 0));
         let mut other_tokens = load_job(121, 1);
-        other_tokens.tokens[0] += 1;
+        let mut tokens = other_tokens.key.tokens.to_vec();
+        tokens[0] += 1;
+        other_tokens.key.tokens = tokens.into();
         tier.load(other_tokens);
         let last = 1 + QUEUED;
         tier.load(load_job(122, last));

@@ -25,7 +25,7 @@ use crate::memory::block_pool::BlockPool;
 use crate::memory::block_table::BlockTable;
 use crate::memory::events::{KvEvent, Medium};
 use crate::memory::eviction::EvictionPolicy;
-use crate::memory::prefix_cache::{block_hashes, chain_hash, root_hash, BlockHash};
+use crate::memory::prefix_cache::{block_hashes, chain_hash, root_hash, BlockHash, BlockKey};
 use crate::tier::{KvTier, LoadJob, LoadOutcome, TierCounters, TierLink};
 
 /// The cached prefix found for a prompt: read-only, it reserves nothing.
@@ -101,9 +101,7 @@ struct Load {
     seq: Option<SeqId>,
     /// Position of the block in that sequence's table.
     index: usize,
-    hash: BlockHash,
-    parent: BlockHash,
-    tokens: Vec<TokenId>,
+    key: BlockKey,
 }
 
 /// The loads of one loading sequence.
@@ -362,7 +360,7 @@ impl BlockManager {
             match d.outcome {
                 LoadOutcome::Loaded => {
                     self.pool
-                        .register(d.block, load.hash, load.parent, &load.tokens);
+                        .register(d.block, load.key.hash, load.key.parent, &load.key.tokens);
                 }
                 LoadOutcome::Dropped => self.loads_dropped += 1,
             }
@@ -594,21 +592,21 @@ impl BlockManager {
                 .zip(tokens[cached..].chunks_exact(bs))
             {
                 let block = self.pool.allocate().expect("capacity checked");
-                let parent = table.hashes.last().copied().unwrap_or(table.root);
+                let key = BlockKey {
+                    hash,
+                    parent: table.hashes.last().copied().unwrap_or(table.root),
+                    tokens: block_tokens.into(),
+                };
                 tier.load(LoadJob {
                     block,
-                    hash,
-                    parent,
-                    tokens: block_tokens.to_vec(),
+                    key: key.clone(),
                 });
                 self.loads.insert(
                     block,
                     Load {
                         seq: Some(seq),
                         index: table.blocks.len(),
-                        hash,
-                        parent,
-                        tokens: block_tokens.to_vec(),
+                        key,
                     },
                 );
                 table.blocks.push(block);

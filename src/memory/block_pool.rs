@@ -31,7 +31,7 @@ use crate::ids::{BlockId, TokenId};
 use crate::memory::events::{KvEvent, Medium};
 use crate::memory::eviction::{Evictable, EvictionPolicy};
 use crate::memory::free_list::FreeList;
-use crate::memory::prefix_cache::{BlockHash, PrefixCache};
+use crate::memory::prefix_cache::{BlockHash, BlockKey, PrefixCache};
 use crate::sync::{AtomicUsize, Ordering};
 use crate::tier::{OffloadJob, TierLink};
 
@@ -251,9 +251,11 @@ impl BlockPool {
         let bs = content.block_size;
         Some(OffloadJob {
             block,
-            hash,
-            parent: content.parents[block as usize],
-            tokens: content.tokens[block as usize * bs..][..bs].to_vec(),
+            key: BlockKey {
+                hash,
+                parent: content.parents[block as usize],
+                tokens: content.tokens[block as usize * bs..][..bs].into(),
+            },
         })
     }
 
@@ -326,10 +328,13 @@ impl BlockPool {
             content.tokens[block as usize * bs..][..bs].copy_from_slice(tokens);
         }
         if let Some(events) = &mut self.events {
-            events.push(KvEvent::BlockStored {
+            let key = BlockKey {
                 hash,
                 parent,
-                tokens: tokens.to_vec(),
+                tokens: tokens.into(),
+            };
+            events.push(KvEvent::BlockStored {
+                key,
                 medium: Medium::Ram,
             });
         }
@@ -493,9 +498,11 @@ mod tests {
             job,
             OffloadJob {
                 block: a,
-                hash: 11,
-                parent: 3,
-                tokens: vec![5, 6]
+                key: BlockKey {
+                    hash: 11,
+                    parent: 3,
+                    tokens: vec![5, 6].into()
+                }
             }
         );
         assert_eq!(pool.lookup(11), None);
@@ -523,9 +530,11 @@ mod tests {
             events,
             vec![
                 KvEvent::BlockStored {
-                    hash: 11,
-                    parent: 3,
-                    tokens: vec![5, 6],
+                    key: BlockKey {
+                        hash: 11,
+                        parent: 3,
+                        tokens: vec![5, 6].into()
+                    },
                     medium: Medium::Ram
                 },
                 KvEvent::BlockRemoved {

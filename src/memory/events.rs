@@ -6,8 +6,7 @@
 //! a full block becomes findable by prefix lookup in that medium, a `Removed` when it stops being
 //! findable there, `Cleared` when a whole medium is emptied (a tier of another model cleared).
 
-use crate::ids::TokenId;
-use crate::memory::prefix_cache::BlockHash;
+use crate::memory::prefix_cache::{BlockHash, BlockKey};
 
 /// Where a block is held.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -43,13 +42,8 @@ impl Medium {
 /// One change to the set of findable blocks.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum KvEvent {
-    /// The block of prefix `hash` (after `parent`, holding `tokens`) is now findable in `medium`.
-    BlockStored {
-        hash: BlockHash,
-        parent: BlockHash,
-        tokens: Vec<TokenId>,
-        medium: Medium,
-    },
+    /// The block `key` names is now findable in `medium`.
+    BlockStored { key: BlockKey, medium: Medium },
     /// The block of prefix `hash` is no longer findable in `medium`.
     BlockRemoved { hash: BlockHash, medium: Medium },
     /// No block is findable in `medium` any more.

@@ -10,6 +10,8 @@
 //! Invariant: the map holds at most one block per hash, and a block is in the map iff the pool has
 //! recorded that hash for it.
 
+use std::sync::Arc;
+
 use rustc_hash::FxHashMap;
 
 use crate::error::{ensure, Result};
@@ -17,6 +19,16 @@ use crate::ids::{BlockId, TokenId};
 
 /// 128-bit content hash of a whole prefix ending at a block boundary.
 pub type BlockHash = u128;
+
+/// A full block as the prefix cache names it: its hash, its parent's (the chain root for a first
+/// block) and its tokens — the one key every hand-off carries (the pool's events, the tier's jobs,
+/// a load in flight), its tokens shared, never copied, from one holder to the next.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct BlockKey {
+    pub hash: BlockHash,
+    pub parent: BlockHash,
+    pub tokens: Arc<[TokenId]>,
+}
 
 /// The root of a hash chain: the salt's hash, or a fixed value without salt.
 pub fn root_hash(salt: Option<&[u8]>) -> BlockHash {

@@ -11,7 +11,7 @@ use super::args::arg;
 use super::errors::IntoPyResult;
 use crate::ids::TokenId;
 use crate::memory::events::{KvEvent, Medium};
-use crate::memory::prefix_cache::BlockHash;
+use crate::memory::prefix_cache::{BlockHash, BlockKey};
 
 fn medium(name: &Bound<'_, PyAny>) -> PyResult<Medium> {
     let name: String = arg(name, "medium")?;
@@ -23,11 +23,7 @@ fn medium(name: &Bound<'_, PyAny>) -> PyResult<Medium> {
 #[pyclass(name = "BlockStored", module = "pagedkv", frozen, eq, hash)]
 #[derive(PartialEq, Eq, Hash)]
 pub struct PyBlockStored {
-    #[pyo3(get)]
-    block_hash: BlockHash,
-    #[pyo3(get)]
-    parent_block_hash: BlockHash,
-    tokens: Vec<TokenId>,
+    key: BlockKey,
     medium: Medium,
 }
 
@@ -40,18 +36,31 @@ impl PyBlockStored {
         token_ids: &Bound<'_, PyAny>,
         medium: &Bound<'_, PyAny>,
     ) -> PyResult<Self> {
+        let tokens: Vec<TokenId> = arg(token_ids, "token_ids")?;
         Ok(PyBlockStored {
-            block_hash: arg(block_hash, "block_hash")?,
-            parent_block_hash: arg(parent_block_hash, "parent_block_hash")?,
-            tokens: arg(token_ids, "token_ids")?,
+            key: BlockKey {
+                hash: arg(block_hash, "block_hash")?,
+                parent: arg(parent_block_hash, "parent_block_hash")?,
+                tokens: tokens.into(),
+            },
             medium: self::medium(medium)?,
         })
+    }
+
+    #[getter]
+    fn block_hash(&self) -> BlockHash {
+        self.key.hash
+    }
+
+    #[getter]
+    fn parent_block_hash(&self) -> BlockHash {
+        self.key.parent
     }
 
     /// The block's tokens.
     #[getter]
     fn token_ids<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
-        PyTuple::new(py, &self.tokens)
+        PyTuple::new(py, self.key.tokens.iter())
     }
 
     #[getter]
@@ -64,8 +73,8 @@ impl PyBlockStored {
     ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyTuple>)> {
         let e = slf.get();
         let args = (
-            e.block_hash,
-            e.parent_block_hash,
+            e.key.hash,
+            e.key.parent,
             e.token_ids(slf.py())?,
             e.medium.name(),
         );
@@ -73,12 +82,12 @@ impl PyBlockStored {
     }
 
     fn __repr__(&self) -> String {
-        let tokens: Vec<String> = self.tokens.iter().map(u32::to_string).collect();
+        let tokens: Vec<String> = self.key.tokens.iter().map(u32::to_string).collect();
         let comma = if tokens.len() == 1 { "," } else { "" };
         format!(
             "BlockStored(block_hash={}, parent_block_hash={}, token_ids=({}{comma}), medium='{}')",
-            self.block_hash,
-            self.parent_block_hash,
+            self.key.hash,
+            self.key.parent,
             tokens.join(", "),
             self.medium.name()
         )
@@ -162,17 +171,10 @@ impl PyAllBlocksCleared {
 /// A core event as its Python class.
 fn event<'py>(py: Python<'py>, event: &KvEvent) -> PyResult<Bound<'py, PyAny>> {
     Ok(match event {
-        KvEvent::BlockStored {
-            hash,
-            parent,
-            tokens,
-            medium,
-        } => Bound::new(
+        KvEvent::BlockStored { key, medium } => Bound::new(
             py,
             PyBlockStored {
-                block_hash: *hash,
-                parent_block_hash: *parent,
-                tokens: tokens.clone(),
+                key: key.clone(),
                 medium: *medium,
             },
         )?

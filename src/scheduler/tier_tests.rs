@@ -60,7 +60,7 @@ enum Job {
 
 struct Entry {
     parent: BlockHash,
-    tokens: Vec<TokenId>,
+    tokens: std::sync::Arc<[TokenId]>,
     content: Vec<Option<u64>>,
     corrupt: bool,
 }
@@ -131,10 +131,10 @@ impl World {
 
     fn run_offload(&mut self, job: OffloadJob) {
         let content = self.slots(job.block).to_vec();
-        if content != block_kv(job.parent, &job.tokens) {
+        if content != block_kv(job.key.parent, &job.key.tokens) {
             self.errors.push(format!(
                 "block {} offloaded as {:x} does not hold its tokens",
-                job.block, job.hash
+                job.block, job.key.hash
             ));
         }
         // Copy-out done: the block goes back (poisoned, as a reused block holds stale data), pushed
@@ -143,7 +143,7 @@ impl World {
         self.link.free.push(job.block);
         self.link.returned.fetch_add(1, Ordering::Release);
         self.counters.offloads += 1;
-        if self.store.contains_key(&job.hash) {
+        if self.store.contains_key(&job.key.hash) {
             return;
         }
         while self.store.len() >= self.capacity {
@@ -159,21 +159,19 @@ impl World {
             content[0] = Some(0xbad);
         }
         self.events.push(KvEvent::BlockStored {
-            hash: job.hash,
-            parent: job.parent,
-            tokens: job.tokens.clone(),
+            key: job.key.clone(),
             medium: Medium::Disk,
         });
         self.store.insert(
-            job.hash,
+            job.key.hash,
             Entry {
-                parent: job.parent,
-                tokens: job.tokens,
+                parent: job.key.parent,
+                tokens: job.key.tokens,
                 content,
                 corrupt,
             },
         );
-        self.order.push_back(job.hash);
+        self.order.push_back(job.key.hash);
         self.counters.blocks = self.store.len() as u64;
     }
 
@@ -187,8 +185,8 @@ impl World {
 
     fn run_load(&mut self, job: LoadJob) {
         self.counters.loads += 1;
-        let verified = self.store.get(&job.hash).and_then(|e| {
-            (!e.corrupt && e.parent == job.parent && e.tokens == job.tokens)
+        let verified = self.store.get(&job.key.hash).and_then(|e| {
+            (!e.corrupt && e.parent == job.key.parent && e.tokens == job.key.tokens)
                 .then(|| e.content.clone())
         });
         let outcome = match verified {
@@ -197,9 +195,9 @@ impl World {
                 LoadOutcome::Loaded
             }
             None => {
-                if self.store.remove(&job.hash).is_some() {
+                if self.store.remove(&job.key.hash).is_some() {
                     self.counters.dropped_corrupt += 1;
-                    self.removed(job.hash);
+                    self.removed(job.key.hash);
                 }
                 // A torn read leaves garbage behind.
                 self.slots(job.block).fill(Some(0xdead));
@@ -262,7 +260,7 @@ impl KvTier for FakeTier {
         w.store.contains_key(&hash)
             || w.queue
                 .iter()
-                .any(|j| matches!(j, Job::Offload(o) if o.hash == hash))
+                .any(|j| matches!(j, Job::Offload(o) if o.key.hash == hash))
     }
     fn offload(&mut self, job: OffloadJob) {
         self.0.lock().unwrap().queue.push_back(Job::Offload(job));
@@ -668,7 +666,8 @@ fn add_tokens(s: &mut Scheduler, id: &str, prompt: Vec<TokenId>, max_tokens: usi
 fn replay(set: &mut HashSet<(BlockHash, Medium)>, events: Vec<KvEvent>) {
     for event in events {
         match event {
-            KvEvent::BlockStored { hash, medium, .. } => {
+            KvEvent::BlockStored { key, medium } => {
+                let hash = key.hash;
                 assert!(
                     set.insert((hash, medium)),
                     "{hash:x} stored twice in {medium:?}"

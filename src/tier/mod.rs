@@ -22,9 +22,9 @@ use std::sync::Arc;
 
 use crate::memory::events::KvEvent;
 use crate::memory::free_list::FreeList;
-use crate::memory::prefix_cache::BlockHash;
+use crate::memory::prefix_cache::{BlockHash, BlockKey};
 // `std`'s, or loom's under `--cfg loom` (so the loom test checks the pool with a real I/O thread).
-use crate::ids::{BlockId, TokenId};
+use crate::ids::BlockId;
 use crate::sync::AtomicUsize;
 
 /// What a tier needs of the pool: its free list, shared, and the count of blocks returned to it.
@@ -39,11 +39,8 @@ pub struct TierLink {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct OffloadJob {
     pub block: BlockId,
-    pub hash: BlockHash,
-    /// Hash of the previous block of the prefix (the chain root for a first block).
-    pub parent: BlockHash,
-    /// The block's `block_size` tokens.
-    pub tokens: Vec<TokenId>,
+    /// What the block holds (its `block_size` tokens).
+    pub key: BlockKey,
 }
 
 /// A block to bring back into RAM block `block`: the entry of `hash`, verified to hold `tokens`
@@ -51,9 +48,7 @@ pub struct OffloadJob {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LoadJob {
     pub block: BlockId,
-    pub hash: BlockHash,
-    pub parent: BlockHash,
-    pub tokens: Vec<TokenId>,
+    pub key: BlockKey,
 }
 
 /// How a load ended.

@@ -8,6 +8,7 @@
 
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::path::Path;
+use std::sync::Arc;
 
 use redb::backends::FileBackend;
 use redb::{Database, ReadableDatabase, ReadableTable, TableDefinition};
@@ -33,8 +34,8 @@ pub struct BlockRecord {
     pub parent: BlockHash,
     /// The cache salt the prefix was hashed under (empty: none).
     pub salt: Vec<u8>,
-    /// The block's tokens.
-    pub tokens: Vec<TokenId>,
+    /// The block's tokens (shared with the `BlockKey` of its events).
+    pub tokens: Arc<[TokenId]>,
 }
 
 impl BlockRecord {
@@ -46,7 +47,7 @@ impl BlockRecord {
         out.extend_from_slice(&self.parent.to_le_bytes());
         out.extend_from_slice(&(self.salt.len() as u32).to_le_bytes());
         out.extend_from_slice(&self.salt);
-        for t in &self.tokens {
+        for t in self.tokens.iter() {
             out.extend_from_slice(&t.to_le_bytes());
         }
         out
@@ -270,7 +271,7 @@ mod tests {
             checksum: 0xdead_beef,
             parent: 1 << 100,
             salt: b"tenant".to_vec(),
-            tokens: vec![1, 2, u32::MAX],
+            tokens: vec![1, 2, u32::MAX].into(),
         };
         assert_eq!(BlockRecord::decode(&record.encode()), Some(record));
         assert_eq!(BlockRecord::decode(&[1, 2, 3]), None);

@@ -278,7 +278,7 @@ impl DiskStore {
                     checksum: xxhash_rust::xxh3::xxh3_64(block.data),
                     parent: block.parent,
                     salt: block.salt.to_vec(),
-                    tokens: block.tokens.to_vec(),
+                    tokens: block.tokens.into(),
                 };
                 (block.hash, record)
             })
@@ -327,7 +327,7 @@ impl DiskStore {
             && xxhash_rust::xxh3::xxh3_64(out) == record.checksum
             && record.parent == parent
             && record.salt == salt
-            && record.tokens == tokens;
+            && *record.tokens == *tokens;
         self.order.remove(slot);
         if !verified {
             self.forget(&[slot])?;

@@ -49,7 +49,7 @@ use crate::error::{ensure, Error, Result};
 use crate::ids::BlockId;
 use crate::memory::events::{KvEvent, Medium};
 use crate::memory::eviction::EvictionPolicy;
-use crate::memory::prefix_cache::BlockHash;
+use crate::memory::prefix_cache::{BlockHash, BlockKey};
 use crate::store::kv_cache::KvBlockIo;
 use crate::tier::{KvTier, LoadDone, LoadJob, LoadOutcome, OffloadJob, TierCounters, TierLink};
 
@@ -191,10 +191,13 @@ impl DiskTier {
         records.sort_unstable_by_key(|&(hash, _)| hash);
         for (hash, record) in records {
             state.committed.insert(hash);
-            state.events.push(KvEvent::BlockStored {
+            let key = BlockKey {
                 hash,
                 parent: record.parent,
                 tokens: record.tokens.clone(),
+            };
+            state.events.push(KvEvent::BlockStored {
+                key,
                 medium: Medium::Disk,
             });
         }
@@ -241,7 +244,7 @@ impl DiskTier {
         match job {
             Job::Offload(job) => {
                 return_block(&self.link, job.block);
-                unpend(&mut state, job.hash);
+                unpend(&mut state, job.key.hash);
                 state.counters.offloads_lost += 1;
             }
             Job::Load(job) => {
@@ -265,7 +268,7 @@ impl KvTier for DiskTier {
     fn offload(&mut self, job: OffloadJob) {
         {
             let mut state = self.shared.lock();
-            *state.pending.entry(job.hash).or_default() += 1;
+            *state.pending.entry(job.key.hash).or_default() += 1;
             state.outstanding += 1;
         }
         self.submit(Job::Offload(job));
@@ -413,7 +416,7 @@ impl Worker {
             }
             None => {
                 self.lost += 1;
-                self.finish_jobs(1, |state| unpend(state, job.hash));
+                self.finish_jobs(1, |state| unpend(state, job.key.hash));
             }
         }
     }
@@ -435,10 +438,10 @@ impl Worker {
             let blocks: Vec<NewBlock<'_>> = group
                 .iter()
                 .map(|copy| NewBlock {
-                    hash: copy.job.hash,
-                    parent: copy.job.parent,
+                    hash: copy.job.key.hash,
+                    parent: copy.job.key.parent,
                     salt: &[],
-                    tokens: &copy.job.tokens,
+                    tokens: &copy.job.key.tokens,
                     data: &copy.data,
                 })
                 .collect();
@@ -454,13 +457,11 @@ impl Worker {
         };
         self.finish_jobs(count, |state| {
             for (copy, stored) in group.into_iter().zip(stored) {
-                unpend(state, copy.job.hash);
+                unpend(state, copy.job.key.hash);
                 if stored {
-                    state.committed.insert(copy.job.hash);
+                    state.committed.insert(copy.job.key.hash);
                     state.events.push(KvEvent::BlockStored {
-                        hash: copy.job.hash,
-                        parent: copy.job.parent,
-                        tokens: copy.job.tokens,
+                        key: copy.job.key,
                         medium: Medium::Disk,
                     });
                 }
@@ -477,16 +478,18 @@ impl Worker {
             })?;
             // The newest queued copy of the block, if its store has not run yet.
             let queued = copies.iter().rev().find(|copy| {
-                copy.job.hash == job.hash
-                    && copy.job.parent == job.parent
-                    && copy.job.tokens == job.tokens
+                copy.job.key.hash == job.key.hash
+                    && copy.job.key.parent == job.key.parent
+                    && copy.job.key.tokens == job.key.tokens
             });
             let data = match queued {
                 Some(copy) => &copy.data,
-                None => match store.load(job.hash, job.parent, &[], &job.tokens, scratch)? {
-                    Fetch::Verified => &*scratch,
-                    other => return Ok(other),
-                },
+                None => {
+                    match store.load(job.key.hash, job.key.parent, &[], &job.key.tokens, scratch)? {
+                        Fetch::Verified => &*scratch,
+                        other => return Ok(other),
+                    }
+                }
             };
             // SAFETY: the block of an in-flight load is accessed by no other thread (the protocol
             // `DiskTier::open`'s caller keeps); `data` is a queued copy or was verified against
