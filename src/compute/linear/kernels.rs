@@ -3,7 +3,7 @@
 //! Invariants:
 //! - A tile is `R` rows of `x`, interleaved (`x[kk · R + r]`, see `linear`'s module doc), times
 //!   `P` consecutive panels of the packed weight (each `k × 16` elements), written to `out` as
-//!   `R × (16·P)` f32 with row stride `16·P`. `R ≤ isa.max_rows()` and `R·P ≤ 16`.
+//!   `R × (16·P)` f32 with row stride `16·P`. `R ≤ max_rows(isa)` and `R·P ≤ 16`.
 //! - Weights are converted to f32 on load; every sum is accumulated in f32, one multiply-add per
 //!   `x[r][k] · w[k][j]` in increasing `k` (fused on the SIMD paths, so paths agree to within
 //!   the rounding of one product per term).
@@ -83,98 +83,76 @@ impl Ahead {
 #[cfg(target_arch = "x86_64")]
 const UNROLL: usize = 4;
 
-/// The tiles of each instruction set.
-pub(crate) trait Tiles {
-    /// Rows of `x` one tile covers at most.
-    fn max_rows(self) -> usize;
-    /// Panels per tile for `rows` rows.
-    fn panels_for(self, rows: usize) -> usize;
-    /// One tile (see the impl).
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn tile<T: KvElement>(
-        self,
-        rows: usize,
-        panels: usize,
-        x: *const f32,
-        w: *const T,
-        k: usize,
-        out: *mut f32,
-        ahead: Ahead,
-    );
-    /// Converts `src` to f32 into `dst` (see the impl).
-    unsafe fn convert<T: KvElement>(self, src: &[T], dst: &mut [f32]);
+/// Rows of `x` one tile of `isa` covers at most.
+pub(crate) fn max_rows(isa: Isa) -> usize {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => 6,
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => 8,
+        _ => 4,
+    }
 }
 
-impl Tiles for Isa {
-    fn max_rows(self) -> usize {
-        match self {
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => 6,
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => 8,
-            _ => 4,
-        }
+/// Panels per tile for `rows` rows: enough independent accumulators (≥ 8) to hide the FMA
+/// latency when few rows share each weight load, which is what keeps M = 1 at the memory's
+/// pace instead of the FMA chain's.
+pub(crate) fn panels_for(isa: Isa, rows: usize) -> usize {
+    match (isa, rows) {
+        #[cfg(target_arch = "x86_64")]
+        (Isa::Avx2, 1) => 4,
+        #[cfg(target_arch = "x86_64")]
+        (Isa::Avx2, 2) => 2,
+        #[cfg(target_arch = "x86_64")]
+        (Isa::Avx2, _) => 1,
+        #[cfg(target_arch = "x86_64")]
+        (Isa::Avx512, 1) => 8,
+        #[cfg(target_arch = "x86_64")]
+        (Isa::Avx512, 2) => 4,
+        #[cfg(target_arch = "x86_64")]
+        (Isa::Avx512, _) => 2,
+        _ => 1,
     }
+}
 
-    /// Panels per tile for `rows` rows: enough independent accumulators (≥ 8) to hide the FMA
-    /// latency when few rows share each weight load, which is what keeps M = 1 at the memory's
-    /// pace instead of the FMA chain's.
-    fn panels_for(self, rows: usize) -> usize {
-        match (self, rows) {
-            #[cfg(target_arch = "x86_64")]
-            (Isa::Avx2, 1) => 4,
-            #[cfg(target_arch = "x86_64")]
-            (Isa::Avx2, 2) => 2,
-            #[cfg(target_arch = "x86_64")]
-            (Isa::Avx2, _) => 1,
-            #[cfg(target_arch = "x86_64")]
-            (Isa::Avx512, 1) => 8,
-            #[cfg(target_arch = "x86_64")]
-            (Isa::Avx512, 2) => 4,
-            #[cfg(target_arch = "x86_64")]
-            (Isa::Avx512, _) => 2,
-            _ => 1,
-        }
+/// One tile: `rows` rows of `x`, `panels` panels from `w`, `k` deep, into `out`, requesting
+/// `ahead` (ignored by the portable path).
+///
+/// # Safety
+/// The CPU runs this path; `x` holds `rows` rows of `k`, interleaved; `w` holds
+/// `panels · k · 16` elements; `out` holds `rows · panels · 16`; `(rows, panels)` is a
+/// combination this path lists (see [`panels_for`]; `panels = 1` always is).
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn tile<T: KvElement>(
+    isa: Isa,
+    rows: usize,
+    panels: usize,
+    x: *const f32,
+    w: *const T,
+    k: usize,
+    out: *mut f32,
+    ahead: Ahead,
+) {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => avx2::tile(rows, panels, x, w, k, out, ahead),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => avx512::tile(rows, panels, x, w, k, out, ahead),
+        _ => portable::tile(rows, x, w, k, out),
     }
+}
 
-    /// One tile: `rows` rows of `x`, `panels` panels from `w`, `k` deep, into `out`, requesting
-    /// `ahead` (ignored by the portable path).
-    ///
-    /// # Safety
-    /// The CPU runs this path; `x` holds `rows` rows of `k`, interleaved; `w` holds
-    /// `panels · k · 16` elements; `out` holds `rows · panels · 16`; `(rows, panels)` is a
-    /// combination this path lists (see [`Isa::panels_for`]; `panels = 1` always is).
-    unsafe fn tile<T: KvElement>(
-        self,
-        rows: usize,
-        panels: usize,
-        x: *const f32,
-        w: *const T,
-        k: usize,
-        out: *mut f32,
-        ahead: Ahead,
-    ) {
-        match self {
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 => avx2::tile(rows, panels, x, w, k, out, ahead),
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx512 => avx512::tile(rows, panels, x, w, k, out, ahead),
-            _ => portable::tile(rows, x, w, k, out),
-        }
-    }
-
-    /// Converts `src` to f32 into `dst` (same length), with this path's vector conversion.
-    ///
-    /// # Safety
-    /// The CPU runs this path.
-    unsafe fn convert<T: KvElement>(self, src: &[T], dst: &mut [f32]) {
-        match self {
-            #[cfg(target_arch = "x86_64")]
-            Isa::Avx2 | Isa::Avx512 => avx2::convert(src, dst),
-            _ => {
-                for (d, s) in dst.iter_mut().zip(src) {
-                    *d = s.to_f32();
-                }
+/// Converts `src` to f32 into `dst` (same length), with this path's vector conversion.
+///
+/// # Safety
+/// The CPU runs this path.
+pub(crate) unsafe fn convert<T: KvElement>(isa: Isa, src: &[T], dst: &mut [f32]) {
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 | Isa::Avx512 => avx2::convert(src, dst),
+        _ => {
+            for (d, s) in dst.iter_mut().zip(src) {
+                *d = s.to_f32();
             }
         }
     }
@@ -186,7 +164,7 @@ mod portable {
     use crate::store::dtype::KvElement;
 
     /// # Safety
-    /// As [`super::Isa::tile`] with one panel and `rows ≤ 4`.
+    /// As [`tile`] with one panel and `rows ≤ 4`.
     pub(super) unsafe fn tile<T: KvElement>(
         rows: usize,
         x: *const f32,
@@ -252,7 +230,7 @@ mod avx2 {
     }
 
     /// # Safety
-    /// As [`super::Isa::tile`] on a CPU with AVX2, FMA and F16C.
+    /// As [`tile`] on a CPU with AVX2, FMA and F16C.
     #[target_feature(enable = "avx2,fma,f16c")]
     #[allow(clippy::too_many_arguments)]
     pub(super) unsafe fn tile<T: KvElement>(
@@ -356,7 +334,7 @@ mod avx512 {
     }
 
     /// # Safety
-    /// As [`super::Isa::tile`] on a CPU with AVX-512F.
+    /// As [`tile`] on a CPU with AVX-512F.
     #[target_feature(enable = "avx512f")]
     #[allow(clippy::too_many_arguments)]
     pub(super) unsafe fn tile<T: KvElement>(

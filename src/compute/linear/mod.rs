@@ -45,7 +45,7 @@ use crate::compute::cpu::pool;
 use crate::compute::cpu::Isa;
 use crate::error::{Error, Result};
 use crate::store::dtype::{KvDtype, KvElement};
-use kernels::{Ahead, Tiles, MAX_TILE, PANEL};
+use kernels::{max_rows, panels_for, Ahead, MAX_TILE, PANEL};
 
 /// The instruction sets linear has tiles for: every one.
 pub const ISAS: [Isa; 3] = Isa::ALL;
@@ -157,7 +157,7 @@ impl Linear {
         }
         let run = Run {
             isa,
-            x: &interleave(x, m, k, isa.max_rows()),
+            x: &interleave(x, m, k, max_rows(isa)),
             m,
             k,
             n,
@@ -226,7 +226,7 @@ impl Run<'_> {
         let panel_len = self.k * PANEL;
         let panels = packed.len() / panel_len;
         let pool = pool()?;
-        let width = self.isa.panels_for(self.m.min(self.isa.max_rows()));
+        let width = panels_for(self.isa, self.m.min(max_rows(self.isa)));
         let share = panels.div_ceil(pool.current_num_threads() * 4);
         let per_task = (share / width * width).max(width);
         pool.install(|| {
@@ -241,8 +241,8 @@ impl Run<'_> {
     /// Panels `first..` held in `chunk`, for every row of `x`.
     fn task<T: KvElement>(&self, chunk: &[T], first: usize) {
         let panel_len = self.k * PANEL;
-        let rows = self.m.min(self.isa.max_rows());
-        let width = self.isa.panels_for(rows);
+        let rows = self.m.min(max_rows(self.isa));
+        let width = panels_for(self.isa, rows);
         let convert = T::DTYPE != KvDtype::F32 && self.m > rows;
         let mut scratch = if convert {
             vec![0.0f32; width * panel_len]
@@ -263,7 +263,7 @@ impl Run<'_> {
             if convert {
                 let dst = &mut scratch[..group * panel_len];
                 // SAFETY: `isa` runs on this CPU (checked by the caller of `all`).
-                unsafe { self.isa.convert(src, dst) };
+                unsafe { kernels::convert(self.isa, src, dst) };
                 self.rows(group, dst, panel, ahead);
             } else {
                 self.rows(group, src, panel, ahead);
@@ -280,9 +280,9 @@ impl Run<'_> {
         let cols = (group * PANEL).min(self.n - col0);
         let mut row0 = 0;
         while row0 < self.m {
-            let rows = (self.m - row0).min(self.isa.max_rows());
+            let rows = (self.m - row0).min(max_rows(self.isa));
             // A shorter last tile of rows may want wider tiles than the group: then one panel each.
-            let width = match self.isa.panels_for(rows) {
+            let width = match panels_for(self.isa, rows) {
                 wide if wide <= group && group.is_multiple_of(wide) => wide,
                 _ => 1,
             };
@@ -321,7 +321,8 @@ impl Run<'_> {
         // `out` holds MAX_TILE ≥ rows · width · 16 floats, and `(rows, width)` is either
         // `(rows, panels_for(rows))` or `(rows, 1)`, the combinations every path lists.
         unsafe {
-            self.isa.tile(
+            kernels::tile(
+                self.isa,
                 rows,
                 width,
                 x.as_ptr(),
