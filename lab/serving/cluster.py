@@ -10,6 +10,9 @@ Design (a discrete-event simulation over one virtual timeline):
   visible at its end, when the replica's next step starts. The event heap orders every replica's
   ends, arrivals and deliveries by time (ties by insertion), so the clocks advance in lockstep
   with the timeline: nothing observes a replica's step before it has ended.
+- The router's side of each replica (membership, its KV event feed, gaps and resyncs, its load,
+  what a migrated request asks) is :mod:`pagedkv.cluster.feed`, the protocol the Ray front end
+  drives too; this module only carries its messages.
 - KV events: each replica's core publishes a batch after each step (:attr:`EngineCore.kv_events`),
   stamped with the replica's clock (its step's end); the router receives it ``event_delay_s``
   later, unless it is lost (each batch with probability ``event_loss``; load reports share the
@@ -43,7 +46,7 @@ import numpy as np
 
 from lab.serving.simulation import ServingSetup
 from lab.serving.workload import Workload
-from pagedkv.cluster.feed import Feed, apply_batches, feed_since, replica_load
+from pagedkv.cluster.feed import ReplicaFeed, continuation, replica_answer, replica_load
 from pagedkv.cluster.router import NoReplicaError, ReplicaLoad, Router
 from pagedkv.engine import EngineCore, RequestOutput, SimulatedRunner, TokenEvent, VirtualClock
 from pagedkv.errors import InvalidArgumentError
@@ -174,15 +177,14 @@ class ClusterResult:
 
 
 class _Replica:
-    """One engine incarnation's state (``generation`` counts restarts)."""
+    """One engine incarnation's state (its feed's ``epoch`` counts its starts)."""
 
-    def __init__(self, index: int) -> None:
+    def __init__(self, index: int, router: Router) -> None:
         self.index = index
         self.name = f"replica-{index}"
-        self.generation = -1
+        self.feed = ReplicaFeed(router, self.name)
         self.alive = False
         self.stepping = False  # a step-end event is queued
-        self.resyncing = False
         self.clock = VirtualClock()
         self.core: EngineCore | None = None
         self.ended: tuple[list[TokenEvent], list[RequestOutput]] = ([], [])  # the running step's results
@@ -200,7 +202,7 @@ class _Cluster:
         self.heap: list[tuple[float, int, Callable[..., None], tuple]] = []
         self.order = itertools.count()
         self.now = 0.0
-        self.replicas = [_Replica(i) for i in range(setup.replicas)]
+        self.replicas = [_Replica(i, self.router) for i in range(setup.replicas)]
         self.by_name = {r.name: r for r in self.replicas}
         self.requests = [
             ClusterRequest(r.request_id, r.arrival_s, r.prompt_len, r.max_tokens) for r in workload.requests
@@ -214,7 +216,7 @@ class _Cluster:
         self.window_tokens = 0
         self.served = [0] * setup.replicas
         self.prefix = [0, 0]  # queried, hit: of replicas already discarded
-        self.failures = self.migrations = self.lost = self.replays = self.snapshots = 0
+        self.failures = self.migrations = self.lost = 0
         self.route_wall_s = 0.0
         self.routes = 0
 
@@ -260,8 +262,8 @@ class _Cluster:
             self.failures,
             self.migrations,
             self.lost,
-            self.replays,
-            self.snapshots,
+            sum(r.feed.replays for r in self.replicas),
+            sum(r.feed.snapshots for r in self.replicas),
             self.route_wall_s,
             self.routes,
             live,
@@ -277,7 +279,8 @@ class _Cluster:
     def dispatch(self, request: ClusterRequest, exclude: tuple[str, ...] = ()) -> None:
         """Routes ``request`` (the rest of it, after the tokens already streamed) and submits it."""
         source = self.prompts[request.request_id]
-        prompt = np.concatenate([source.prompt_token_ids, np.asarray(request.token_ids, dtype=np.int64)])
+        params = SamplingParams(max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True, seed=0)
+        prompt, params = continuation(source.prompt_token_ids.tolist(), params, request.token_ids)
         started = time.perf_counter()
         try:
             name = self.router.route(prompt, exclude=exclude)
@@ -295,16 +298,15 @@ class _Cluster:
         replica.requests[engine_id] = request
         if not replica.alive:
             return  # routed to a replica that died unseen: migrated when its death is detected
-        params = SamplingParams(max_tokens=request.max_tokens - len(request.token_ids), temperature=0.0, ignore_eos=True, seed=0)
         assert replica.core is not None
         replica.core.add_request(engine_id, prompt, params, arrival_time=self.now)
         if not replica.stepping:
             replica.stepping = True
-            self.at(self.now, self.step_end, replica, replica.generation)
+            self.at(self.now, self.step_end, replica, replica.feed.epoch)
 
     def step_end(self, replica: _Replica, generation: int) -> None:
         """The replica's running step ends now: its results become visible; the next starts."""
-        if generation != replica.generation or not replica.alive:
+        if not self.current(replica, generation):
             return
         events, finished = replica.ended
         replica.ended = ([], [])
@@ -319,7 +321,7 @@ class _Cluster:
             request = replica.requests.pop(output.request_id)
             request.finished_s = self.now
             request.replica = None
-            self.router.finished(replica.name)
+            replica.feed.finished(generation)
             self.remaining -= 1
         core = replica.core
         assert core is not None
@@ -352,18 +354,17 @@ class _Cluster:
 
     def current(self, replica: _Replica, generation: int) -> bool:
         """Whether a message of ``generation`` still concerns a replica the router has."""
-        return generation == replica.generation and replica.alive
+        return generation == replica.feed.epoch and replica.alive
 
     def deliver_load(self, replica: _Replica, generation: int, load: ReplicaLoad) -> None:
         if self.current(replica, generation):
-            self.router.update_load(replica.name, load)
+            replica.feed.report(load)
 
     def deliver_batch(self, replica: _Replica, generation: int, batch: KvEventBatch) -> None:
         if not self.current(replica, generation):
             return
-        if not apply_batches(self.router, replica.name, Feed((batch,), None, batch.seq)) and not replica.resyncing:
-            replica.resyncing = True
-            seq = self.router.applied_seq(replica.name)
+        seq = replica.feed.batches([batch], batch.seq)
+        if seq is not None:
             self.at(self.now + self.setup.event_delay_s, self.answer_resync, replica, generation, seq)
 
     def answer_resync(self, replica: _Replica, generation: int, seq: int) -> None:
@@ -372,35 +373,27 @@ class _Cluster:
             return
         core = replica.core
         assert core is not None
-        feed = feed_since(core.kv_events, seq, core.kv_snapshot, self.setup.replay)
-        self.at(self.now + self.setup.event_delay_s, self.resynced, replica, generation, feed)
+        reply = replica_answer(core.kv_events, seq, core.kv_snapshot, self.setup.replay)
+        self.at(self.now + self.setup.event_delay_s, self.resynced, replica, generation, reply)
 
-    def resynced(self, replica: _Replica, generation: int, feed: Feed) -> None:
-        if not self.current(replica, generation):
-            return
-        replica.resyncing = False
-        if feed.snapshot is None:
-            self.replays += 1
-            apply_batches(self.router, replica.name, feed)
-        else:
-            self.snapshots += 1
-            self.router.resync(replica.name, feed.snapshot)
+    def resynced(self, replica: _Replica, generation: int, reply) -> None:
+        if self.current(replica, generation):
+            replica.feed.resynced(reply)
 
     # -- failures -------------------------------------------------------------------------------
 
     def start(self, replica: _Replica) -> None:
         """A fresh engine (empty cache, new publisher) joins the router."""
         setup = self.setup.replica
-        replica.generation += 1
+        replica.feed.join(self.now)
         replica.alive = True
-        replica.stepping = replica.resyncing = False
+        replica.stepping = False
         replica.clock = VirtualClock(self.now)
-        generation = replica.generation
+        generation = replica.feed.epoch
         runner = SimulatedRunner(SimulatedModel(cost=setup.cost), replica.clock, max_model_len=setup.max_model_len)
         config = replace(setup.scheduler_config(enable_prefix_caching=True), emit_kv_events=True)
         replica.core = EngineCore(runner, config, clock=replica.clock)
         replica.core.kv_events.subscribe(lambda batch: self.publish(replica, generation, batch))
-        self.router.add_replica(replica.name)
         if self.setup.mtbf_s is not None:
             self.at(self.now + self.rng.expovariate(1.0 / self.setup.mtbf_s), self.fail, replica, generation)
         parked, self.parked = self.parked, []
@@ -417,7 +410,7 @@ class _Cluster:
 
     def detected(self, replica: _Replica, generation: int) -> None:
         """The heartbeat deadline passed: the router drops the replica; its requests move."""
-        self.router.remove_replica(replica.name)
+        replica.feed.lose(self.now)
         held, replica.requests = list(replica.requests.values()), {}
         for request in held:
             self.migrations += 1

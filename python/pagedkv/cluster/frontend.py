@@ -12,9 +12,11 @@ Invariants:
 
 - The router's index is fed by each replica's KV events and by nothing else: one watcher per
   replica long-polls :meth:`Replica.poll` from the router's ``applied_seq`` (heartbeat, events and
-  load in one call, answered within ``poll_wait`` s) and applies each batch in order. A gap (a
-  batch lost on the way or refused, so the index stops short of the reply's ``last_seq``; or the
-  replica's buffer no longer holds the next batch) resynchronises it from the replica's snapshot.
+  load in one call, answered within ``poll_wait`` s) and hands each reply to the replica's
+  :class:`~pagedkv.cluster.feed.ReplicaFeed` (the protocol, shared with the simulated cluster),
+  which applies each batch in order. A gap (a batch lost on the way or refused, so the index stops
+  short of the reply's ``last_seq``; or the replica's buffer no longer holds the next batch)
+  resynchronises it from the replica's snapshot.
 - Health: a replica is routable from its first answered poll (after a resync) until a poll fails
   (Ray reports the actor dead or restarting) or misses its deadline (``poll_wait +
   heartbeat_timeout``); then it leaves the router, and every stream on it migrates. Ray restarts the
@@ -23,9 +25,10 @@ Invariants:
   strings here, over all its tokens whichever replicas produced them (the replica does too, to stop
   early, but its text is not used). So a migrated stream's text is the text of its tokens.
 - Migration: the unfinished samples of a request whose replica failed are resubmitted, each as its
-  own request, prompt plus the tokens already streamed, ``max_tokens`` reduced by their number, to
-  another replica; the consumer sees each token once and in order. A greedy sample's continuation
-  is the uninterrupted run's. (A seeded random sample continues from a fresh generator.)
+  own request, prompt plus the tokens already streamed, ``max_tokens`` reduced by their number
+  (:func:`~pagedkv.cluster.feed.continuation`), to another replica; the consumer sees each token
+  once and in order. A greedy sample's continuation is the uninterrupted run's. (A seeded random
+  sample continues from a fresh generator.)
 - A request's own fault is never a replica's: a request its replica refuses (``n`` past
   ``max_num_seqs``, say) is refused having built nothing here (its samples' state is made once the
   first replica has queued it), and one whose replica's model failed under it fails with
@@ -51,7 +54,7 @@ from typing import Any, TypeVar
 import ray
 from ray.exceptions import RayError, RayTaskError
 
-from pagedkv.cluster.feed import apply_batches
+from pagedkv.cluster.feed import ReplicaFeed, continuation
 from pagedkv.cluster.replica import Ended, PollReply, Replica, ReplicaInfo
 from pagedkv.cluster.router import NoReplicaError, Router
 from pagedkv.engine import (
@@ -65,6 +68,7 @@ from pagedkv.engine import (
 )
 from pagedkv.engine.output_processor import append_token
 from pagedkv.errors import ModelError, PagedKVError
+from pagedkv.kv_events import KvSnapshot
 from pagedkv.observability.metrics import EngineMetrics
 from pagedkv.sampling import SamplingParams
 from pagedkv.text.detokenizer import SampleText
@@ -128,10 +132,20 @@ class _ReplicaLost(Exception):
 
 @dataclass
 class _Replica:
-    status: ReplicaStatus
+    status: ReplicaStatus  # what other threads read: the feed's part copied by publish()
+    feed: ReplicaFeed
     actor: Any
     died: asyncio.Future  # resolved when this incarnation is declared dead
-    epoch: int = 0  # its joins to the router: a leg routed in an earlier one is not finished in this one
+
+    def publish(self) -> None:
+        """Copies the feed's state into ``status`` (in the cluster's loop)."""
+        status, feed = self.status, self.feed
+        status.alive, status.seq = feed.member, feed.applied_seq
+        status.deaths, status.resyncs = feed.deaths, feed.snapshots
+        status.down_since, status.recoveries = feed.down_since, list(feed.recoveries)
+        if feed.load is not None:
+            load = feed.load
+            status.num_waiting, status.num_running, status.kv_usage = load.num_waiting, load.num_running, load.kv_usage
 
 
 @dataclass
@@ -168,7 +182,7 @@ class _Leg:
     """One replica stream serving some samples of a request (``indices[k]`` is its sample k)."""
 
     replica: _Replica
-    epoch: int
+    epoch: int  # its replica's feed's when it was routed: finished there only in the same one
     stream: Any  # ray.ObjectRefGenerator
     indices: list[int]
     ended: bool = False  # its Ended arrived, or it was cancelled
@@ -301,7 +315,8 @@ class Cluster:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result()
 
     async def _start_watchers(self, actors: Sequence[Any]) -> list[_Replica]:
-        replicas = [_Replica(ReplicaStatus(f"r{i}"), actor, self._loop.create_future()) for i, actor in enumerate(actors)]
+        replicas = [_Replica(ReplicaStatus(f"r{i}"), ReplicaFeed(self.router, f"r{i}"), actor, self._loop.create_future())
+                    for i, actor in enumerate(actors)]
         self._watchers = [asyncio.ensure_future(self._watch(r)) for r in replicas]
         return replicas
 
@@ -312,51 +327,39 @@ class Cluster:
 
     async def _watch(self, replica: _Replica) -> None:
         """The replica's heartbeat, event feed and load (see the module doc)."""
-        status = replica.status
+        feed = replica.feed
         deadline = self._poll_wait + self._heartbeat_timeout
         while True:
             try:
-                after = self.router.applied_seq(status.id) if status.alive else None
-                reply: PollReply = await asyncio.wait_for(_await(replica.actor.poll.remote(after, self._poll_wait)), deadline)
-                if status.alive and reply.incarnation != status.incarnation:
+                poll = replica.actor.poll.remote(feed.applied_seq, self._poll_wait)
+                reply: PollReply = await asyncio.wait_for(_await(poll), deadline)
+                if feed.member and not feed.current(reply.incarnation):
                     self._down(replica)  # it restarted between two polls: what ran there is gone
                     continue
-                snapshot = reply.feed.snapshot
-                if snapshot is None and not apply_batches(self.router, status.id, reply.feed):  # a gap
+                snapshot = reply.snapshot
+                if reply.batches is not None and feed.batches(reply.batches, reply.last_seq) is not None:
                     snapshot = await asyncio.wait_for(_await(replica.actor.kv_snapshot.remote()), deadline)
             except (RayError, asyncio.TimeoutError):
                 self._down(replica)
                 await asyncio.sleep(REJOIN_RETRY)
                 continue
             if snapshot is not None:
-                if not status.alive:
-                    self.router.add_replica(status.id)
-                self.router.resync(status.id, snapshot)
-                status.resyncs += status.alive
-                if not status.alive:
-                    self._up(replica, reply)
-            status.seq = self.router.applied_seq(status.id)
-            load = reply.load
-            self.router.update_load(status.id, load)
-            status.num_waiting, status.num_running, status.kv_usage = load.num_waiting, load.num_running, load.kv_usage
+                if feed.member:
+                    feed.resynced(snapshot)
+                else:
+                    self._up(replica, reply, snapshot)
+            feed.report(reply.load)
+            replica.publish()
 
-    def _up(self, replica: _Replica, reply: PollReply) -> None:
-        status = replica.status
-        status.alive, status.pid, status.incarnation = True, reply.pid, reply.incarnation
-        if status.down_since is not None:
-            status.recoveries.append(time.monotonic() - status.down_since)
-            status.down_since = None
+    def _up(self, replica: _Replica, reply: PollReply, snapshot: KvSnapshot) -> None:
+        replica.feed.join(time.monotonic(), snapshot, reply.incarnation)
+        replica.status.pid, replica.status.incarnation = reply.pid, reply.incarnation
         replica.died = self._loop.create_future()
-        replica.epoch += 1
 
     def _down(self, replica: _Replica) -> None:
-        status = replica.status
-        if not status.alive:
+        if not replica.feed.lose(time.monotonic()):
             return
-        status.alive, status.seq = False, None
-        status.deaths += 1
-        status.down_since = time.monotonic()
-        self.router.remove_replica(status.id)
+        replica.publish()
         replica.died.set_result(None)
 
     def _abort_all(self) -> None:
@@ -436,9 +439,7 @@ class Cluster:
         params, prompt = flight.params, flight.prompt_ids
         if not first:
             (index,) = indices
-            done = flight.samples[index].completion.token_ids
-            prompt = prompt + done
-            params = dataclasses.replace(params, n=1, max_tokens=params.max_tokens - len(done))
+            prompt, params = continuation(prompt, params, flight.samples[index].completion.token_ids)
         excluded: set[str] = set()
         deadline = time.monotonic() + self._migration_timeout
         while True:
@@ -455,7 +456,7 @@ class Cluster:
             replica = next(r for r in self._replicas if r.status.id == replica_id)
             stream = replica.actor.generate.options(num_returns="streaming").remote(prompt, params, flight.cache_salt,
                                                                                  flight.trace_headers)
-            leg = _Leg(replica, replica.epoch, stream, indices)
+            leg = _Leg(replica, replica.feed.epoch, stream, indices)
             try:
                 await self._next(leg)  # the replica queued it
             except _ReplicaLost:
@@ -519,8 +520,7 @@ class Cluster:
             leg.ended = True
             with contextlib.suppress(RayError, ValueError):
                 ray.cancel(leg.stream)
-        if leg.replica.status.alive and leg.replica.epoch == leg.epoch:
-            self.router.finished(leg.replica.status.id)
+        leg.replica.feed.finished(leg.epoch)
 
     def _deliver(self, flight: _Flight, index: int, token_id: int, reason: str | None, logprob: TokenLogprob | None) -> None:
         sample = flight.samples[index]

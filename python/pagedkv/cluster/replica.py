@@ -39,11 +39,11 @@ import uuid
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 
-from pagedkv.cluster.feed import Feed, feed_since, replica_load
+from pagedkv.cluster.feed import replica_answer, replica_load
 from pagedkv.cluster.router import ReplicaLoad
 from pagedkv.engine import Engine, EngineClosedError, TokenEvent, TokenLogprob
 from pagedkv.errors import ModelError, PagedKVError
-from pagedkv.kv_events import KvSnapshot
+from pagedkv.kv_events import KvEventBatch, KvSnapshot
 from pagedkv.observability import tracing
 from pagedkv.sampling import SamplingParams
 from pagedkv.text.tokenizer import Tokenizer
@@ -83,13 +83,16 @@ class ReplicaInfo:
 
 @dataclass(frozen=True)
 class PollReply:
-    """One heartbeat: who answered (``pid``, ``incarnation``), its load, and its KV event
-    ``feed`` since the seq asked (:mod:`pagedkv.cluster.feed`)."""
+    """One heartbeat: who answered (``pid``, ``incarnation``), its load, and its KV events since
+    the seq asked (``batches``) or, when they are gone, a ``snapshot``; ``last_seq``: the batch
+    the reply brings the receiver to (a receiver short of it lost one)."""
 
     incarnation: str
     pid: int
     load: ReplicaLoad
-    feed: Feed
+    batches: list[KvEventBatch] | None
+    snapshot: KvSnapshot | None
+    last_seq: int
 
 
 class Replica:
@@ -186,8 +189,11 @@ class Replica:
                 await asyncio.wait_for(self._news.wait(), wait)
             except asyncio.TimeoutError:
                 pass
-        feed = feed_since(publisher, after_seq, engine.kv_snapshot)
-        return PollReply(self.incarnation, os.getpid(), self.load(), feed)
+        answer = replica_answer(publisher, after_seq, engine.kv_snapshot)
+        if isinstance(answer, KvSnapshot):
+            return PollReply(self.incarnation, os.getpid(), self.load(), None, answer, answer.seq)
+        last_seq = answer[-1].seq if answer else after_seq
+        return PollReply(self.incarnation, os.getpid(), self.load(), answer, None, last_seq)  # type: ignore[arg-type]
 
     def kv_snapshot(self) -> KvSnapshot:
         return self._live_engine().kv_snapshot()
