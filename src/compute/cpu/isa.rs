@@ -80,9 +80,12 @@ impl Isa {
     /// The default of a family implementing `implemented` (which holds `Portable`): its best set
     /// this CPU has, at most [`ceiling`].
     pub fn default_of(implemented: &[Isa]) -> Isa {
-        Isa::available_of(implemented)
-            .into_iter()
-            .find(|&isa| isa <= ceiling())
+        // Every kernel call asks: no allocation (`available_of` would make a Vec).
+        implemented
+            .iter()
+            .copied()
+            .filter(|&isa| isa <= ceiling() && isa.available())
+            .max()
             .unwrap_or(Isa::Portable)
     }
 
