@@ -151,7 +151,11 @@ impl KvRuntime {
         let mut serving = self.serving()?;
         serving.scheduler.schedule()?;
         let output = serving.scheduler.take_step_output();
-        let step = Step::of(&output);
+        // Only a step that can reach K/V needs its own copy of the addressing arrays.
+        let step = match self.store {
+            Some(_) => Step::of(&output),
+            None => Step::without_kv(&output),
+        };
         self.gate.open(step.id);
         Ok((output, step))
     }

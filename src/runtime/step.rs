@@ -46,6 +46,20 @@ impl Step {
         }
     }
 
+    /// A step of a runtime without K/V: its id only (it addresses nothing, so nothing is
+    /// copied: `bench scheduler` runs a runtime without K/V).
+    pub(super) fn without_kv(output: &StepOutput) -> Step {
+        Step {
+            id: output.id,
+            slot_mapping: Vec::new(),
+            query_start_loc: Vec::new(),
+            context_lens: Vec::new(),
+            block_tables: Vec::new(),
+            block_table_width: 0,
+            copy_ops: Vec::new(),
+        }
+    }
+
     /// Which step of which scheduler this is.
     pub fn id(&self) -> StepId {
         self.id
