@@ -302,7 +302,10 @@ fn draw(
     select: &mut Vec<f32>,
     candidates: &mut Vec<(u32, f32)>,
 ) -> usize {
-    let inv_t = 1.0 / p.temperature;
+    // A temperature below 1 / f32::MAX (a subnormal such as 1e-45 is a valid f32) would make
+    // `1 / t` infinite and the maximum's weight `0 × ∞ = NaN`; clamped, the maximum keeps weight 1
+    // and every lower value underflows to 0, which is the limit the temperature tends to.
+    let inv_t = (1.0 / p.temperature).min(f32::MAX);
     let mut threshold = f32::NEG_INFINITY;
     if p.min_p > 0.0 {
         threshold = max + p.temperature * p.min_p.ln();
@@ -498,6 +501,21 @@ mod tests {
             ..params(1.0)
         }];
         assert!(sample(&[0.0; 4], 4, &p, &[History::default()]).is_err());
+    }
+
+    #[test]
+    fn a_temperature_whose_inverse_overflows_samples_the_maximum() {
+        let rows = [0.0, 2.0, 5.0, 1.0];
+        for (top_k, min_p) in [(0, 0.0), (2, 0.0), (0, 0.5)] {
+            let p = [RowParams {
+                top_k,
+                min_p,
+                uniform: 0.999,
+                ..params(1e-45)
+            }];
+            let out = sample(&rows, 4, &p, &[History::default()]).unwrap();
+            assert_eq!(out[0].token, 2, "top_k {top_k}, min_p {min_p}");
+        }
     }
 
     #[test]
