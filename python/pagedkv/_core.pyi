@@ -24,7 +24,9 @@ __all__ = [
     "__version__",
     "BlockManager",
     "KVCache",
+    "GroupSpec",
     "KvSpec",
+    "LayerSpec",
     "BlockStored",
     "BlockRemoved",
     "AllBlocksCleared",
@@ -323,7 +325,10 @@ class Scheduler:
     def max_model_len(self) -> int: ...
     @property
     def kv_spec(self) -> KvSpec | None:
-        """The spec of the K/V it owns; None without."""
+        """The model's K/V spec it was made with; None without."""
+    @property
+    def kv_groups(self) -> list[GroupSpec]:
+        """The KV cache groups derived from its K/V spec (empty without one)."""
     def __len__(self) -> int: ...
     def __contains__(self, request_id: object, /) -> bool:
         """Never raises: anything that is not a valid request id is not in it."""
@@ -375,24 +380,60 @@ class AllBlocksCleared:
     def medium(self) -> str: ...
 
 @final
-class KvSpec:
-    """What a model keeps of K/V: ``num_layers`` layers of ``num_kv_heads`` heads of ``head_dim``
-    elements, stored as ``dtype`` ("float32", "float16" or "bfloat16"; default
-    ``SCHEDULER_DEFAULTS["kv_dtype"]``)."""
+class LayerSpec:
+    """What one layer keeps of K/V: ``num_kv_heads`` heads of ``head_dim`` elements, attending over
+    every earlier token (``window`` None) or over the last ``window`` tokens (a sliding-window
+    layer)."""
 
-    def __new__(cls, num_layers: int, num_kv_heads: int, head_dim: int, dtype: str = ...) -> Self: ...
+    def __new__(cls, num_kv_heads: int, head_dim: int, window: int | None = None) -> Self: ...
     def __eq__(self, other: object, /) -> bool: ...
     def __ne__(self, other: object, /) -> bool: ...
-    __hash__: ClassVar[None]  # type: ignore[assignment]
-    @property
-    def num_layers(self) -> int: ...
+    def __hash__(self) -> int: ...
     @property
     def num_kv_heads(self) -> int: ...
     @property
     def head_dim(self) -> int: ...
     @property
+    def window(self) -> int | None:
+        """Tokens a sliding-window layer attends over, None for full attention."""
+
+@final
+class KvSpec:
+    """What a model keeps of K/V: one :class:`LayerSpec` per layer, stored as ``dtype``
+    ("float32", "float16" or "bfloat16"; default ``SCHEDULER_DEFAULTS["kv_dtype"]``). A scheduler
+    given one derives its KV cache groups from it (:attr:`Scheduler.kv_groups`): layers alike in
+    attention, KV heads and head size share a group. Today a scheduler keeps one group of
+    full-attention layers and refuses other layouts (InvalidArgumentError)."""
+
+    def __new__(cls, layers: Sequence[LayerSpec], dtype: str = ...) -> Self: ...
+    @staticmethod
+    def uniform(num_layers: int, num_kv_heads: int, head_dim: int, dtype: str = ...) -> KvSpec:
+        """``num_layers`` alike layers of full attention."""
+    def __eq__(self, other: object, /) -> bool: ...
+    def __ne__(self, other: object, /) -> bool: ...
+    __hash__: ClassVar[None]  # type: ignore[assignment]
+    @property
+    def layers(self) -> list[LayerSpec]: ...
+    @property
+    def num_layers(self) -> int: ...
+    @property
     def dtype(self) -> str:
         """Storage dtype name."""
+
+@final
+class GroupSpec:
+    """Layers whose K/V one block table per sequence addresses: alike in attention (``layer``),
+    numbered ``layers`` (increasing), in blocks of ``block_size`` tokens."""
+
+    def __eq__(self, other: object, /) -> bool: ...
+    def __ne__(self, other: object, /) -> bool: ...
+    __hash__: ClassVar[None]  # type: ignore[assignment]
+    @property
+    def layer(self) -> LayerSpec: ...
+    @property
+    def layers(self) -> list[int]: ...
+    @property
+    def block_size(self) -> int: ...
 
 @final
 class SchedulerOutput:

@@ -12,6 +12,7 @@ mod errors;
 mod events;
 mod hashing;
 mod kv_cache;
+mod kv_spec;
 mod linear;
 mod prefix_index;
 mod sampling;
@@ -28,7 +29,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<block_manager::PyBlockManager>()?;
     m.add_class::<kv_cache::PyKVCache>()?;
     m.add_class::<prefix_index::PyPrefixIndex>()?;
-    m.add_class::<scheduler::PyKvSpec>()?;
+    m.add_class::<kv_spec::PyGroupSpec>()?;
+    m.add_class::<kv_spec::PyKvSpec>()?;
+    m.add_class::<kv_spec::PyLayerSpec>()?;
     m.add_class::<scheduler::PyScheduler>()?;
     m.add_class::<scheduler::PySchedulerOutput>()?;
     m.add_class::<scheduler::PyUpdateOutput>()?;

@@ -1,6 +1,6 @@
 //! `pagedkv.Scheduler` (the binding of the core's `KvRuntime`: the scheduler with the K/V bytes
 //! its steps address and the disk tier), its step `SchedulerOutput` — the one way into those
-//! K/V bytes — and the update result `UpdateOutput`, and `KvSpec`, what a model declares of its K/V.
+//! K/V bytes — and the update result `UpdateOutput`.
 //!
 //! A step's arrays are moved out of the core into numpy arrays that own them (no copy); the core
 //! `Step` keeps its own copy of those that address the K/V bytes, so what Python does to the
@@ -20,84 +20,19 @@ use super::args::{arg, c_order, expect_shape, invalid, opt, typed_array, Bytes, 
 use super::attention_call::{query_array, scale_and_path};
 use super::errors::IntoPyResult;
 use super::events;
+use super::kv_spec::{PyGroupSpec, PyKvSpec};
 use super::sync::{detached, locked};
 use super::tier;
 use crate::ids::TokenId;
 use crate::memory::block_manager::DEFAULT_BLOCK_SIZE;
 use crate::memory::eviction::EvictionPolicy;
-use crate::runtime::{KvRuntime, KvSpec, Step};
+use crate::runtime::{KvRuntime, Step};
 use crate::scheduler::{
     default_offload_watermark, Figure, FinishReason, Policy, RequestEvent, RequestOptions,
     SamplingParams, Scheduler, SchedulerConfig, StepOutput, UpdateOutput, DEFAULT_AGING_STEPS,
 };
 use crate::store::dtype::KvDtype;
 use crate::store::kv_cache::KvShape;
-
-/// What a model keeps of K/V: `num_layers` layers of `num_kv_heads` heads of `head_dim`
-/// elements, stored as `dtype` ("float32", "float16" or "bfloat16"). A scheduler given one
-/// (`kv_spec=`) owns K/V storage of that shape for its pool, reached only through its steps.
-#[pyclass(name = "KvSpec", module = "pagedkv", frozen, eq)]
-#[derive(Clone, PartialEq)]
-pub struct PyKvSpec {
-    inner: KvSpec,
-}
-
-#[pymethods]
-impl PyKvSpec {
-    #[new]
-    #[pyo3(
-        signature = (num_layers, num_kv_heads, head_dim, dtype=Param::Absent),
-        text_signature = "(num_layers, num_kv_heads, head_dim, dtype=...)"
-    )]
-    fn new(
-        num_layers: &Bound<'_, PyAny>,
-        num_kv_heads: &Bound<'_, PyAny>,
-        head_dim: &Bound<'_, PyAny>,
-        dtype: Param<'_>,
-    ) -> PyResult<Self> {
-        let dtype: String = dtype.or("dtype", KvDtype::default().name().into())?;
-        Ok(PyKvSpec {
-            inner: KvSpec {
-                num_layers: arg(num_layers, "num_layers")?,
-                num_kv_heads: arg(num_kv_heads, "num_kv_heads")?,
-                head_dim: arg(head_dim, "head_dim")?,
-                dtype: dtype.parse().py_err()?,
-            },
-        })
-    }
-
-    #[getter]
-    fn num_layers(&self) -> usize {
-        self.inner.num_layers
-    }
-
-    #[getter]
-    fn num_kv_heads(&self) -> usize {
-        self.inner.num_kv_heads
-    }
-
-    #[getter]
-    fn head_dim(&self) -> usize {
-        self.inner.head_dim
-    }
-
-    /// Storage dtype name.
-    #[getter]
-    fn dtype(&self) -> &'static str {
-        self.inner.dtype.name()
-    }
-
-    fn __repr__(&self) -> String {
-        let k = &self.inner;
-        format!(
-            "KvSpec(num_layers={}, num_kv_heads={}, head_dim={}, dtype={:?})",
-            k.num_layers,
-            k.num_kv_heads,
-            k.head_dim,
-            k.dtype.name()
-        )
-    }
-}
 
 /// Continuous-batching scheduler over a paged KV cache, with the K/V bytes of its pool when made
 /// with a `kv_spec`. Thread-safe; every call releases the GIL.
@@ -216,7 +151,8 @@ impl PyScheduler {
                 spec.cast::<PyKvSpec>()
                     .map_err(|_| invalid("kv_spec must be a KvSpec".into()))?
                     .get()
-                    .inner,
+                    .inner
+                    .clone(),
             ),
         };
         let runtime = detached(py, || {
@@ -235,18 +171,24 @@ impl PyScheduler {
         })
     }
 
-    /// The K/V storage's spec, or None for a scheduler made without one.
+    /// The model's K/V spec it was made with, or None.
     #[getter]
-    fn kv_spec(&self, py: Python<'_>) -> PyResult<Option<PyKvSpec>> {
-        let layout = self.run(py, |r| r.kv_layout())?;
-        Ok(layout.map(|(shape, dtype)| PyKvSpec {
-            inner: KvSpec {
-                num_layers: shape.num_layers,
-                num_kv_heads: shape.num_kv_heads,
-                head_dim: shape.head_dim,
-                dtype,
-            },
-        }))
+    fn kv_spec(&self) -> Option<PyKvSpec> {
+        let (spec, _) = self.inner.kv_spec()?;
+        Some(PyKvSpec {
+            inner: spec.clone(),
+        })
+    }
+
+    /// The KV cache groups derived from its K/V spec (empty without one).
+    #[getter]
+    fn kv_groups(&self) -> Vec<PyGroupSpec> {
+        let groups = self
+            .inner
+            .kv_spec()
+            .map(|(_, layout)| layout.groups.as_slice());
+        let groups = groups.unwrap_or_default().iter().cloned();
+        groups.map(|inner| PyGroupSpec { inner }).collect()
     }
 
     /// Opens (or creates) the disk tier in directory `path` for the scheduler's K/V (it needs a

@@ -31,6 +31,7 @@ use crate::compute::attention::{self, AttentionBatch};
 use crate::compute::cpu::Isa;
 use crate::error::{ensure, Error, Result};
 use crate::ids::TokenId;
+use crate::kv::spec::{KvCacheConfig, KvSpec};
 use crate::memory::events::{KvEvent, Medium};
 use crate::memory::prefix_cache::BlockHash;
 use crate::scheduler::{
@@ -42,17 +43,6 @@ use crate::tier::disk::{DiskTier, DiskTierConfig, Opened};
 use crate::tier::TierCounters;
 use gate::StepGate;
 
-/// What a model declares of its K/V: the layers that keep K/V, their heads and head size, and
-/// the dtype to store them in. The runtime derives the store's shape from it and the
-/// scheduler's pool (`num_blocks`, `block_size`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct KvSpec {
-    pub num_layers: usize,
-    pub num_kv_heads: usize,
-    pub head_dim: usize,
-    pub dtype: KvDtype,
-}
-
 struct Serving {
     scheduler: Scheduler,
     /// The disk tier's counters when it was closed (its figures stay in the stats).
@@ -62,6 +52,8 @@ struct Serving {
 /// The paged runtime: see the module doc. Thread-safe.
 pub struct KvRuntime {
     serving: Mutex<Serving>,
+    /// The model's K/V spec and the layout derived from it (None: no K/V).
+    kv: Option<(KvSpec, KvCacheConfig)>,
     store: Option<Mutex<KvCache>>,
     gate: StepGate,
 }
@@ -80,22 +72,28 @@ fn lock<T>(mutex: &Mutex<T>) -> Result<MutexGuard<'_, T>> {
 impl KvRuntime {
     /// A runtime scheduling by `config`, with K/V storage for `kv` (none: a runtime for a model
     /// that keeps no K/V of its own, e.g. a simulated one; its steps then refuse K/V calls).
-    /// Fails as `Scheduler::new` and `KvCache::new` do.
+    /// Fails with `InvalidArgument` for a spec whose layout is not one group of full-attention
+    /// layers (`KvCacheConfig::single_full_group`), and as `Scheduler::new` and `KvCache::new` do.
     pub fn new(config: SchedulerConfig, kv: Option<KvSpec>) -> Result<Self> {
-        let store = match kv {
+        let kv = kv
+            .map(|spec| KvCacheConfig::derive(&spec, config.block_size).map(|c| (spec, c)))
+            .transpose()?;
+        let store = match &kv {
             None => None,
-            Some(spec) => {
+            Some((_, layout)) => {
+                let group = layout.single_full_group()?;
                 let shape = KvShape {
-                    num_layers: spec.num_layers,
+                    num_layers: group.layers.len(),
                     num_blocks: config.num_blocks,
-                    block_size: config.block_size,
-                    num_kv_heads: spec.num_kv_heads,
-                    head_dim: spec.head_dim,
+                    block_size: group.block_size,
+                    num_kv_heads: group.layer.num_kv_heads,
+                    head_dim: group.layer.head_dim,
                 };
-                Some(Mutex::new(KvCache::new(shape, spec.dtype)?))
+                Some(Mutex::new(KvCache::new(shape, layout.dtype)?))
             }
         };
         Ok(KvRuntime {
+            kv,
             serving: Mutex::new(Serving {
                 scheduler: Scheduler::new(config)?,
                 closed_tier: None,
@@ -112,6 +110,11 @@ impl KvRuntime {
     /// Runs `query` on the scheduler, read-only.
     pub fn read<T>(&self, query: impl FnOnce(&Scheduler) -> T) -> Result<T> {
         Ok(query(&self.serving()?.scheduler))
+    }
+
+    /// The model's K/V spec and the KV cache layout derived from it, if the runtime keeps K/V.
+    pub fn kv_spec(&self) -> Option<(&KvSpec, &KvCacheConfig)> {
+        self.kv.as_ref().map(|(spec, config)| (spec, config))
     }
 
     /// The shape and dtype of the K/V store, if the runtime has one.

@@ -3,18 +3,14 @@
 
 use super::*;
 use crate::compute::attention::default_isa;
+use crate::kv::spec::AttentionKind;
 
 const HEADS: usize = 2;
 const HEAD_DIM: usize = 8;
 const BLOCK: usize = 4;
 
 fn runtime(kv: bool) -> KvRuntime {
-    let spec = KvSpec {
-        num_layers: 2,
-        num_kv_heads: HEADS,
-        head_dim: HEAD_DIM,
-        dtype: KvDtype::F32,
-    };
+    let spec = KvSpec::uniform(2, HEADS, HEAD_DIM, KvDtype::F32);
     KvRuntime::new(SchedulerConfig::new(16, BLOCK), kv.then_some(spec)).unwrap()
 }
 
@@ -127,6 +123,7 @@ fn only_the_step_awaiting_its_finish_reaches_the_store() {
 fn a_runtime_without_kv_serves_steps_and_refuses_kv_calls_and_tiers() {
     let rt = runtime(false);
     assert_eq!(rt.kv_layout().unwrap(), None);
+    assert!(rt.kv_spec().is_none());
     add(&rt, "a", 6);
     let (output, step) = rt.begin_step().unwrap();
     let n = output.num_tokens();
@@ -148,6 +145,13 @@ fn a_runtime_without_kv_serves_steps_and_refuses_kv_calls_and_tiers() {
 #[test]
 fn the_store_is_shaped_by_the_spec_and_the_pool() {
     let rt = runtime(true);
+    let (spec, layout) = rt.kv_spec().unwrap();
+    assert_eq!(spec, &KvSpec::uniform(2, HEADS, HEAD_DIM, KvDtype::F32));
+    assert_eq!(layout.groups.len(), 1);
+    assert_eq!(
+        (layout.groups[0].layers.clone(), layout.groups[0].block_size),
+        (vec![0, 1], BLOCK)
+    );
     let (shape, dtype) = rt.kv_layout().unwrap().unwrap();
     assert_eq!(
         (shape.num_layers, shape.num_blocks, shape.block_size),
@@ -157,4 +161,12 @@ fn the_store_is_shaped_by_the_spec_and_the_pool() {
         (shape.num_kv_heads, shape.head_dim, dtype),
         (HEADS, HEAD_DIM, KvDtype::F32)
     );
+}
+
+#[test]
+fn a_layout_of_more_than_one_full_group_is_refused() {
+    let mut spec = KvSpec::uniform(2, HEADS, HEAD_DIM, KvDtype::F32);
+    spec.layers[1].attention = AttentionKind::Sliding { window: 8 };
+    let refused = KvRuntime::new(SchedulerConfig::new(16, BLOCK), Some(spec));
+    assert!(matches!(refused, Err(Error::InvalidArgument(m)) if m.contains("sliding")));
 }

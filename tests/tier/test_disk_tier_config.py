@@ -137,7 +137,7 @@ def test_an_engine_built_from_a_model_needs_its_digest_for_a_tier(tmp_path: Path
 
 def scheduler(kv: bool = True, **options: object) -> Scheduler:
     """A scheduler of 16 blocks of 16 tokens, owning K/V of a small spec unless ``kv`` is False."""
-    spec = KvSpec(2, 2, 8) if kv else None
+    spec = KvSpec.uniform(2, 2, 8) if kv else None
     return Scheduler(num_blocks=16, block_size=16, kv_spec=spec, **options)  # type: ignore[arg-type]
 
 

@@ -18,7 +18,7 @@ BLOCKS, BLOCK, HEADS, DIM = 16, 4, 2, 8
 
 
 def scheduler(kv: bool = True) -> Scheduler:
-    spec = KvSpec(1, HEADS, DIM) if kv else None
+    spec = KvSpec.uniform(1, HEADS, DIM) if kv else None
     return Scheduler(num_blocks=BLOCKS, block_size=BLOCK, admission_lookahead_tokens=None, kv_spec=spec)
 
 
@@ -104,7 +104,7 @@ def test_a_scheduler_without_kv_serves_steps_and_refuses_kv_calls(tmp_path: Path
 
 def test_bad_kv_calls_are_typed_and_write_nothing() -> None:
     s = scheduler()
-    assert s.kv_spec == KvSpec(1, HEADS, DIM, "float32")
+    assert s.kv_spec == KvSpec.uniform(1, HEADS, DIM, "float32")
     s.add_request("r", list(range(10)), max_tokens=2)
     step = s.schedule()
     with pytest.raises(InvalidArgumentError):
@@ -114,7 +114,7 @@ def test_bad_kv_calls_are_typed_and_write_nothing() -> None:
     with pytest.raises(ShapeError):
         step.write(0, rows(9, 1.0), rows(9, 1.0))  # not the step's 10 tokens
     with pytest.raises(InvalidArgumentError):
-        KvSpec(1, HEADS, DIM, "int8")
+        KvSpec.uniform(1, HEADS, DIM, "int8")
     step.write(0, rows(10, 1.0), rows(10, 2.0))
     assert np.allclose(step.attention(0, rows(10, 0.5)), 2.0)
     s.update(step, [1])

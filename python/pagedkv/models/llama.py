@@ -25,7 +25,7 @@ from typing import NamedTuple
 import numpy as np
 from threadpoolctl import ThreadpoolController
 
-from pagedkv._core import KVCache, KvSpec, Linear
+from pagedkv._core import KVCache, KvSpec, LayerSpec, Linear
 from pagedkv.errors import InvalidArgumentError, ShapeError
 from pagedkv.models.config import LlamaConfig
 from pagedkv.models.rope import apply_rope, rope_cos_sin, rope_frequencies
@@ -156,18 +156,18 @@ class LlamaModel:
         return sum(a.nbytes for a in arrays) + sum(w.nbytes for w in linears)
 
     def kv_spec(self, dtype: str | None = None) -> KvSpec:
-        """What this model keeps of K/V (every layer, its K/V heads and head size), stored as
-        ``dtype`` (None: the core's default): what a :class:`~pagedkv.Scheduler` given it
-        (``kv_spec=``) allocates for its pool."""
+        """What this model keeps of K/V, layer by layer (every Llama layer attends over every
+        earlier token with the same K/V heads and head size), stored as ``dtype`` (None: the
+        core's default): what a :class:`~pagedkv.Scheduler` given it (``kv_spec=``) derives its KV
+        cache groups from and allocates for its pool."""
         c = self.config
-        if dtype is None:
-            return KvSpec(c.num_layers, c.num_kv_heads, c.head_dim)
-        return KvSpec(c.num_layers, c.num_kv_heads, c.head_dim, dtype)
+        layers = [LayerSpec(c.num_kv_heads, c.head_dim)] * c.num_layers
+        return KvSpec(layers) if dtype is None else KvSpec(layers, dtype)
 
     def new_kv_cache(self, num_blocks: int, block_size: int = 16, dtype: str | None = None) -> KVCache:
         """A K/V cache of one's own shaped for this model (for a :class:`~pagedkv.models.step.CacheStep`)."""
-        spec = self.kv_spec(dtype)
-        return KVCache(spec.num_layers, num_blocks, block_size, spec.num_kv_heads, spec.head_dim, spec.dtype)
+        c, spec = self.config, self.kv_spec(dtype)
+        return KVCache(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim, spec.dtype)
 
     def forward(self, step: ModelStep) -> np.ndarray:
         """Runs one step: applies its copy-on-write copies, writes every token's K/V at its slots,

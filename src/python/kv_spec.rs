@@ -1,0 +1,201 @@
+//! `LayerSpec`, `KvSpec` and `GroupSpec`: what a model declares of its K/V, layer by layer, and
+//! the groups of layers a scheduler derives from it (the core's `kv::spec`). Frozen values with
+//! equality; conversion only.
+
+use pyo3::prelude::*;
+use pyo3::types::PySequence;
+
+use super::args::{arg, invalid, opt, Param};
+use super::errors::IntoPyResult;
+use crate::kv::spec::{AttentionKind, GroupSpec, KvSpec, LayerSpec};
+use crate::store::dtype::KvDtype;
+
+/// What one layer keeps of K/V: `num_kv_heads` heads of `head_dim` elements, attending over every
+/// earlier token (`window` None) or over the last `window` tokens (a sliding-window layer).
+#[pyclass(name = "LayerSpec", module = "pagedkv", frozen, eq, hash)]
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct PyLayerSpec {
+    pub inner: LayerSpec,
+}
+
+#[pymethods]
+impl PyLayerSpec {
+    #[new]
+    #[pyo3(signature = (num_kv_heads, head_dim, window=None))]
+    fn new(
+        num_kv_heads: &Bound<'_, PyAny>,
+        head_dim: &Bound<'_, PyAny>,
+        window: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
+        let attention = match opt(window, "window")? {
+            None => AttentionKind::Full,
+            Some(window) => AttentionKind::Sliding { window },
+        };
+        Ok(PyLayerSpec {
+            inner: LayerSpec {
+                attention,
+                num_kv_heads: arg(num_kv_heads, "num_kv_heads")?,
+                head_dim: arg(head_dim, "head_dim")?,
+            },
+        })
+    }
+
+    #[getter]
+    fn num_kv_heads(&self) -> usize {
+        self.inner.num_kv_heads
+    }
+
+    #[getter]
+    fn head_dim(&self) -> usize {
+        self.inner.head_dim
+    }
+
+    /// Tokens a sliding-window layer attends over, None for full attention.
+    #[getter]
+    fn window(&self) -> Option<usize> {
+        match self.inner.attention {
+            AttentionKind::Full => None,
+            AttentionKind::Sliding { window } => Some(window),
+        }
+    }
+
+    fn __repr__(&self) -> String {
+        let l = &self.inner;
+        let window = match self.window() {
+            None => String::new(),
+            Some(w) => format!(", window={w}"),
+        };
+        format!(
+            "LayerSpec(num_kv_heads={}, head_dim={}{window})",
+            l.num_kv_heads, l.head_dim
+        )
+    }
+}
+
+/// What a model keeps of K/V: one `LayerSpec` per layer, stored as `dtype` ("float32",
+/// "float16" or "bfloat16"). A scheduler given one (`kv_spec=`) derives its KV cache groups from
+/// it and owns K/V storage of that layout for its pool, reached only through its steps.
+#[pyclass(name = "KvSpec", module = "pagedkv", frozen, eq)]
+#[derive(Clone, PartialEq)]
+pub struct PyKvSpec {
+    pub inner: KvSpec,
+}
+
+fn dtype_of(dtype: Param<'_>) -> PyResult<KvDtype> {
+    let name: String = dtype.or("dtype", KvDtype::default().name().into())?;
+    name.parse().py_err()
+}
+
+#[pymethods]
+impl PyKvSpec {
+    #[new]
+    #[pyo3(signature = (layers, dtype=Param::Absent), text_signature = "(layers, dtype=...)")]
+    fn new(layers: &Bound<'_, PyAny>, dtype: Param<'_>) -> PyResult<Self> {
+        let sequence = layers
+            .cast::<PySequence>()
+            .map_err(|_| invalid("layers must be a sequence of LayerSpec".into()))?;
+        let layers = (0..sequence.len()?)
+            .map(|i| {
+                let item = sequence.get_item(i)?;
+                let layer = item
+                    .cast::<PyLayerSpec>()
+                    .map_err(|_| invalid(format!("layers[{i}] is not a LayerSpec")))?;
+                Ok(layer.get().inner)
+            })
+            .collect::<PyResult<Vec<_>>>()?;
+        Ok(PyKvSpec {
+            inner: KvSpec {
+                layers,
+                dtype: dtype_of(dtype)?,
+            },
+        })
+    }
+
+    /// `num_layers` alike layers of full attention.
+    #[staticmethod]
+    #[pyo3(
+        signature = (num_layers, num_kv_heads, head_dim, dtype=Param::Absent),
+        text_signature = "(num_layers, num_kv_heads, head_dim, dtype=...)"
+    )]
+    fn uniform(
+        num_layers: &Bound<'_, PyAny>,
+        num_kv_heads: &Bound<'_, PyAny>,
+        head_dim: &Bound<'_, PyAny>,
+        dtype: Param<'_>,
+    ) -> PyResult<Self> {
+        Ok(PyKvSpec {
+            inner: KvSpec::uniform(
+                arg(num_layers, "num_layers")?,
+                arg(num_kv_heads, "num_kv_heads")?,
+                arg(head_dim, "head_dim")?,
+                dtype_of(dtype)?,
+            ),
+        })
+    }
+
+    #[getter]
+    fn layers(&self) -> Vec<PyLayerSpec> {
+        self.inner
+            .layers
+            .iter()
+            .map(|&inner| PyLayerSpec { inner })
+            .collect()
+    }
+
+    #[getter]
+    fn num_layers(&self) -> usize {
+        self.inner.layers.len()
+    }
+
+    /// Storage dtype name.
+    #[getter]
+    fn dtype(&self) -> &'static str {
+        self.inner.dtype.name()
+    }
+
+    fn __repr__(&self) -> String {
+        let layers: Vec<String> = self.layers().iter().map(PyLayerSpec::__repr__).collect();
+        format!(
+            "KvSpec([{}], dtype={:?})",
+            layers.join(", "),
+            self.inner.dtype.name()
+        )
+    }
+}
+
+/// Layers whose K/V one block table per sequence addresses: alike in attention (`layer`),
+/// numbered `layers`, in blocks of `block_size` tokens. Read from `Scheduler.kv_groups`.
+#[pyclass(name = "GroupSpec", module = "pagedkv", frozen, eq)]
+#[derive(Clone, PartialEq)]
+pub struct PyGroupSpec {
+    pub inner: GroupSpec,
+}
+
+#[pymethods]
+impl PyGroupSpec {
+    #[getter]
+    fn layer(&self) -> PyLayerSpec {
+        PyLayerSpec {
+            inner: self.inner.layer,
+        }
+    }
+
+    #[getter]
+    fn layers(&self) -> Vec<usize> {
+        self.inner.layers.clone()
+    }
+
+    #[getter]
+    fn block_size(&self) -> usize {
+        self.inner.block_size
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "GroupSpec(layer={}, layers={:?}, block_size={})",
+            self.layer().__repr__(),
+            self.inner.layers,
+            self.inner.block_size
+        )
+    }
+}
