@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 RUST_SOURCES := $(shell find src -name '*.rs') Cargo.toml pyproject.toml
-PY_DEPS := maturin numpy threadpoolctl pytest hypothesis safetensors tokenizers gguf jinja2 prometheus-client rich matplotlib ruff mypy \
+PY_DEPS := maturin numpy threadpoolctl pytest pytest-timeout hypothesis safetensors tokenizers gguf jinja2 prometheus-client rich matplotlib ruff mypy \
 	fastapi uvicorn pydantic openai httpx opentelemetry-api opentelemetry-sdk ray
 
 .PHONY: demo test lint test-rust test-loom test-python bench develop clean

@@ -401,8 +401,8 @@ def test_only_no_replica_alive_is_a_503(actors):
 
 
 def test_streaming_overhead_per_token(cluster_of):
-    """The figure is printed; what is asserted: the same tokens, and no stall per token (a sanity
-    bound, 20 ms/token: a timing target on this shared 2-core machine would only be noise)."""
+    """The figure is printed; what is asserted: the same tokens through a replica as in process (no
+    timing bound: no test may depend on how fast the machine is)."""
     params = SamplingParams(max_tokens=200, temperature=0.0, ignore_eos=True)
 
     async def timed(submit) -> tuple[list[int], float]:
@@ -422,7 +422,6 @@ def test_streaming_overhead_per_token(cluster_of):
     print(f"\none stream of 200 tokens: {in_process * 1e3:.2f} ms/token in process, {remote * 1e3:.2f} ms/token "
           f"through a replica (+{(remote - in_process) * 1e3:.2f} ms; loaded machine)")
     assert streamed == tokens
-    assert remote < in_process + 0.020
 
 
 def test_serve_replicas_joins_a_ray_cluster(actors, tmp_path):

@@ -206,3 +206,25 @@ def test_request_metrics_are_consistent(weights):
     assert m.num_output_tokens == 5
     assert 0 < m.ttft <= m.e2e_latency
     assert m.tpot == pytest.approx((m.finished_time - m.first_token_time) / 4)
+
+
+def test_every_scheduler_option_is_an_engine_option_with_the_schedulers_default(weights, monkeypatch):
+    """One list of the scheduler's options: EngineConfig's fields, passed on by name. An option
+    added to the core without a field here (aging_steps was missing) fails this test."""
+    import pagedkv.engine.core as core_module
+    from pagedkv._core import SCHEDULER_DEFAULTS, Scheduler
+
+    defaults = EngineConfig()
+    assert {name: getattr(defaults, name) for name in SCHEDULER_DEFAULTS} == SCHEDULER_DEFAULTS
+    given: dict = {}
+
+    def recording(**options):
+        given.update(options)
+        return Scheduler(**options)
+
+    monkeypatch.setattr(core_module, "Scheduler", recording)
+    config = EngineConfig(num_blocks=32, policy="priority", aging_steps=7, max_num_seqs=3, kv_dtype="float16")
+    EngineCore(PagedModelRunner(LlamaModel(weights), kv_dtype=config.kv_dtype), config)
+    expected = {name: getattr(config, name) for name in SCHEDULER_DEFAULTS.keys() - {"kv_dtype"}}
+    assert {name: given[name] for name in expected} == expected
+    assert (given["num_blocks"], given["kv_spec"].dtype) == (32, "float16")

@@ -4,13 +4,14 @@ Invariants: an :class:`EngineConfig` is frozen and checks nothing itself but the
 pairing of path and size (:meth:`EngineConfig.disk_tier`); the scheduler and the core validate every
 value when an engine is built from it. Every default a scheduler has is the scheduler's
 (:data:`pagedkv._core.SCHEDULER_DEFAULTS`, set once in the core); only what a scheduler does not
-have (the pool's size, the KV dtype, the disk tier) is set here. The command line's flags take
-their defaults from this class.
+have (the pool's size, the disk tier) is set here. Every option the scheduler has is a field of
+the same name (:meth:`EngineConfig.scheduler_options` passes them on, so no list of them is written
+twice). The command line's flags take their defaults from this class.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 from pagedkv._core import SCHEDULER_DEFAULTS
@@ -38,6 +39,8 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = _SCHEDULER["enable_prefix_caching"]
     policy: str = _SCHEDULER["policy"]
+    # With policy "priority": a waiting request gains a priority level every this many steps.
+    aging_steps: int = _SCHEDULER["aging_steps"]
     long_prefill_token_threshold: int = _SCHEDULER["long_prefill_token_threshold"]
     # Admission headroom: admit a waiting request only if the running sequences (and it) can still
     # finish their prompts and grow this many tokens each; None admits whenever the first chunk
@@ -62,6 +65,13 @@ class EngineConfig:
     # Record KV events (BlockStored / BlockRemoved / AllBlocksCleared, per medium) for a router:
     # EngineCore.kv_events publishes them after every step. Off: nothing is recorded.
     emit_kv_events: bool = _SCHEDULER["emit_kv_events"]
+
+    def scheduler_options(self) -> dict[str, object]:
+        """The scheduler's options as configured, by the scheduler's names: every option
+        :data:`~pagedkv._core.SCHEDULER_DEFAULTS` names but the KV dtype (which goes into the
+        model's KV spec), the pool's size, the longest sequence and the offload watermark."""
+        names = (SCHEDULER_DEFAULTS.keys() - {"kv_dtype"}) | {"num_blocks", "max_model_len", "offload_watermark_blocks"}
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name in names}
 
     def disk_tier(self) -> tuple[str | Path, int] | None:
         """The disk tier's directory (as given: ``Path("")`` would turn an empty path, which the

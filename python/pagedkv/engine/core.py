@@ -135,23 +135,8 @@ class EngineCore:
         max_model_len = config.max_model_len
         if max_model_len is None:
             max_model_len = min(runner.max_model_len, config.num_blocks * config.block_size)
-        self.scheduler = Scheduler(
-            num_blocks=config.num_blocks,
-            block_size=config.block_size,
-            max_num_seqs=config.max_num_seqs,
-            max_num_batched_tokens=config.max_num_batched_tokens,
-            max_model_len=max_model_len,
-            enable_prefix_caching=config.enable_prefix_caching,
-            policy=config.policy,
-            long_prefill_token_threshold=config.long_prefill_token_threshold,
-            eos_token_ids=list(eos_token_ids),
-            admission_lookahead_tokens=config.admission_lookahead_tokens,
-            eviction_policy=config.eviction_policy,
-            emit_kv_events=config.emit_kv_events,
-            min_load_blocks=config.min_load_blocks,
-            offload_watermark_blocks=config.offload_watermark_blocks,
-            kv_spec=runner.kv_spec,
-        )
+        options = config.scheduler_options() | {"max_model_len": max_model_len}
+        self.scheduler = Scheduler(**options, eos_token_ids=list(eos_token_ids), kv_spec=runner.kv_spec)  # type: ignore[arg-type]
         self.max_model_len: int = self.scheduler.max_model_len  # as the scheduler validated it
         if self.max_model_len > runner.max_model_len:
             raise InvalidArgumentError(f"max_model_len {self.max_model_len} exceeds the model's {runner.max_model_len} positions")
