@@ -10,9 +10,10 @@ sampled tokens go through ``pagedkv.Scheduler`` and through
 ``lab.bench.reference_scheduler`` (same policy, plain Python) in the same process; only the
 two calls are timed (wall clock, fastest of ``--repeats`` interleaved replays).
 
-The reference implements the policy without admission headroom, so the side-by-side comparison
-runs the Rust scheduler with ``admission_lookahead_tokens=None`` (``reference_agrees`` checks that
-both made the same decisions); ``us_per_step_default_config`` times the default (with headroom).
+The reference implements the policy without admission headroom and evicts least recently used
+blocks, so the side-by-side comparison runs the Rust scheduler with ``admission_lookahead_tokens=None``
+and ``eviction_policy="lru"`` (``reference_agrees`` checks that both made the same decisions);
+``us_per_step_default_config`` times the default (headroom, segmented LRU).
 """
 
 from __future__ import annotations
@@ -110,7 +111,8 @@ def run(args: argparse.Namespace) -> int:
     # Interleaved repeats, fastest of each: the machine is shared, and noise only adds time.
     rust_runs, python_runs, default_runs = [], [], []
     for _ in range(args.repeats):
-        rust_runs.append(replay(lambda: Scheduler(**limits, admission_lookahead_tokens=None), trace, args, as_list=False))
+        rust_runs.append(replay(lambda: Scheduler(**limits, admission_lookahead_tokens=None, eviction_policy="lru"), trace, args,
+                                as_list=False))
         python_runs.append(replay(lambda: ReferenceScheduler(**limits), reference_trace, args, as_list=True))
         default_runs.append(replay(lambda: Scheduler(**limits), trace, args, as_list=False))
     rust = min(rust_runs, key=lambda r: r["us_per_step"])
