@@ -1,6 +1,7 @@
 """The FastAPI application: OpenAI's completions, chat completions and models endpoints over one
 :class:`~pagedkv.Engine` or a cluster of replicas (an :class:`~pagedkv.server.client.EngineClient`),
-plus ``/health``, ``/metrics`` and ``/version``.
+plus ``/health``, ``/metrics``, ``/version`` and ``/ping``; optionally behind an API key
+(:mod:`pagedkv.server.auth`) and open to browser origins (CORS).
 
 FastAPI (on Starlette, served by uvicorn) is what vLLM and SGLang serve with: request bodies
 validated by pydantic models (:mod:`pagedkv.server.protocol`), streaming responses whose generator
@@ -10,7 +11,8 @@ seen while a whole response is still being computed.
 Invariants:
 
 - A request's body is at most ``max_request_bytes`` (else a 413, read no further); it names the
-  served model or gets a 404; everything else about it is checked when its submissions are
+  served model (or none) or gets a 404; a field it cannot honour is a 400, an unknown one is
+  ignored and counted (:mod:`pagedkv.server.fields`); everything else about it is checked when its submissions are
   built, before any answer starts: a refused request queues nothing. Prompts are rendered and
   tokenized off the event loop (:class:`~pagedkv.server.prompts.PromptEncoder`): nothing a
   request sends costs the loop more than its validation.
@@ -25,25 +27,31 @@ import asyncio
 from collections.abc import Sequence
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from pagedkv._core import __version__
 from pagedkv.engine import Engine, RequestOutput
+from pagedkv.server.auth import ApiKeyAuth
 from pagedkv.server.client import EngineClient, LocalEngine
 from pagedkv.server.errors import BodyLimit, ModelNotFoundError, install_handlers
+from pagedkv.server.fields import IgnoredFields
 from pagedkv.server.formats import ChatFormat, CompletionFormat, Format
 from pagedkv.server.generation import Generation, TokenText
 from pagedkv.server.prompts import Prompt, PromptEncoder
 from pagedkv.server.protocol import ChatCompletionRequest, CompletionRequest, sampling_params
 from pagedkv.server.streaming import stream
 
-__all__ = ["DEFAULT_MAX_TOKENS", "MAX_REQUEST_BYTES", "build_app"]
+__all__ = ["COMPLETIONS_MAX_TOKENS", "DEFAULT_MAX_TOKENS", "MAX_REQUEST_BYTES", "build_app"]
 
-# max_tokens of a request that gives none: the scheduler stops a sample earlier when the model's
-# length runs out, so this caps what a request gets by default (vLLM gives all the room left,
-# which on a 4096-token model is minutes of CPU decoding for a client that forgot the field).
+# max_tokens of a chat request that gives none: the scheduler stops a sample earlier when the
+# model's length runs out, so this caps what a request gets by default (vLLM gives all the room
+# left, which on a 4096-token model is minutes of CPU decoding for a client that forgot the field).
 DEFAULT_MAX_TOKENS = 1024
+
+# max_tokens of a completions request that gives none: OpenAI's default for /v1/completions.
+COMPLETIONS_MAX_TOKENS = 16
 
 # The largest request body read: 8 MiB holds a prompt of 2 M tokens of English, far past any
 # model's length (the prompt is refused later anyway), and bounds what parsing one body costs.
@@ -54,27 +62,41 @@ _TRACE_HEADERS = ("traceparent", "tracestate")
 
 
 def build_app(engine: Engine | EngineClient, model_name: str, *, default_max_tokens: int = DEFAULT_MAX_TOKENS,
-              max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
+              max_request_bytes: int = MAX_REQUEST_BYTES, api_key: str | None = None, protect_metrics: bool = False,
+              allowed_origins: Sequence[str] = ()) -> FastAPI:
     """An app serving ``engine`` (an in-process :class:`Engine`, or any :class:`EngineClient`) as
-    the model ``model_name``."""
+    the model ``model_name``; with ``api_key``, only to clients that send it (``/health`` and
+    ``/metrics`` stay open unless ``protect_metrics``); to browsers of ``allowed_origins``
+    ("*": any)."""
     client: EngineClient = LocalEngine(engine) if isinstance(engine, Engine) else engine
     app = FastAPI(title="pagedkv", version=__version__)
     install_handlers(app)
     app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
+    if api_key is not None:
+        app.add_middleware(ApiKeyAuth, api_key=api_key, protect_metrics=protect_metrics)
+    if allowed_origins:  # outermost: it answers a preflight before the key is asked for
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"], allow_headers=["*"])
+    registry = CollectorRegistry(auto_describe=True)
+    ignored = IgnoredFields(registry)
     text = TokenText(client.tokenizer)
     encoder = PromptEncoder(client.tokenizer, client.max_model_len)
     completion_format, chat_format = CompletionFormat(model_name, text), ChatFormat(model_name, text)
 
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model_name:
+            raise ModelNotFoundError(f"the model {name!r} does not exist (this server serves {model_name!r})")
+
     async def generate(http: Request, body: CompletionRequest | ChatCompletionRequest, prompts: Sequence[Prompt],
                        fmt: Format, chat: bool) -> Response:
-        if body.model != model_name:
-            raise ModelNotFoundError(f"the model {body.model!r} does not exist (this server serves {model_name!r})")
-        params = sampling_params(body, client.default_params, default_max_tokens)
+        check_model(body.model)
+        ignored.record(body.check(), http.url.path)
+        params = sampling_params(body, client.default_params, default_max_tokens if chat else COMPLETIONS_MAX_TOKENS)
         trace = {k: v for k in _TRACE_HEADERS if (v := http.headers.get(k)) is not None}
         generation = await Generation.submit(client, encoder, prompts, params, chat=chat, cache_salt=body.cache_salt,
                                              trace_headers=trace or None, prefix="chatcmpl" if chat else "cmpl")
         if body.stream:
-            return StreamingResponse(stream(generation, fmt, body.include_usage), media_type="text/event-stream")
+            events = stream(generation, fmt, body.include_usage, body.continuous_usage)
+            return StreamingResponse(events, media_type="text/event-stream")
         outputs = await _until_disconnect(http, generation)
         if outputs is None:
             return Response(status_code=499)  # nobody is listening; the status is for the access log
@@ -89,14 +111,24 @@ def build_app(engine: Engine | EngineClient, model_name: str, *, default_max_tok
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http: Request, body: ChatCompletionRequest) -> Response:
-        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        messages = [m.for_template(i) for i, m in enumerate(body.messages)]
         return await generate(http, body, [messages], chat_format, chat=True)
+
+    card = {"id": model_name, "object": "model", "created": 0, "owned_by": "pagedkv", "max_model_len": client.max_model_len}
 
     @app.get("/v1/models")
     async def models() -> dict:
-        card = {"id": model_name, "object": "model", "created": 0, "owned_by": "pagedkv",
-                "max_model_len": client.max_model_len}
         return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict:
+        check_model(model_id)
+        return card
+
+    @app.api_route("/ping", methods=["GET", "POST"])
+    async def ping() -> Response:
+        """Liveness only (vLLM's and SageMaker's route): 200 while the process answers."""
+        return Response(status_code=200)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -108,7 +140,7 @@ def build_app(engine: Engine | EngineClient, model_name: str, *, default_max_tok
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(client.metrics_text(), media_type=CONTENT_TYPE_LATEST)
+        return Response(client.metrics_text() + generate_latest(registry).decode(), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/version")
     async def version() -> dict:

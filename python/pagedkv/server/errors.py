@@ -72,7 +72,7 @@ def error_response(status: int, message: str, kind: str, param: str | None = Non
 
 def exception_response(error: BaseException) -> JSONResponse:
     status, kind = classify(error)
-    return error_response(status, str(error) or type(error).__name__, kind)
+    return error_response(status, str(error) or type(error).__name__, kind, getattr(error, "param", None))
 
 
 def _validation_message(error: RequestValidationError) -> tuple[str, str | None]:

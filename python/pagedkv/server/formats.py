@@ -1,18 +1,23 @@
 """The two response shapes: legacy completions (``text``) and chat (``message`` / ``delta``), whole
 and as stream chunks. One :class:`Format` per endpoint; everything else the server does is shared.
 
-Invariants: a response names the served model and the generation's id and creation time; every
-chunk of a stream carries its choice's ``index``; logprobs appear only when the request asked.
+Invariants: a response names the served model, the generation's id and creation time, and the
+build that answered (``system_fingerprint``); every chunk of a stream carries its choice's
+``index``; logprobs appear only when the request asked.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+from pagedkv._core import __version__
 from pagedkv.engine import CompletionOutput, RequestOutput, TokenEvent
 from pagedkv.server.generation import Generation, TokenText, chat_logprobs, completion_logprobs, finish_reason, usage
 
-__all__ = ["ChatFormat", "CompletionFormat", "Format"]
+__all__ = ["SYSTEM_FINGERPRINT", "ChatFormat", "CompletionFormat", "Format"]
+
+# OpenAI's field naming the backend configuration that answered: here the pagedkv build.
+SYSTEM_FINGERPRINT = f"pagedkv-{__version__}"
 
 
 class Format:
@@ -40,7 +45,8 @@ class Format:
         return body
 
     def _head(self, generation: Generation, kind: str) -> dict:
-        return {"id": generation.id, "object": kind, "created": generation.created, "model": self.model}
+        return {"id": generation.id, "object": kind, "created": generation.created, "model": self.model,
+                "system_fingerprint": SYSTEM_FINGERPRINT}
 
     def opening(self, index: int) -> dict | None:
         """The chunk that opens choice ``index`` of a stream, if the format has one."""

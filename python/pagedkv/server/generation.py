@@ -149,17 +149,20 @@ def completion_logprobs(entries: Sequence[TokenLogprob], text: TokenText, offset
     return {
         "tokens": tokens,
         "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [_by_text(e.top, text) for e in entries],
+        "top_logprobs": [_by_text(e, text) for e in entries],
         "text_offset": offsets,
     }
 
 
-def _by_text(top: Sequence[tuple[int, float]], text: TokenText) -> dict[str, float]:
-    """Alternatives keyed by their text, as the legacy format has them; of tokens with the same
-    text (undecodable bytes all read U+FFFD) the most likely stays."""
+def _by_text(entry: TokenLogprob, text: TokenText) -> dict[str, float]:
+    """The alternatives of ``entry`` keyed by their text, as the legacy format has them, with the
+    chosen token among them (as OpenAI and vLLM list it, even for ``logprobs=0`` or when it is not
+    among the top ones); of tokens with the same text (undecodable bytes all read U+FFFD) the most
+    likely stays."""
     by_text: dict[str, float] = {}
-    for token_id, logprob in top:
+    for token_id, logprob in entry.top:
         by_text.setdefault(text(token_id), logprob)
+    by_text.setdefault(text(entry.token_id), entry.logprob)
     return by_text
 
 

@@ -27,6 +27,7 @@ import resource
 import signal
 import socket
 import threading
+from collections.abc import Sequence
 from types import FrameType
 
 import uvicorn
@@ -73,7 +74,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-waiting", type=positive_int, default=1024,
                         help="requests waiting for admission before new ones get 429")
     parser.add_argument("--default-max-tokens", type=positive_int, default=DEFAULT_MAX_TOKENS,
-                        help="max_tokens of a request that gives none (the model's length still bounds it)")
+                        help="max_tokens of a chat request that gives none (the model's length still bounds it; "
+                             "/v1/completions defaults to 16, as OpenAI's)")
+    parser.add_argument("--max-model-len", type=positive_int, default=None,
+                        help="longest sequence, prompt and output (default: the model's, capped by the KV blocks)")
+    parser.add_argument("--api-key", default=os.environ.get("PAGEDKV_API_KEY") or None,
+                        help="serve only clients sending 'Authorization: Bearer KEY' (default: $PAGEDKV_API_KEY; "
+                             "none: anyone who reaches the port); /health and /metrics stay open")
+    parser.add_argument("--protect-metrics", action="store_true",
+                        help="with --api-key: /health and /metrics need the key too")
+    parser.add_argument("--allowed-origins", type=_origins, default=(),
+                        help="comma-separated browser origins allowed to call the server (CORS), or '*'; default none")
     parser.add_argument("--chat-template", type=chat_template_file, default=None,
                         help="a Jinja chat template file, replacing the tokenizer's (needed for a model without one)")
     parser.add_argument("--shutdown-timeout", type=seconds, default=30.0,
@@ -128,11 +139,14 @@ class _Server(uvicorn.Server):
 
 def serve(engine: Engine | EngineClient, model_name: str, host: str, port: int, *, shutdown_timeout: float = 30.0,
           default_max_tokens: int = DEFAULT_MAX_TOKENS, max_request_bytes: int = MAX_REQUEST_BYTES,
-          head_timeout: float = 10.0, max_connections: int = 1024) -> None:
+          head_timeout: float = 10.0, max_connections: int = 1024, api_key: str | None = None,
+          protect_metrics: bool = False, allowed_origins: Sequence[str] = ()) -> None:
     """Serves ``engine`` until SIGTERM / SIGINT, then shuts down as the module doc says (the
     engine is shut down on return). Connections: see :mod:`pagedkv.server.connections`
-    (``max_connections`` lowered to 64 below the open-file limit if it is not already)."""
-    app = build_app(engine, model_name, default_max_tokens=default_max_tokens, max_request_bytes=max_request_bytes)
+    (``max_connections`` lowered to 64 below the open-file limit if it is not already); the key
+    and origins: see :func:`~pagedkv.server.app.build_app`."""
+    app = build_app(engine, model_name, default_max_tokens=default_max_tokens, max_request_bytes=max_request_bytes,
+                    api_key=api_key, protect_metrics=protect_metrics, allowed_origins=allowed_origins)
     soft_limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     if soft_limit != resource.RLIM_INFINITY:
         max_connections = max(1, min(max_connections, soft_limit - _SPARE_DESCRIPTORS))
@@ -147,6 +161,8 @@ def serve(engine: Engine | EngineClient, model_name: str, host: str, port: int, 
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.protect_metrics and args.api_key is None:
+        raise InvalidArgumentError("--protect-metrics needs --api-key (or PAGEDKV_API_KEY)")
     if args.replicas is not None:
         return _run_cluster(args)
     if args.ray_address is not None:
@@ -154,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
     name = args.served_model_name or str(args.model)
     tracer = tracing.configure(otlp_endpoint=args.otlp_traces_endpoint)
     engine = Engine.from_pretrained(args.model, max_waiting=args.max_waiting, metrics=EngineMetrics(name), tracer=tracer,
-                                    **engine_kwargs(args))
+                                    **_engine_options(args))
     if args.chat_template is not None:
         engine.tokenizer.chat_template = args.chat_template
     try:
@@ -174,7 +190,7 @@ def _run_cluster(args: argparse.Namespace) -> int:
         raise PagedKVError(f"--replicas needs {error.name}, which is not installed (pip install 'pagedkv[cluster]')") from None
 
     name = args.served_model_name or str(args.model)
-    replica_kwargs = {**engine_kwargs(args), "max_waiting": args.max_waiting}
+    replica_kwargs = {**_engine_options(args), "max_waiting": args.max_waiting}
     if args.ray_address is None:
         _check_replicas(args.replicas, len(os.sched_getaffinity(0)), "this machine")
     with ray_runtime.connect(args.ray_address, num_cpus=args.replicas if args.ray_address is None else None) as took:
@@ -204,11 +220,28 @@ def chat_template_file(text: str) -> str:
     return template
 
 
+def _engine_options(args: argparse.Namespace) -> dict:
+    """The engine's options from the flags: the shared ones and serve's ``--max-model-len``."""
+    return {**engine_kwargs(args), "max_model_len": args.max_model_len}
+
+
 def _serve_options(args: argparse.Namespace) -> dict:
     """:func:`serve`'s options from the flags (one engine or replicas alike)."""
     return {"shutdown_timeout": args.shutdown_timeout, "default_max_tokens": args.default_max_tokens,
             "max_request_bytes": args.max_request_bytes, "head_timeout": args.head_timeout,
-            "max_connections": args.max_connections}
+            "max_connections": args.max_connections, "api_key": args.api_key,
+            "protect_metrics": args.protect_metrics, "allowed_origins": args.allowed_origins}
+
+
+def _origins(text: str) -> tuple[str, ...]:
+    """The ``--allowed-origins`` flag: "*" or comma-separated origins (scheme://host[:port])."""
+    origins = tuple(o.strip() for o in text.split(",") if o.strip())
+    for origin in origins:
+        if origin != "*" and ("://" not in origin or origin.endswith("/")):
+            raise argparse.ArgumentTypeError(f"{origin!r} is not an origin (scheme://host[:port], no path) nor '*'")
+    if not origins:
+        raise argparse.ArgumentTypeError("no origin given")
+    return origins
 
 
 def _check_replicas(replicas: int, cpus: int, where: str) -> None:

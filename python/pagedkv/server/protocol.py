@@ -2,11 +2,16 @@
 
 Invariants:
 
-- These models check shape and type only: an unknown field is refused (``extra="forbid"``), and
-  no value is coerced across types (``strict``: "3" is not an int, true is not a number; an int
-  is a float). Ranges (temperature ≥ 0, n ≥ 1, top_p in (0, 1], …) are checked once, by
+- These models check shape and type of the fields pagedkv honours; no value is coerced across
+  types (``strict``: "3" is not an int, true is not a number; an int is a float). Ranges
+  (temperature ≥ 0, n ≥ 1, top_p in (0, 1], …) are checked once, by
   :class:`~pagedkv.sampling.SamplingParams` and the scheduler, when the request is built
   (:func:`sampling_params`), so the server and the library can never disagree.
+- Every other field is either refused or ignored, never half-honoured (:mod:`pagedkv.server.fields`):
+  one whose meaning pagedkv cannot honour yet (a JSON schema, tools, ``echo``…) is a 400 saying it
+  is not supported unless its value asks for nothing (``response_format: {"type": "text"}``); any
+  other name is ignored, as vLLM and llama.cpp ignore it, and counted. Clients add fields of their
+  own (``store``, ``metadata``, ``parallel_tool_calls``…), so refusing unknown names refused them.
 - A refused body becomes FastAPI's ``RequestValidationError``, which :mod:`pagedkv.server.errors`
   answers with OpenAI's 400.
 
@@ -17,12 +22,13 @@ Extensions beyond OpenAI, with vLLM's names: ``top_k``, ``min_p``, ``repetition_
 from __future__ import annotations
 
 import dataclasses
-from typing import Annotated
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.sampling import SamplingParams
+from pagedkv.server.fields import NotSupportedError, check_unhonoured
 
 __all__ = ["ChatCompletionRequest", "ChatMessage", "CompletionRequest", "StreamOptions", "sampling_params"]
 
@@ -32,24 +38,56 @@ _Text = Annotated[str, Field(min_length=1)]
 _Ids = Annotated[list[int], Field(min_length=1)]
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class _Body(BaseModel):
+    # Unknown names are kept (``model_extra``) for :func:`pagedkv.server.fields.check_unhonoured`.
+    model_config = ConfigDict(extra="allow", strict=True)
 
 
-class StreamOptions(_Strict):
+class StreamOptions(_Body):
     include_usage: bool = False
+    # vLLM's: every chunk carries the usage so far (guidellm asks for it to time each token).
+    continuous_usage_stats: bool = False
 
 
-class ChatMessage(_Strict):
+class ChatMessage(_Body):
+    """A message: ``content`` a string, a list of text parts (``{"type": "text", "text": …}``,
+    joined by newlines as vLLM joins them), or null on an assistant message with ``tool_calls``;
+    other keys (``tool_calls``, ``tool_call_id``…) go to the chat template as they are."""
+
     role: str
-    content: str
+    content: str | list[dict[str, Any]] | None = None
     name: str | None = None
 
+    def for_template(self, index: int) -> dict[str, Any]:
+        """The message as the chat template reads it: its content one string."""
+        message = self.model_dump(exclude_none=True)
+        message["content"] = self._text(index)
+        return message
 
-class _Sampling(_Strict):
+    def _text(self, index: int) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        if self.content is None:
+            if self.role == "assistant" and self.model_extra and self.model_extra.get("tool_calls"):
+                return ""
+            raise InvalidArgumentError(
+                f"messages[{index}].content is required (null only on an assistant message with tool_calls)")
+        texts = []
+        for j, part in enumerate(self.content):
+            kind = part.get("type")
+            if kind != "text":
+                raise NotSupportedError(f"content parts of type {kind!r} are not supported (text only)",
+                                        f"messages[{index}].content[{j}]")
+            if not isinstance(part.get("text"), str):
+                raise InvalidArgumentError(f"messages[{index}].content[{j}].text must be a string")
+            texts.append(part["text"])
+        return "\n".join(texts)
+
+
+class _Sampling(_Body):
     """Fields both endpoints share."""
 
-    model: str
+    model: str | None = None
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -71,10 +109,22 @@ class _Sampling(_Strict):
     def _max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def check(self) -> list[str]:
+        """Refuses what OpenAI refuses and what pagedkv cannot honour (raising
+        :class:`InvalidArgumentError`); returns the names of the fields ignored."""
+        if self.stream_options is not None and not self.stream:
+            raise InvalidArgumentError("stream_options is only allowed with stream: true")
+        return check_unhonoured(self.model_extra or {}, n=self.n)
+
     @property
     def include_usage(self) -> bool:
         """Whether a stream ends with a usage chunk."""
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Whether every chunk of a stream carries the usage so far."""
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(_Sampling):
