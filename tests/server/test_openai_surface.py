@@ -279,3 +279,19 @@ def test_serve_takes_the_key_from_the_environment_and_refuses_protect_metrics_wi
     assert parser.parse_args(["--allowed-origins", "http://a.example, *"]).allowed_origins == ("http://a.example", "*")
     with pytest.raises(SystemExit):
         parser.parse_args(["--allowed-origins", "a.example/"])
+
+
+def test_tokenize_and_detokenize_in_vllms_shapes(http):
+    text = http.post("/tokenize", json={"prompt": "hello"}).json()
+    assert text["count"] == len(text["tokens"]) and text["max_model_len"] > 0
+    bare = http.post("/tokenize", json={"prompt": "hello", "add_special_tokens": False}).json()
+    assert http.post("/detokenize", json={"tokens": bare["tokens"]}).json() == {"prompt": "hello"}
+    chat = http.post("/tokenize", json={"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}).json()
+    assert http.post("/detokenize", json={"tokens": chat["tokens"]}).json()["prompt"] == "<user>hi\n<assistant>"
+    # What a chat request of the same messages is given: its usage counts the same prompt tokens.
+    answer = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}).json()
+    assert answer["usage"]["prompt_tokens"] == chat["count"]
+    for bad in ({}, {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}):
+        assert http.post("/tokenize", json=bad).status_code == 400
+    assert http.post("/detokenize", json={"tokens": [10**9]}).status_code == 400
+    assert http.post("/tokenize", json={"prompt": "x", "model": "gpt-9"}).status_code == 404

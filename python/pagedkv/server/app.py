@@ -36,11 +36,17 @@ from pagedkv.engine import Engine, RequestOutput
 from pagedkv.server.auth import ApiKeyAuth
 from pagedkv.server.client import EngineClient, LocalEngine
 from pagedkv.server.errors import BodyLimit, ModelNotFoundError, install_handlers
-from pagedkv.server.fields import IgnoredFields
+from pagedkv.server.fields import IgnoredFields, check_unhonoured
 from pagedkv.server.formats import ChatFormat, CompletionFormat, Format
 from pagedkv.server.generation import Generation, TokenText
 from pagedkv.server.prompts import Prompt, PromptEncoder
-from pagedkv.server.protocol import ChatCompletionRequest, CompletionRequest, sampling_params
+from pagedkv.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+    sampling_params,
+)
 from pagedkv.server.streaming import stream
 
 __all__ = ["COMPLETIONS_MAX_TOKENS", "DEFAULT_MAX_TOKENS", "MAX_REQUEST_BYTES", "build_app"]
@@ -124,6 +130,24 @@ def build_app(engine: Engine | EngineClient, model_name: str, *, default_max_tok
     async def model(model_id: str) -> dict:
         check_model(model_id)
         return card
+
+    @app.post("/tokenize")
+    async def tokenize(http: Request, body: TokenizeRequest) -> dict:
+        """vLLM's shape: ``{"count", "max_model_len", "tokens"}``."""
+        check_model(body.model)
+        ignored.record(check_unhonoured(body.model_extra or {}, n=1), http.url.path)
+        conversation = body.conversation()
+        prompt: Prompt = body.prompt if conversation is None else conversation  # type: ignore[assignment]
+        tokens = await encoder.encode(prompt, conversation is not None, add_special_tokens=body.add_special_tokens,
+                                      add_generation_prompt=body.add_generation_prompt)
+        return {"count": len(tokens), "max_model_len": client.max_model_len, "tokens": list(tokens)}
+
+    @app.post("/detokenize")
+    async def detokenize(http: Request, body: DetokenizeRequest) -> dict:
+        """vLLM's shape: ``{"prompt"}``."""
+        check_model(body.model)
+        ignored.record(check_unhonoured(body.model_extra or {}, n=1), http.url.path)
+        return {"prompt": await encoder.decode(body.tokens)}
 
     @app.api_route("/ping", methods=["GET", "POST"])
     async def ping() -> Response:

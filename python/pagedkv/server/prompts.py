@@ -19,6 +19,7 @@ Invariants:
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
@@ -44,18 +45,28 @@ class PromptEncoder:
         self._max_chars = max_model_len * tokenizer.max_token_chars
         self._pool = ThreadPoolExecutor(ENCODER_THREADS, thread_name_prefix="pagedkv-prompts")
 
-    async def encode(self, prompt: Prompt, chat: bool) -> Sequence[int]:
+    async def encode(self, prompt: Prompt, chat: bool, *, add_special_tokens: bool = True,
+                     add_generation_prompt: bool = True) -> Sequence[int]:
         """The token ids of ``prompt``: a conversation (``chat``) rendered with the tokenizer's
         chat template then tokenized, a text tokenized, token ids as they are."""
         loop = asyncio.get_running_loop()
         if chat:
-            text, token_ids = await loop.run_in_executor(self._pool, encode_chat, self._tokenizer, prompt)
+            render = functools.partial(encode_chat, self._tokenizer, prompt, add_generation_prompt)  # type: ignore[arg-type]
+            text, token_ids = await loop.run_in_executor(self._pool, render)
             self._check_length(text)  # rendered within its bounds; refused here if it cannot fit
             return token_ids
         if isinstance(prompt, str):
             self._check_length(prompt)
-            return await loop.run_in_executor(self._pool, encode_text, self._tokenizer, prompt)
+            return await loop.run_in_executor(self._pool, encode_text, self._tokenizer, prompt, add_special_tokens)
         return prompt  # type: ignore[return-value]
+
+    async def decode(self, token_ids: Sequence[int]) -> str:
+        """The text of ``token_ids`` (each below the vocabulary's size, else
+        :class:`InvalidArgumentError`), decoded in the pool."""
+        vocab = self._tokenizer.vocab_size
+        if any(not 0 <= t < vocab for t in token_ids):
+            raise InvalidArgumentError(f"token ids must lie in [0, {vocab})")
+        return await asyncio.get_running_loop().run_in_executor(self._pool, self._tokenizer.decode, token_ids)
 
     def _check_length(self, text: str) -> None:
         if len(text) > self._max_chars:

@@ -30,7 +30,8 @@ from pagedkv.errors import InvalidArgumentError
 from pagedkv.sampling import SamplingParams
 from pagedkv.server.fields import NotSupportedError, check_unhonoured
 
-__all__ = ["ChatCompletionRequest", "ChatMessage", "CompletionRequest", "StreamOptions", "sampling_params"]
+__all__ = ["ChatCompletionRequest", "ChatMessage", "CompletionRequest", "DetokenizeRequest", "StreamOptions", "TokenizeRequest",
+           "sampling_params"]
 
 
 # Empty prompts are refused here: a tokenizer that adds a BOS token would make "" a prompt.
@@ -155,6 +156,29 @@ class ChatCompletionRequest(_Sampling):
         if self.max_tokens is not None and self.max_completion_tokens is not None:
             raise InvalidArgumentError("give max_tokens or max_completion_tokens, not both")
         return self.max_completion_tokens if self.max_tokens is None else self.max_tokens
+
+
+class TokenizeRequest(_Body):
+    """``POST /tokenize`` (vLLM's): a ``prompt`` text, or chat ``messages`` rendered as a chat
+    request renders them."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    def conversation(self) -> list[dict[str, Any]] | None:
+        if (self.prompt is None) == (self.messages is None):
+            raise InvalidArgumentError("give prompt or messages, one of them")
+        return None if self.messages is None else [m.for_template(i) for i, m in enumerate(self.messages)]
+
+
+class DetokenizeRequest(_Body):
+    """``POST /detokenize`` (vLLM's): the text of ``tokens``."""
+
+    model: str | None = None
+    tokens: list[int]
 
 
 def sampling_params(request: CompletionRequest | ChatCompletionRequest, default: SamplingParams,
