@@ -678,8 +678,12 @@ def sample_rows(
     history_offsets: npt.NDArray[np.int64],
     history_tokens: npt.NDArray[np.int32],
     history_counts: npt.NDArray[np.int32],
+    bias_offsets: npt.NDArray[np.int64],
+    bias_tokens: npt.NDArray[np.int32],
+    bias_values: npt.NDArray[np.float32],
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32], npt.NDArray[np.int64], npt.NDArray[np.float32]]:
     """One token per row of ``logits`` ``[rows, vocab]`` under that row of ``params`` ``[rows,
     len(SAMPLING_COLUMNS)]``, the rows' token histories in CSR form (``history_offsets`` ``[rows +
-    1]`` into ``history_tokens`` and ``history_counts``): ``(tokens, logprobs, top_ids,
+    1]`` into ``history_tokens`` and ``history_counts``) and their logit biases likewise
+    (``bias_offsets`` into ``bias_tokens`` and ``bias_values``): ``(tokens, logprobs, top_ids,
     top_logprobs)``; unused entries hold -1 and NaN. Used by :func:`pagedkv.sampling.sample`."""

@@ -7,7 +7,7 @@ and ~29 ms for plain temperature. What a row goes through, in order:
 
 1. penalties on the logits: repetition (HF/vLLM: a positive logit of a token in the prompt or the
    output divided by it, a negative one multiplied), then frequency × the token's output count and
-   presence × (count > 0) subtracted (OpenAI);
+   presence × (count > 0) subtracted (OpenAI), then the request's ``logit_bias`` added (OpenAI's);
 2. greedy (``temperature == 0``) takes the first maximum; otherwise the logits are divided by the
    temperature, ``top_k`` keeps those at least the k-th largest (ties kept), ``min_p`` those with a
    probability at least min_p × the top one's, and ``top_p``, over what is left renormalised, the
@@ -44,7 +44,8 @@ import pagedkv._core as _core
 from pagedkv.errors import InvalidArgumentError, ShapeError
 
 __all__ = [
-    "MAX_STOP_STRING_CHARS", "MAX_STOP_STRINGS", "MAX_TOP_LOGPROBS", "NO_TOKEN", "SamplingParams", "Samples",
+    "MAX_LOGIT_BIAS", "MAX_LOGIT_BIAS_TOKENS", "MAX_STOP_STRING_CHARS", "MAX_STOP_STRINGS", "MAX_TOP_LOGPROBS",
+    "NO_TOKEN", "SamplingParams", "Samples",
     "TokenHistory", "sample", "sample_with_logprobs",
 ]
 
@@ -52,6 +53,11 @@ NO_TOKEN = -1  # what `sample` gives a row with nothing to draw from (NaN, or on
 
 
 MAX_TOP_LOGPROBS = 20  # the most alternatives a token's logprobs list (OpenAI's bound)
+
+# A logit bias: at most this many tokens, each biased within ±MAX_LOGIT_BIAS (OpenAI's range: -100
+# bans a token in practice, +100 forces it). The kernel's cost is one add per biased token.
+MAX_LOGIT_BIAS_TOKENS = 1024
+MAX_LOGIT_BIAS = 100.0
 
 # Stop strings a request may give, and their length. OpenAI takes 4; clients such as lm-eval send a
 # handful of few-character strings. The matcher's cost per character does not grow with either
@@ -87,6 +93,10 @@ class SamplingParams:
     - ``ignore_eos``: do not stop at the model's end-of-sequence tokens.
     - ``n``: independent samples of the same prompt (parallel sampling, sharing the prompt's
       blocks; ≥ 1 and at most the scheduler's ``max_num_seqs``, checked by the scheduler).
+    - ``logit_bias``: token id → a value in [-100, 100] added to its logit after the penalties
+      (OpenAI's); at most :data:`MAX_LOGIT_BIAS_TOKENS` tokens, each below the vocabulary's size
+      (checked when sampled: a token past it fails the request). Kept as sorted (token, value)
+      pairs. Logprobs stay those of the raw logits.
 
     The float parameters must be numbers a float64 holds exactly (the kernel's parameter matrix
     is float64): an int past 2**53, or past the float range, is refused.
@@ -107,6 +117,7 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     stop: tuple[str, ...] = ()
+    logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self) -> None:
         def is_int(value: object) -> bool:
@@ -145,6 +156,7 @@ class SamplingParams:
                 f"stop takes at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_STRING_CHARS} characters each"
             )
         object.__setattr__(self, "stop", tuple(stop))
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
 
     @property
     def greedy(self) -> bool:
@@ -162,6 +174,26 @@ class SamplingParams:
         if self.seed is None:
             return np.random.default_rng()
         return np.random.default_rng([self.seed, sample_index])
+
+
+def _logit_bias(bias: object) -> tuple[tuple[int, float], ...]:
+    """``bias`` (a mapping or (token, value) pairs) as sorted pairs, or :class:`InvalidArgumentError`."""
+    pairs = bias.items() if isinstance(bias, Mapping) else bias
+    if not isinstance(pairs, (tuple, list, type({}.items()))):
+        raise InvalidArgumentError(f"logit_bias must map token ids to numbers, got {type(bias).__name__}")
+    checked: dict[int, float] = {}
+    for pair in pairs:
+        token, value = pair if isinstance(pair, tuple) and len(pair) == 2 else (None, None)
+        if not isinstance(token, (int, np.integer)) or isinstance(token, bool) or not 0 <= token < 2**31:
+            raise InvalidArgumentError(f"logit_bias keys must be token ids (integers ≥ 0), got {token!r}")
+        ok = isinstance(value, (int, float, np.number)) and not isinstance(value, bool)
+        x = _float64("logit_bias", value) if ok else math.nan  # type: ignore[arg-type]
+        if not -MAX_LOGIT_BIAS <= x <= MAX_LOGIT_BIAS:
+            raise InvalidArgumentError(f"logit_bias values must be numbers in [-100, 100], got {value!r} for token {token}")
+        checked[int(token)] = x
+    if len(checked) > MAX_LOGIT_BIAS_TOKENS:
+        raise InvalidArgumentError(f"logit_bias takes at most {MAX_LOGIT_BIAS_TOKENS} tokens, got {len(checked)}")
+    return tuple(sorted(checked.items()))
 
 
 def _float64(name: str, value: float | int | np.number) -> float:
@@ -295,17 +327,36 @@ def sample_with_logprobs(
     offsets[1:] = np.cumsum([0 if h is None else len(h.tokens) for h in histories])
     tokens = np.concatenate([h.tokens for h in present]) if present else np.empty(0, np.int32)
     counts = np.concatenate([h.counts for h in present]) if present else np.empty(0, np.int32)
+    bias = _BiasRows(params)
     logits = logits.astype(np.float32, copy=False)
     try:
-        return Samples(*_core.sample_rows(logits, table, offsets, tokens, counts))
+        return Samples(*_core.sample_rows(logits, table, offsets, tokens, counts, *bias.arrays()))
     except ShapeError:
         raise  # the arrays disagree: the caller's bug, not one row's
     except InvalidArgumentError:
-        return _sample_rows_alone(logits, table, offsets, tokens, counts)
+        return _sample_rows_alone(logits, table, offsets, tokens, counts, bias)
+
+
+class _BiasRows:
+    """The rows' logit biases in the kernel's CSR form."""
+
+    def __init__(self, params: Sequence[SamplingParams]) -> None:
+        self.offsets = np.zeros(len(params) + 1, dtype=np.int64)
+        self.offsets[1:] = np.cumsum([len(p.logit_bias) for p in params])
+        pairs = [pair for p in params for pair in p.logit_bias]  # type: ignore[union-attr]
+        self.tokens = np.array([t for t, _ in pairs], dtype=np.int32)
+        self.values = np.array([v for _, v in pairs], dtype=np.float32)
+
+    def arrays(self, row: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Every row's, or ``row``'s alone."""
+        if row is None:
+            return self.offsets, self.tokens, self.values
+        start, end = int(self.offsets[row]), int(self.offsets[row + 1])
+        return np.array([0, end - start], dtype=np.int64), self.tokens[start:end], self.values[start:end]
 
 
 def _sample_rows_alone(
-    logits: np.ndarray, table: np.ndarray, offsets: np.ndarray, tokens: np.ndarray, counts: np.ndarray
+    logits: np.ndarray, table: np.ndarray, offsets: np.ndarray, tokens: np.ndarray, counts: np.ndarray, bias: _BiasRows
 ) -> Samples:
     """The kernel refused a batch (a row's parameters it cannot take, which ``SamplingParams``
     should have refused): samples each row alone, from the same table (so each row's uniform
@@ -323,7 +374,7 @@ def _sample_rows_alone(
         history_offsets = np.array([0, end - start], dtype=np.int64)
         try:
             token, logprob, top_ids, top_logprobs = _core.sample_rows(
-                logits[r : r + 1], table[r : r + 1], history_offsets, tokens[start:end], counts[start:end]
+                logits[r : r + 1], table[r : r + 1], history_offsets, tokens[start:end], counts[start:end], *bias.arrays(r)
             )
         except ShapeError:
             raise

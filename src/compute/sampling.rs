@@ -10,8 +10,9 @@
 //! Invariants (the Python `pagedkv.sampling` documents them to users):
 //! - The processed logits are: repetition penalty on every token of the row's history (positive
 //!   logits divided by it, negative multiplied: HF/vLLM), then `frequency × output count` and
-//!   `presence × (output count > 0)` subtracted (OpenAI). Greedy rows (temperature 0) take the
-//!   first maximum of the processed logits.
+//!   `presence × (output count > 0)` subtracted (OpenAI), then the row's logit bias added to its
+//!   tokens (OpenAI's `logit_bias`). Greedy rows (temperature 0) take the first maximum of the
+//!   processed logits.
 //! - Sampled rows keep the tokens whose processed logit is at least the k-th largest (ties at the
 //!   k-th all kept) and at least `max + T·ln(min_p)` (probability ≥ min_p × the top one's); then,
 //!   over those renormalised, top-p keeps the smallest prefix in (probability desc, index asc)
@@ -60,6 +61,14 @@ pub struct History<'a> {
     pub counts: &'a [i32],
 }
 
+/// Values added to some tokens' logits of a row after its penalties (`tokens[i]` gets
+/// `values[i]`; a token given twice gets both).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Bias<'a> {
+    pub tokens: &'a [i32],
+    pub values: &'a [f32],
+}
+
 /// What one row gave.
 #[derive(Clone, Debug, PartialEq)]
 pub struct Sampled {
@@ -71,28 +80,43 @@ pub struct Sampled {
     pub top: Vec<(u32, f32)>,
 }
 
-/// Samples every row of `logits` (`params.len()` rows of `vocab`), row r under `params[r]` and
-/// `histories[r]`, on the attention pool.
+/// Samples every row of `logits` (`params.len()` rows of `vocab`), row r under `params[r]`,
+/// `histories[r]` and `biases[r]`, on the worker pool.
 pub fn sample(
     logits: &[f32],
     vocab: usize,
     params: &[RowParams],
     histories: &[History<'_>],
+    biases: &[Bias<'_>],
 ) -> Result<Vec<Sampled>> {
     let rows = params.len();
     ensure(vocab > 0 && u32::try_from(vocab).is_ok(), || {
         format!("the vocabulary must have 1..=2^32-1 tokens, got {vocab}")
     })?;
     ensure(
-        logits.len() == rows * vocab && histories.len() == rows,
+        logits.len() == rows * vocab && histories.len() == rows && biases.len() == rows,
         || {
             format!(
-                "{} logits, {rows} rows of params and {} histories do not make rows of {vocab}",
+                "{} logits, {rows} rows of params, {} histories and {} biases do not make rows of \
+                 {vocab}",
                 logits.len(),
-                histories.len()
+                histories.len(),
+                biases.len()
             )
         },
     )?;
+    for (r, b) in biases.iter().enumerate() {
+        ensure(b.tokens.len() == b.values.len(), || {
+            format!("row {r}: bias tokens and values differ in length")
+        })?;
+        ensure(
+            b.tokens.iter().all(|&t| t >= 0 && (t as usize) < vocab),
+            || format!("row {r}: a biased token is outside the vocabulary of {vocab}"),
+        )?;
+        ensure(b.values.iter().all(|v| v.is_finite()), || {
+            format!("row {r}: a logit bias is not finite")
+        })?;
+    }
     for (r, (h, p)) in histories.iter().zip(params).enumerate() {
         ensure(h.tokens.len() == h.counts.len(), || {
             format!("row {r}: history tokens and counts differ in length")
@@ -112,9 +136,9 @@ pub fn sample(
     Ok(pool.install(|| {
         logits
             .par_chunks(vocab)
-            .zip(params.par_iter().zip(histories.par_iter()))
-            .map_init(Scratch::default, |scratch, (row, (p, h))| {
-                sample_row(row, p, h, scratch)
+            .zip(params.par_iter().zip(histories.par_iter().zip(biases)))
+            .map_init(Scratch::default, |scratch, (row, (p, (h, b)))| {
+                sample_row(row, p, h, b, scratch)
             })
             .collect()
     }))
@@ -129,7 +153,13 @@ struct Scratch {
     candidates: Vec<(u32, f32)>,
 }
 
-fn sample_row(row: &[f32], p: &RowParams, history: &History<'_>, s: &mut Scratch) -> Sampled {
+fn sample_row(
+    row: &[f32],
+    p: &RowParams,
+    history: &History<'_>,
+    bias: &Bias<'_>,
+    s: &mut Scratch,
+) -> Sampled {
     let (max, nan) = max_and_nan(row);
     if nan || max == f32::NEG_INFINITY {
         return Sampled {
@@ -144,11 +174,15 @@ fn sample_row(row: &[f32], p: &RowParams, history: &History<'_>, s: &mut Scratch
         select,
         candidates,
     } = s;
-    // The softmax's limit: the +inf tokens share all the mass; penalties cannot tell them apart.
+    // The softmax's limit: the +inf tokens share all the mass; penalties and biases cannot tell
+    // them apart.
     let infinite = max == f32::INFINITY;
     let penalized = !infinite
-        && !history.tokens.is_empty()
-        && (p.repetition_penalty != 1.0 || p.presence_penalty != 0.0 || p.frequency_penalty != 0.0);
+        && (!bias.tokens.is_empty()
+            || (!history.tokens.is_empty()
+                && (p.repetition_penalty != 1.0
+                    || p.presence_penalty != 0.0
+                    || p.frequency_penalty != 0.0)));
     buffer.clear();
     if infinite {
         buffer.extend(row.iter().map(|&x| {
@@ -161,6 +195,9 @@ fn sample_row(row: &[f32], p: &RowParams, history: &History<'_>, s: &mut Scratch
     } else if penalized {
         buffer.extend_from_slice(row);
         apply_penalties(buffer, p, history);
+        for (&token, &value) in bias.tokens.iter().zip(bias.values) {
+            buffer[token as usize] += value;
+        }
     }
     let (raw, raw_max) = if infinite {
         (&buffer[..], 0.0)
@@ -490,17 +527,17 @@ mod tests {
     #[test]
     fn refuses_mismatched_shapes_and_bad_history() {
         let p = [params(1.0)];
-        assert!(sample(&[0.0; 3], 4, &p, &[History::default()]).is_err());
+        assert!(sample(&[0.0; 3], 4, &p, &[History::default()], &[Bias::default()]).is_err());
         let bad = History {
             tokens: &[4],
             counts: &[1],
         };
-        assert!(sample(&[0.0; 4], 4, &p, &[bad]).is_err());
+        assert!(sample(&[0.0; 4], 4, &p, &[bad], &[Bias::default()]).is_err());
         let p = [RowParams {
             uniform: 1.0,
             ..params(1.0)
         }];
-        assert!(sample(&[0.0; 4], 4, &p, &[History::default()]).is_err());
+        assert!(sample(&[0.0; 4], 4, &p, &[History::default()], &[Bias::default()]).is_err());
     }
 
     #[test]
@@ -513,15 +550,60 @@ mod tests {
                 uniform: 0.999,
                 ..params(1e-45)
             }];
-            let out = sample(&rows, 4, &p, &[History::default()]).unwrap();
+            let out = sample(&rows, 4, &p, &[History::default()], &[Bias::default()]).unwrap();
             assert_eq!(out[0].token, 2, "top_k {top_k}, min_p {min_p}");
         }
     }
 
     #[test]
+    fn a_logit_bias_moves_the_processed_logits_not_the_logprobs() {
+        let row = [1.0, 3.0, 2.0, 0.0];
+        let (tokens, values) = ([2, 1], [5.0, -100.0]);
+        let bias = Bias {
+            tokens: &tokens,
+            values: &values,
+        };
+        let greedy = RowParams {
+            top_logprobs: Some(1),
+            ..params(0.0)
+        };
+        let out = sample(&row, 4, &[greedy], &[History::default()], &[bias]).unwrap();
+        assert_eq!(out[0].token, 2); // 2 + 5 beats 3 - 100
+        let raw_z = row.iter().map(|x: &f32| x.exp()).sum::<f32>().ln();
+        assert!((out[0].logprob - (2.0 - raw_z)).abs() < 1e-5); // logprobs of the raw logits
+        assert_eq!(out[0].top[0].0, 1);
+        // Sampled rows never draw a token biased by -100 (weight e^-97 relative: underflows).
+        for uniform in [0.0, 0.3, 0.6, 0.999] {
+            let p = RowParams {
+                uniform,
+                ..params(1.0)
+            };
+            let out = sample(&row, 4, &[p], &[History::default()], &[bias]).unwrap();
+            assert_ne!(out[0].token, 1, "uniform {uniform}");
+        }
+        let outside = Bias {
+            tokens: &[4],
+            values: &[1.0],
+        };
+        assert!(sample(&row, 4, &[greedy], &[History::default()], &[outside]).is_err());
+        let infinite = Bias {
+            tokens: &[0],
+            values: &[f32::INFINITY],
+        };
+        assert!(sample(&row, 4, &[greedy], &[History::default()], &[infinite]).is_err());
+    }
+
+    #[test]
     fn greedy_takes_the_first_maximum_and_nan_gives_no_token() {
         let rows = [0.0, 3.0, 3.0, 1.0, 0.0, f32::NAN, 1.0, 2.0];
-        let out = sample(&rows, 4, &[params(0.0); 2], &[History::default(); 2]).unwrap();
+        let out = sample(
+            &rows,
+            4,
+            &[params(0.0); 2],
+            &[History::default(); 2],
+            &[Bias::default(); 2],
+        )
+        .unwrap();
         assert_eq!(out[0].token, 1);
         assert_eq!(out[1].token, NO_TOKEN);
     }

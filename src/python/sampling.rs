@@ -4,6 +4,7 @@
 //! values were validated by `SamplingParams`, this checks only what memory safety needs.
 
 use std::borrow::Cow;
+use std::ops::Range;
 
 use numpy::ndarray::{Ix1, Ix2};
 use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray, PyUntypedArrayMethods};
@@ -11,7 +12,7 @@ use pyo3::prelude::*;
 
 use super::args::{c_order, expect_shape, invalid, shape_error, typed_array};
 use super::sync::detached;
-use crate::compute::sampling::{self, History, RowParams};
+use crate::compute::sampling::{self, Bias, History, RowParams};
 
 /// The columns of the parameter matrix, in order (`top_logprobs` -1: no logprobs).
 const COLUMNS: [&str; 9] = [
@@ -53,13 +54,30 @@ fn row_params(row: &[f64]) -> PyResult<RowParams> {
     })
 }
 
+/// The `rows` ranges of CSR `offsets` into arrays of `len` elements, or a `ShapeError`.
+fn csr_rows(offsets: &[i64], rows: usize, len: usize, what: &str) -> PyResult<Vec<Range<usize>>> {
+    let valid = offsets[0] == 0
+        && offsets[rows] as usize == len
+        && offsets.windows(2).all(|w| w[0] <= w[1]);
+    match valid {
+        true => Ok(offsets
+            .windows(2)
+            .map(|w| w[0] as usize..w[1] as usize)
+            .collect()),
+        false => Err(shape_error(format!(
+            "{what}_offsets must rise from 0 to the length of its {what} arrays"
+        ))),
+    }
+}
+
 /// `(tokens int64[rows], logprobs float32[rows], top_ids int64[rows, n], top_logprobs
 /// float32[rows, n])` for `logits` float32 `[rows, vocab]`, `params` float64
-/// `[rows, len(SAMPLING_COLUMNS)]` and the rows' histories in CSR form (`history_offsets` int64
-/// `[rows + 1]` into `history_tokens` and `history_counts`, int32). `n` is the largest
+/// `[rows, len(SAMPLING_COLUMNS)]`, the rows' histories in CSR form (`history_offsets` int64
+/// `[rows + 1]` into `history_tokens` and `history_counts`, int32) and their logit biases likewise
+/// (`bias_offsets` into `bias_tokens` int32 and `bias_values` float32). `n` is the largest
 /// `top_logprobs`; unused entries hold -1 and NaN.
 #[pyfunction]
-#[allow(clippy::type_complexity)]
+#[allow(clippy::type_complexity, clippy::too_many_arguments)]
 fn sample_rows<'py>(
     py: Python<'py>,
     logits: &Bound<'py, PyAny>,
@@ -67,6 +85,9 @@ fn sample_rows<'py>(
     history_offsets: &Bound<'py, PyAny>,
     history_tokens: &Bound<'py, PyAny>,
     history_counts: &Bound<'py, PyAny>,
+    bias_offsets: &Bound<'py, PyAny>,
+    bias_tokens: &Bound<'py, PyAny>,
+    bias_values: &Bound<'py, PyAny>,
 ) -> PyResult<(
     Bound<'py, PyArray1<i64>>,
     Bound<'py, PyArray1<f32>>,
@@ -91,21 +112,37 @@ fn sample_rows<'py>(
         .collect::<PyResult<Vec<_>>>()?;
     let offsets = c_order(&offsets)?;
     let (tokens, counts) = (c_order(&tokens)?, c_order(&counts)?);
-    if tokens.len() != counts.len()
-        || offsets[0] != 0
-        || offsets[rows] as usize != tokens.len()
-        || offsets.windows(2).any(|w| w[0] > w[1])
-    {
+    if tokens.len() != counts.len() {
         return Err(shape_error(
-            "history_offsets must rise from 0 to the length of history_tokens and history_counts"
-                .into(),
+            "history_tokens and history_counts differ in length".into(),
         ));
     }
-    let histories: Vec<History<'_>> = offsets
-        .windows(2)
-        .map(|w| History {
-            tokens: &tokens[w[0] as usize..w[1] as usize],
-            counts: &counts[w[0] as usize..w[1] as usize],
+    let histories: Vec<History<'_>> = csr_rows(&offsets, rows, tokens.len(), "history")?
+        .into_iter()
+        .map(|r| History {
+            tokens: &tokens[r.clone()],
+            counts: &counts[r],
+        })
+        .collect();
+    let bias_offsets: PyReadonlyArray<'py, i64, Ix1> =
+        typed_array(bias_offsets, "bias_offsets", "int64")?;
+    let bias_tokens: PyReadonlyArray<'py, i32, Ix1> =
+        typed_array(bias_tokens, "bias_tokens", "int32")?;
+    let bias_values: PyReadonlyArray<'py, f32, Ix1> =
+        typed_array(bias_values, "bias_values", "float32")?;
+    expect_shape(bias_offsets.shape(), &[Some(rows + 1)], "bias_offsets")?;
+    let bias_offsets = c_order(&bias_offsets)?;
+    let (bias_tokens, bias_values) = (c_order(&bias_tokens)?, c_order(&bias_values)?);
+    if bias_tokens.len() != bias_values.len() {
+        return Err(shape_error(
+            "bias_tokens and bias_values differ in length".into(),
+        ));
+    }
+    let biases: Vec<Bias<'_>> = csr_rows(&bias_offsets, rows, bias_tokens.len(), "bias")?
+        .into_iter()
+        .map(|r| Bias {
+            tokens: &bias_tokens[r.clone()],
+            values: &bias_values[r],
         })
         .collect();
     let logits = c_order(&logits)?;
@@ -116,7 +153,7 @@ fn sample_rows<'py>(
         .unwrap_or(0)
         .min(vocab);
     let (tokens, logprobs, top_ids, top_logprobs) = detached(py, || {
-        let out = sampling::sample(&logits, vocab, &row_params, &histories)?;
+        let out = sampling::sample(&logits, vocab, &row_params, &histories, &biases)?;
         let mut top_ids = vec![-1i64; rows * width];
         let mut top_logprobs = vec![f32::NAN; rows * width];
         for (r, s) in out.iter().enumerate() {

@@ -9,7 +9,7 @@ import pytest
 
 from pagedkv import _core
 from pagedkv.errors import InvalidArgumentError
-from pagedkv.sampling import NO_TOKEN, SamplingParams, TokenHistory, sample, sample_with_logprobs
+from pagedkv.sampling import MAX_LOGIT_BIAS_TOKENS, NO_TOKEN, SamplingParams, TokenHistory, sample, sample_with_logprobs
 
 
 class Fixed:
@@ -193,3 +193,19 @@ def test_a_row_the_kernel_refuses_fails_alone(monkeypatch):
     assert out.tokens[[0, 2]].tolist() == [a.tokens[0] for a in alone]
     assert out.logprobs[[0, 2]].tolist() == [a.logprobs[0] for a in alone]
     assert out.top_ids[0].tolist() == alone[0].top_ids[0].tolist() and out.top_ids.shape == (3, 2)
+
+
+def test_logit_bias_is_checked_sorted_and_applied_after_the_penalties():
+    params = SamplingParams(temperature=0.0, logit_bias={5: 2.0, 1: -100, 3: 0.5})
+    assert params.logit_bias == ((1, -100.0), (3, 0.5), (5, 2.0))
+    assert hash(params) == hash(SamplingParams(temperature=0.0, logit_bias=[(3, 0.5), (5, 2.0), (1, -100)]))
+    for bad in ({1: 100.5}, {-1: 1.0}, {True: 1.0}, {1: float("nan")}, {"1": 1.0}, {1: True}, 5,
+                {i: 1.0 for i in range(MAX_LOGIT_BIAS_TOKENS + 1)}):
+        with pytest.raises(InvalidArgumentError, match="logit_bias"):
+            SamplingParams(logit_bias=bad)  # type: ignore[arg-type]
+    logits = np.array([[0.0, 3.0, 1.0, 0.0, 0.0, 2.5]], dtype=np.float32)
+    history = TokenHistory([5])  # repetition penalty 2 halves token 5's logit first: 1.25, then + 2.0
+    penalized = SamplingParams(temperature=0.0, repetition_penalty=2.0, logit_bias={5: 2.0, 1: -100})
+    out = sample_with_logprobs(logits, [penalized], [np.random.default_rng(0)], [history])
+    assert out.tokens.tolist() == [5]
+    assert sample(logits, [SamplingParams(temperature=0.0)], [np.random.default_rng(0)]).tolist() == [1]

@@ -107,7 +107,6 @@ def test_every_recorded_client_request_is_answered(http, recorded):
     ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}),
     ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
     ("tool_choice", "required"),
-    ("logit_bias", {"104": 100}),
     ("guided_json", {"type": "object"}),
     ("guided_choice", ["a", "b"]),
     ("structured_outputs", {"regex": "a+"}),
@@ -295,3 +294,20 @@ def test_tokenize_and_detokenize_in_vllms_shapes(http):
         assert http.post("/tokenize", json=bad).status_code == 400
     assert http.post("/detokenize", json={"tokens": [10**9]}).status_code == 400
     assert http.post("/tokenize", json={"prompt": "x", "model": "gpt-9"}).status_code == 404
+
+
+def test_logit_bias_forces_and_bans_tokens(http):
+    """Through the Rust sampler: +100 on one token makes it every greedy token; -100 bans a token
+    from a sampled row, and +30 makes another most of it."""
+    [a] = http.post("/tokenize", json={"prompt": "a", "add_special_tokens": False}).json()["tokens"]
+    forced = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+                                                "logit_bias": {str(a): 100}}).json()
+    assert forced["choices"][0]["text"] == "a" * 6
+    [b] = http.post("/tokenize", json={"prompt": "b", "add_special_tokens": False}).json()["tokens"]
+    body = {"prompt": "x", "max_tokens": 6, "temperature": 0.8, "seed": 3, "ignore_eos": True,
+            "logit_bias": {str(a): -100, str(b): 30}}
+    sampled = http.post("/v1/completions", json=body).json()
+    assert sampled["choices"][0]["text"] == "b" * 6  # e^-37 for any other token
+    for bad in ({"x": 1}, {"97": 101}, {"-1": 1}, {str(10**6): 1}):
+        response = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "logit_bias": bad})
+        assert response.status_code == 400 and "logit_bias" in response.json()["error"]["message"], (bad, response.text)

@@ -175,8 +175,8 @@ class EngineCore:
         trace_headers: Mapping[str, str] | None = None,
     ) -> RequestOutput:
         """Queues a request; returns its (empty) output record. Raises, changing nothing:
-        :class:`InvalidArgumentError` for a prompt that is not token ids of the model's vocabulary
-        or ``params`` that are not :class:`SamplingParams`, and whatever the scheduler refuses
+        :class:`InvalidArgumentError` for a prompt (or a ``logit_bias``) that is not token ids of
+        the model's vocabulary or ``params`` that are not :class:`SamplingParams`, and whatever the scheduler refuses
         (a duplicate id, an empty or too long prompt, out-of-range limits, arguments of the
         wrong type), and stop strings without a tokenizer. ``trace_headers`` (W3C ``traceparent``)
         make the request's trace a child of the caller's."""
@@ -185,6 +185,9 @@ class EngineCore:
             raise InvalidArgumentError(f"params must be SamplingParams, got {type(params).__name__}")
         if params.stop and self.tokenizer is None:
             raise InvalidArgumentError("stop strings need text: this engine core has no tokenizer")
+        biased = [token for token, _ in params.logit_bias if token >= self.runner.vocab_size]  # type: ignore[union-attr]
+        if biased:
+            raise InvalidArgumentError(f"logit_bias token ids {biased[:5]} outside the vocabulary of {self.runner.vocab_size}")
         arrival = self.clock() if arrival_time is None else arrival_time
         with self._lock:
             # The scheduler validates n (with every other limit) before any per-sample work:

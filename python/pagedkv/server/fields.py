@@ -3,12 +3,12 @@ yet, else ignored (and counted, by :class:`IgnoredFields`).
 
 Invariants:
 
-- A field whose meaning is a constraint on the answer (a JSON schema, a grammar, tools, logit
-  biases, ``echo``…) is never silently dropped: a value asking for anything is a 400 naming the
+- A field whose meaning is a constraint on the answer (a JSON schema, a grammar, tools,
+  ``echo``…) is never silently dropped: a value asking for anything is a 400 naming the
   field, "… is not supported" (:class:`NotSupportedError`). vLLM ignores its removed ``guided_*``
   keys and answers unconstrained text with a 200; a client then parses what it never asked for.
 - A value that asks for nothing is accepted: ``response_format: {"type": "text"}``,
-  ``tool_choice: "none"``, an empty ``tools`` list, ``logit_bias: {}``, ``best_of`` equal to ``n``.
+  ``tool_choice: "none"``, an empty ``tools`` list, ``best_of`` equal to ``n``.
 - Every other name is ignored, as vLLM and llama.cpp ignore it: SDKs add fields of their own
   (``store``, ``metadata``, ``parallel_tool_calls``, ``service_tier``…) that change nothing an
   answer says. Each ignored name is logged once and counted, under a bounded set of labels (the
@@ -60,7 +60,6 @@ REFUSED: Mapping[str, Callable[[Any], bool]] = {
     "tool_choice": _choice,
     "functions": bool,
     "function_call": _choice,
-    "logit_bias": bool,
     "echo": bool,
     "suffix": bool,
     "prompt_logprobs": _not_none,

@@ -106,6 +106,7 @@ class _Sampling(_Body):
     stream_options: StreamOptions | None = None
     user: str | None = None
     cache_salt: str | None = None
+    logit_bias: dict[str, float] | None = None
 
     def _max_tokens(self) -> int | None:
         return self.max_tokens
@@ -181,6 +182,14 @@ class DetokenizeRequest(_Body):
     tokens: list[int]
 
 
+def _token_keys(bias: dict[str, float]) -> dict[int, float]:
+    """OpenAI's ``logit_bias`` (token ids as JSON object keys) keyed by int."""
+    try:
+        return {int(key): value for key, value in bias.items()}
+    except ValueError:
+        raise InvalidArgumentError("logit_bias keys must be token ids (integers as strings)") from None
+
+
 def sampling_params(request: CompletionRequest | ChatCompletionRequest, default: SamplingParams,
                     default_max_tokens: int) -> SamplingParams:
     """The engine's parameters for ``request``: its fields where given, else the engine's
@@ -201,6 +210,7 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, default:
         "seed": request.seed,
         "stop_token_ids": None if request.stop_token_ids is None else tuple(request.stop_token_ids),
         "stop": None if request.stop is None else ((request.stop,) if isinstance(request.stop, str) else tuple(request.stop)),
+        "logit_bias": None if request.logit_bias is None else _token_keys(request.logit_bias),
     }
     fields = {name: value for name, value in given.items() if value is not None}
     fields.setdefault("max_tokens", default_max_tokens)
