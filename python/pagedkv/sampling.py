@@ -45,7 +45,7 @@ from pagedkv.errors import InvalidArgumentError, ShapeError
 
 __all__ = [
     "MAX_LOGIT_BIAS", "MAX_LOGIT_BIAS_TOKENS", "MAX_STOP_STRING_CHARS", "MAX_STOP_STRINGS", "MAX_TOP_LOGPROBS",
-    "NO_TOKEN", "SamplingParams", "Samples",
+    "NO_TOKEN", "PromptScores", "SamplingParams", "Samples",
     "TokenHistory", "sample", "sample_with_logprobs",
 ]
 
@@ -93,6 +93,10 @@ class SamplingParams:
     - ``ignore_eos``: do not stop at the model's end-of-sequence tokens.
     - ``n``: independent samples of the same prompt (parallel sampling, sharing the prompt's
       blocks; ≥ 1 and at most the scheduler's ``max_num_seqs``, checked by the scheduler).
+    - ``prompt_logprobs``: None, or report each prompt token's logprob given the tokens before
+      it with that many most likely alternatives (0 to :data:`MAX_TOP_LOGPROBS`; vLLM's). Such a
+      request shares no cached prefix: its prompt is computed whole
+      (:mod:`pagedkv.engine.prompt_scoring`).
     - ``logit_bias``: token id → a value in [-100, 100] added to its logit after the penalties
       (OpenAI's); at most :data:`MAX_LOGIT_BIAS_TOKENS` tokens, each below the vocabulary's size
       (checked when sampled: a token past it fails the request). Kept as sorted (token, value)
@@ -118,6 +122,7 @@ class SamplingParams:
     n: int = 1
     stop: tuple[str, ...] = ()
     logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] = ()
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         def is_int(value: object) -> bool:
@@ -145,6 +150,12 @@ class SamplingParams:
             raise InvalidArgumentError(f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
         if self.top_logprobs and not self.logprobs:
             raise InvalidArgumentError("top_logprobs needs logprobs=True")
+        if self.prompt_logprobs is not None and (
+            not is_int(self.prompt_logprobs) or not 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS
+        ):
+            raise InvalidArgumentError(
+                f"prompt_logprobs must be None or an integer in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs!r}"
+            )
         if self.seed is not None and (not is_int(self.seed) or self.seed < 0):
             raise InvalidArgumentError(f"seed must be a non-negative integer or None, got {self.seed!r}")
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))  # frozen: hashable
@@ -256,18 +267,31 @@ class TokenHistory:
 
 
 @dataclass(frozen=True)
+class PromptScores:
+    """Scores of prompt tokens (:mod:`pagedkv.engine.prompt_scoring`): ``logprobs`` float32
+    ``[R]`` of each scored token; ``top_ids`` int64 and ``top_logprobs`` float32 ``[R, top]``,
+    the most likely tokens at its position."""
+
+    logprobs: np.ndarray
+    top_ids: np.ndarray
+    top_logprobs: np.ndarray
+
+
+@dataclass(frozen=True)
 class Samples:
     """What :func:`sample` gives: ``tokens`` int64 ``[rows]`` (:data:`NO_TOKEN` for a row with
     nothing to draw from); ``logprobs`` float32 ``[rows]`` (NaN for a row that asked for none);
     ``top_ids`` int64 and ``top_logprobs`` float32 ``[rows, n]`` (n the largest ``top_logprobs``
     asked; a row's unused entries -1 and NaN); ``refused``: the rows the kernel refused to sample
-    (their token :data:`NO_TOKEN`), by row, with its reason."""
+    (their token :data:`NO_TOKEN`), by row, with its reason; ``prompt_scores``: the prompt
+    positions' scores a runner was asked for in the same step."""
 
     tokens: np.ndarray
     logprobs: np.ndarray
     top_ids: np.ndarray
     top_logprobs: np.ndarray
     refused: Mapping[int, str] = field(default_factory=dict)
+    prompt_scores: PromptScores | None = None
 
     @classmethod
     def certain(cls, tokens: np.ndarray, params: Sequence[SamplingParams]) -> Samples:

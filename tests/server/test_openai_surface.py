@@ -110,13 +110,11 @@ def test_every_recorded_client_request_is_answered(http, recorded):
     ("guided_json", {"type": "object"}),
     ("guided_choice", ["a", "b"]),
     ("structured_outputs", {"regex": "a+"}),
-    ("echo", True),
-    ("prompt_logprobs", 1),
     ("min_tokens", 3),
     ("best_of", 3),
 ])
 def test_a_constraint_pagedkv_cannot_honour_is_a_400_naming_it_and_queues_nothing(http, field, value):
-    endpoint = "/v1/completions" if field in ("echo", "best_of", "prompt_logprobs") else "/v1/chat/completions"
+    endpoint = "/v1/completions" if field == "best_of" else "/v1/chat/completions"
     body = {"model": MODEL, "max_tokens": 2, field: value}
     body.update({"prompt": "x"} if endpoint == "/v1/completions" else {"messages": [{"role": "user", "content": "x"}]})
     before = http.get("/health").json()["num_waiting"]
@@ -311,3 +309,46 @@ def test_logit_bias_forces_and_bans_tokens(http):
     for bad in ({"x": 1}, {"97": 101}, {"-1": 1}, {str(10**6): 1}):
         response = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 1, "logit_bias": bad})
         assert response.status_code == 400 and "logit_bias" in response.json()["error"]["message"], (bad, response.text)
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_the_model_does(http):
+    """lm-eval's loglikelihood request: token ids, echo, logprobs 1, max_tokens 0 (and 1). The
+    prompt's logprobs are the model's own (a dense forward over the prompt), equal whether the
+    prompt was cached by an earlier request or not, and the first token's is null."""
+    import numpy as np
+
+    from pagedkv.engine import Engine
+    from support.prefill import prefill_logits
+
+    prompt = list(range(40, 80))
+    body = {"prompt": prompt, "echo": True, "logprobs": 1, "max_tokens": 0, "temperature": 0}
+    scored = http.post("/v1/completions", json=body).json()
+    choice = scored["choices"][0]
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(prompt) and lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert scored["usage"] == {**scored["usage"], "prompt_tokens": len(prompt), "completion_tokens": 0}
+    reference = Engine.from_pretrained("tiny", num_blocks=64)  # the same seed-0 weights
+    logits = prefill_logits(reference.core.runner.model, prompt)
+    reference.shutdown()
+    peak = logits.max(axis=1, keepdims=True)
+    log_softmax = logits - peak - np.log(np.exp(logits - peak).sum(axis=1, keepdims=True))
+    want = [float(log_softmax[p, prompt[p + 1]]) for p in range(len(prompt) - 1)]
+    assert np.allclose(lp["token_logprobs"][1:], want, atol=1e-4)
+    for p, top in enumerate(lp["top_logprobs"][1:]):  # the chosen token and the most likely one
+        assert max(top.values()) == pytest.approx(float(log_softmax[p].max()), abs=1e-4)
+    # With the prompt cached by a plain request first: the same scores (a scoring request
+    # computes its prompt whole).
+    assert http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1}).status_code == 200
+    again = http.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]["token_logprobs"]
+    assert again == lp["token_logprobs"]
+    # max_tokens 1: the prompt's scores, then the generated token's.
+    one = http.post("/v1/completions", json={**body, "max_tokens": 1}).json()
+    assert one["usage"]["completion_tokens"] == 1 and len(one["choices"][0]["logprobs"]["tokens"]) == len(prompt) + 1
+    assert one["choices"][0]["logprobs"]["token_logprobs"][: len(prompt)] == lp["token_logprobs"]
+    # vLLM's prompt_logprobs alone, echo without logprobs, and what is refused.
+    assert http.post("/v1/completions", json={"prompt": prompt, "prompt_logprobs": 2, "max_tokens": 1}).status_code == 200
+    echoed = http.post("/v1/completions", json={"prompt": "abc", "echo": True, "max_tokens": 2}).json()["choices"][0]
+    assert echoed["text"].startswith("abc") and echoed["logprobs"] is None
+    refused = http.post("/v1/completions", json={**body, "stream": True})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "echo"
+    assert http.post("/v1/completions", json={"prompt": "x", "max_tokens": 0}).status_code == 400

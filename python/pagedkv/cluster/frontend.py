@@ -67,7 +67,7 @@ from pagedkv.engine import (
     TokenLogprob,
 )
 from pagedkv.engine.output_processor import append_token
-from pagedkv.errors import ModelError, PagedKVError
+from pagedkv.errors import InvalidArgumentError, ModelError, PagedKVError
 from pagedkv.kv_events import KvSnapshot
 from pagedkv.observability.metrics import EngineMetrics
 from pagedkv.sampling import SamplingParams
@@ -240,7 +240,10 @@ class Cluster:
     async def submit(self, prompt: str | Sequence[int], params: SamplingParams | None = None, *,
                      cache_salt: str | None = None, trace_headers: Mapping[str, str] | None = None) -> RequestHandle:
         """Queues a request on the replica the router picks; returns once that replica has
-        queued it (raising, having queued nothing, what its engine refused)."""
+        queued it (raising, having queued nothing, what its engine refused). Prompt logprobs are
+        refused: a replica's reach the front end only token by token."""
+        if params is not None and params.prompt_logprobs is not None:
+            raise InvalidArgumentError("prompt_logprobs (and echo with logprobs) are not supported across replicas yet")
         text, token_ids = (prompt, encode_text(self.tokenizer, prompt)) if isinstance(prompt, str) else (None, prompt)
         return await self._submit(text, token_ids, params, cache_salt, trace_headers)
 

@@ -71,6 +71,7 @@ from pagedkv.callbacks import call_guarded
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.output_processor import append_token
 from pagedkv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenEvent, TokenLogprob
+from pagedkv.engine.prompt_scoring import ScoreRows, rows_of, scoring_salt
 from pagedkv.engine.runners import ModelRunner
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.kv_events import KvEventPublisher, KvSnapshot
@@ -188,6 +189,10 @@ class EngineCore:
         biased = [token for token, _ in params.logit_bias if token >= self.runner.vocab_size]  # type: ignore[union-attr]
         if biased:
             raise InvalidArgumentError(f"logit_bias token ids {biased[:5]} outside the vocabulary of {self.runner.vocab_size}")
+        if params.prompt_logprobs is not None:
+            if not getattr(self.runner, "scores_prompts", False):
+                raise InvalidArgumentError("prompt_logprobs needs a model with logits at every position (this runner has none)")
+            cache_salt = scoring_salt(request_id, cache_salt)
         arrival = self.clock() if arrival_time is None else arrival_time
         with self._lock:
             # The scheduler validates n (with every other limit) before any per-sample work:
@@ -229,6 +234,7 @@ class EngineCore:
             outputs=[CompletionOutput(index=i, logprobs=[] if params.logprobs else None) for i in range(n)],
             metrics=RequestMetrics(arrival_time=arrival),
             prompt=prompt,
+            prompt_logprobs=None if params.prompt_logprobs is None else [None] * len(token_ids),
         )
         generators = [params.make_generator(i) for i in range(n)]
         tokenizer = self.tokenizer
@@ -272,7 +278,12 @@ class EngineCore:
                 params = [r.params for r in requests]
                 generators = [r.generators[i] for r, i in zip(requests, indices, strict=True)]
                 histories = [None if r.histories is None else r.histories[i] for r, i in zip(requests, indices, strict=True)]
-                samples = self.runner.run(step, params, generators, histories)
+                scoring, scored = self._scoring(step)
+                if scoring is None:
+                    samples = self.runner.run(step, params, generators, histories)
+                else:
+                    samples = self.runner.run(step, params, generators, histories, scoring)
+                    self._keep_scores(scored, samples)
                 tokens = np.asarray(samples.tokens, dtype=np.int64)
             now = self.clock()
             with self._lock:
@@ -302,6 +313,39 @@ class EngineCore:
             # thread instead of spinning on empty steps (holding no lock, so requests still come in).
             time.sleep(_LOAD_WAIT_SECONDS)
         return events, failed + finished
+
+    def _scoring(self, step: SchedulerOutput) -> tuple[ScoreRows | None, list[tuple[_Request, np.ndarray]]]:
+        """The token rows of ``step`` scoring a prompt token of a request that asked for prompt
+        logprobs, and where their scores go: (request, prompt positions scored)."""
+        with self._lock:
+            row_requests = [self._requests.get(rid) for rid in step.request_ids]
+        wanted = [r if r is not None and r.params.prompt_logprobs is not None else None for r in row_requests]
+        if not any(wanted):
+            return None, []
+        prompts = [None if r is None else r.output.prompt_token_ids for r in wanted]
+        rows, targets, where = rows_of(np.asarray(step.positions), np.asarray(step.query_start_loc), prompts)
+        if not len(rows):
+            return None, []
+        top = max(r.params.prompt_logprobs for r in wanted if r is not None)  # type: ignore[type-var]
+        return ScoreRows(rows, targets, int(top)), [(wanted[i], positions) for i, positions in where]  # type: ignore[misc]
+
+    @staticmethod
+    def _keep_scores(scored: list[tuple[_Request, np.ndarray]], samples: Samples) -> None:
+        """Writes each scored prompt position's :class:`TokenLogprob` into its request's output."""
+        scores = samples.prompt_scores
+        assert scores is not None, "a runner given scoring rows returns their scores"
+        at = 0
+        for request, positions in scored:
+            k = request.params.prompt_logprobs or 0
+            with request.lock:
+                entries = request.output.prompt_logprobs
+                assert entries is not None
+                for j, position in enumerate(positions.tolist()):
+                    row = at + j
+                    top = tuple(zip(scores.top_ids[row, :k].tolist(), scores.top_logprobs[row, :k].tolist(), strict=True))
+                    token = request.output.prompt_token_ids[position]
+                    entries[position] = TokenLogprob(token, float(scores.logprobs[row]), top)
+            at += len(positions)
 
     def _fail_unsampled(self, step: SchedulerOutput, tokens: np.ndarray, refused: Mapping[int, str]) -> list[RequestOutput]:
         """Aborts (in the scheduler) the requests with a sample row the model left no token for

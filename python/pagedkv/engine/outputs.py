@@ -79,6 +79,9 @@ class RequestOutput:
     # Prompt tokens served from the prefix cache at its first admission (OpenAI's
     # usage.prompt_tokens_details.cached_tokens); 0 until then.
     num_cached_tokens: int = 0
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (nothing
+    # before it to predict it) and for any not computed yet.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
     @property
     def text(self) -> str:

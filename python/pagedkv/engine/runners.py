@@ -9,12 +9,14 @@ scheduler owns that K/V and the runner's model reaches it only through each step
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Protocol
 
 import numpy as np
 
 from pagedkv._core import KvSpec
+from pagedkv.engine.prompt_scoring import ScoreRows, score
 from pagedkv.models.simulated import SimulatedModel
 from pagedkv.models.step import ModelStep
 from pagedkv.sampling import Samples, SamplingParams, TokenHistory, sample_with_logprobs
@@ -28,6 +30,7 @@ class ModelRunner(Protocol):
     vocab_size: int
     max_model_len: int
     kv_spec: KvSpec | None
+    scores_prompts: bool  # whether ``run`` takes ``scoring`` (a model with logits at every position)
 
     def run(
         self,
@@ -35,11 +38,13 @@ class ModelRunner(Protocol):
         params: Sequence[SamplingParams],
         generators: Sequence[np.random.Generator],
         histories: Sequence[TokenHistory | None],
+        scoring: ScoreRows | None = None,
     ) -> Samples:
         """The samples of ``step.logits_indices``: row r drawn under ``params[r]`` from
         ``generators[r]``, penalised by ``histories[r]`` (None: no penalty), with the logprobs
         ``params[r]`` asks for (:func:`~pagedkv.sampling.sample_with_logprobs`);
-        :data:`~pagedkv.sampling.NO_TOKEN` for a row with nothing to draw from."""
+        :data:`~pagedkv.sampling.NO_TOKEN` for a row with nothing to draw from; with
+        ``scoring``, the scores of those token rows (:attr:`Samples.prompt_scores`)."""
         ...
 
 
@@ -65,6 +70,7 @@ class PagedModelRunner:
         self.kv_spec: KvSpec | None = model.kv_spec(kv_dtype)
         self.vocab_size = model.config.vocab_size
         self.max_model_len = model.config.max_position_embeddings
+        self.scores_prompts = hasattr(model, "hidden")
 
     def run(
         self,
@@ -72,9 +78,14 @@ class PagedModelRunner:
         params: Sequence[SamplingParams],
         generators: Sequence[np.random.Generator],
         histories: Sequence[TokenHistory | None],
+        scoring: ScoreRows | None = None,
     ) -> Samples:
-        logits = self.model.forward(step)
-        return sample_with_logprobs(logits, params, generators, histories)
+        if scoring is None or not len(scoring.rows):
+            return sample_with_logprobs(self.model.forward(step), params, generators, histories)
+        sampled = np.asarray(step.logits_indices)
+        hidden = self.model.hidden(step, np.concatenate([sampled, scoring.rows]))
+        samples = sample_with_logprobs(self.model.logits(hidden[: len(sampled)]), params, generators, histories)
+        return dataclasses.replace(samples, prompt_scores=score(hidden[len(sampled) :], scoring, self.model.logits))
 
 
 class SimulatedRunner:
@@ -84,6 +95,7 @@ class SimulatedRunner:
         self.model = model
         self.clock = clock
         self.kv_spec = None
+        self.scores_prompts = False  # no logits
         self.vocab_size = model.vocab_size
         self.max_model_len = max_model_len
 
@@ -93,6 +105,7 @@ class SimulatedRunner:
         params: Sequence[SamplingParams],
         generators: Sequence[np.random.Generator],
         histories: Sequence[TokenHistory | None],
+        scoring: ScoreRows | None = None,
     ) -> Samples:
         """The simulated model's tokens, each certain (it has no logits: no penalty applies)."""
         self.clock.advance(self.model.step_seconds(step))

@@ -174,15 +174,25 @@ class LlamaModel:
         attends through its tables (each through the step: ``step.copy_blocks()``,
         ``step.write``, ``step.attention``) and returns the float32 logits
         ``[len(step.logits_indices), vocab_size]`` of the rows ``step.logits_indices``."""
+        return self.logits(self.hidden(step, np.asarray(step.logits_indices)))
+
+    def hidden(self, step: ModelStep, rows: np.ndarray) -> np.ndarray:
+        """Runs one step as :meth:`forward` does; returns the final-normed hidden states
+        ``[len(rows), hidden_size]`` of the token ``rows`` (for :meth:`logits`)."""
         with self._blas_limit():
-            return self._forward(step)
+            return self._forward(step, rows)
+
+    def logits(self, hidden: np.ndarray) -> np.ndarray:
+        """The float32 logits ``[rows, vocab_size]`` of final hidden states."""
+        with self._blas_limit():
+            return self._lm_head(hidden)
 
     def _blas_limit(self) -> contextlib.AbstractContextManager[object]:
         if self._blas is None:
             return contextlib.nullcontext()
         return self._blas.limit(limits=self._blas_threads, user_api="blas")
 
-    def _forward(self, step: ModelStep) -> np.ndarray:
+    def _forward(self, step: ModelStep, rows: np.ndarray) -> np.ndarray:
         c = self.config
         input_ids = np.asarray(step.input_ids)
         positions = np.asarray(step.positions)
@@ -211,8 +221,7 @@ class LlamaModel:
             gate_up = layer.gate_up(x)
             gate, up = gate_up[:, : c.intermediate_size], gate_up[:, c.intermediate_size :]
             hidden = hidden + layer.down(_silu(gate) * up)
-        last = rms_norm(hidden[np.asarray(step.logits_indices)], self._final_norm, c.rms_norm_eps)
-        return self._lm_head(last)
+        return rms_norm(hidden[rows], self._final_norm, c.rms_norm_eps)
 
 
 class _FusedLayer(NamedTuple):

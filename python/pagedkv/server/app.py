@@ -98,8 +98,10 @@ def build_app(engine: Engine | EngineClient, model_name: str, *, default_max_tok
         ignored.record(body.check(), http.url.path)
         params = sampling_params(body, client.default_params, default_max_tokens if chat else COMPLETIONS_MAX_TOKENS)
         trace = {k: v for k in _TRACE_HEADERS if (v := http.headers.get(k)) is not None}
+        echo = isinstance(body, CompletionRequest) and body.echo
         generation = await Generation.submit(client, encoder, prompts, params, chat=chat, cache_salt=body.cache_salt,
-                                             trace_headers=trace or None, prefix="chatcmpl" if chat else "cmpl")
+                                             trace_headers=trace or None, prefix="chatcmpl" if chat else "cmpl",
+                                             echo=echo, score_only=echo and body.score_only)  # type: ignore[union-attr]
         if body.stream:
             events = stream(generation, fmt, body.include_usage, body.continuous_usage)
             return StreamingResponse(events, media_type="text/event-stream")

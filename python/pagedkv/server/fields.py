@@ -3,9 +3,9 @@ yet, else ignored (and counted, by :class:`IgnoredFields`).
 
 Invariants:
 
-- A field whose meaning is a constraint on the answer (a JSON schema, a grammar, tools,
-  ``echo``…) is never silently dropped: a value asking for anything is a 400 naming the
-  field, "… is not supported" (:class:`NotSupportedError`). vLLM ignores its removed ``guided_*``
+- A field whose meaning is a constraint on the answer (a JSON schema, a grammar, tools…) is never
+  silently dropped: a value asking for anything is a 400 naming the field, "… is not supported"
+  (:class:`NotSupportedError`). vLLM ignores its removed ``guided_*``
   keys and answers unconstrained text with a 200; a client then parses what it never asked for.
 - A value that asks for nothing is accepted: ``response_format: {"type": "text"}``,
   ``tool_choice: "none"``, an empty ``tools`` list, ``best_of`` equal to ``n``.
@@ -60,9 +60,7 @@ REFUSED: Mapping[str, Callable[[Any], bool]] = {
     "tool_choice": _choice,
     "functions": bool,
     "function_call": _choice,
-    "echo": bool,
     "suffix": bool,
-    "prompt_logprobs": _not_none,
     "structured_outputs": _not_none,
     "guided_json": _not_none,
     "guided_regex": _not_none,

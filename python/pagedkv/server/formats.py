@@ -62,6 +62,24 @@ class Format:
 class CompletionFormat(Format):
     object = chunk_object = "text_completion"
 
+    def response(self, generation: Generation, outputs: Sequence[RequestOutput]) -> dict:
+        if not generation.echo:
+            return super().response(generation, outputs)
+        choices = []
+        for i, output in enumerate(outputs):
+            prompt_text = output.prompt if output.prompt is not None else self.text.join(output.prompt_token_ids)
+            for c in output.outputs:
+                generated = [] if generation.score_only else (c.logprobs or [])
+                lp = None
+                if generation.params.logprobs:
+                    prompt = (output.prompt_token_ids, output.prompt_logprobs or [None] * len(output.prompt_token_ids))
+                    lp = completion_logprobs(generated, self.text, prompt=prompt)
+                text = prompt_text + ("" if generation.score_only else c.text)
+                reason = "length" if generation.score_only else finish_reason(c.finish_reason)
+                choices.append({"index": generation.n * i + c.index, "text": text, "logprobs": lp, "finish_reason": reason})
+        return {**self._head(generation, self.object), "choices": choices,
+                "usage": usage(outputs, generated=not generation.score_only)}
+
     def choice(self, index: int, completion: CompletionOutput, logprobs: bool) -> dict:
         lp = completion_logprobs(completion.logprobs or [], self.text) if logprobs else None
         return {"index": index, "text": completion.text, "logprobs": lp, "finish_reason": finish_reason(completion.finish_reason)}

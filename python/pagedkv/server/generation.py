@@ -51,11 +51,14 @@ class Generation:
     handles: list[RequestHandle]
     n: int
     params: SamplingParams
+    # Completions' echo: the prompt before each choice; score_only: and nothing generated after it.
+    echo: bool = False
+    score_only: bool = False
 
     @classmethod
     async def submit(cls, client: EngineClient, encoder: PromptEncoder, prompts: Sequence[Prompt], params: SamplingParams,
                      *, chat: bool, cache_salt: str | None, trace_headers: Mapping[str, str] | None,
-                     prefix: str) -> Generation:
+                     prefix: str, echo: bool = False, score_only: bool = False) -> Generation:
         """Encodes every prompt (off the event loop: a refused one raises before anything is
         queued), then queues each without waiting for room (a full queue raises
         ``EngineOverloadedError`` at once: the client is told to retry rather than held)."""
@@ -68,7 +71,7 @@ class Generation:
             for handle in handles:
                 handle.abort()
             raise
-        return cls(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), handles, params.n, params)
+        return cls(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), handles, params.n, params, echo, score_only)
 
     def abort(self) -> None:
         for handle in self.handles:
@@ -112,10 +115,11 @@ class Generation:
             raise EngineClosedError("the server shut down before the request finished")
 
 
-def usage(outputs: Sequence[RequestOutput]) -> dict:
-    """OpenAI's ``usage``: each prompt counted once, every sample's tokens, the prefix-cache hit."""
+def usage(outputs: Sequence[RequestOutput], generated: bool = True) -> dict:
+    """OpenAI's ``usage``: each prompt counted once, every sample's tokens (none when not
+    ``generated``: a prompt scored only), the prefix-cache hit."""
     prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs) if generated else 0
     cached = sum(o.num_cached_tokens for o in outputs)
     return {
         "prompt_tokens": prompt,
@@ -138,18 +142,26 @@ class TokenText:
             text = self._cache[token_id] = self._decode([token_id])
         return text
 
+    def join(self, token_ids: Sequence[int]) -> str:
+        """The text of several tokens decoded together (a token-id prompt echoed)."""
+        return self._decode(list(token_ids))
 
-def completion_logprobs(entries: Sequence[TokenLogprob], text: TokenText, offset: int = 0) -> dict:
-    """The legacy completions ``logprobs`` object of ``entries`` (``text_offset`` from ``offset``)."""
-    tokens = [text(e.token_id) for e in entries]
+
+def completion_logprobs(entries: Sequence[TokenLogprob], text: TokenText, offset: int = 0,
+                        prompt: tuple[Sequence[int], Sequence[TokenLogprob | None]] | None = None) -> dict:
+    """The legacy completions ``logprobs`` object of ``entries`` (``text_offset`` from ``offset``),
+    after the ``prompt``'s (its token ids and their logprobs, None for the first) when echoed."""
+    ids, scored = prompt if prompt is not None else ((), ())
+    tokens = [text(t) for t in ids] + [text(e.token_id) for e in entries]
     offsets, position = [], offset
     for token in tokens:
         offsets.append(position)
         position += len(token)
+    every = [*scored, *entries]
     return {
         "tokens": tokens,
-        "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [_by_text(e, text) for e in entries],
+        "token_logprobs": [None if e is None else e.logprob for e in every],
+        "top_logprobs": [None if e is None else _by_text(e, text) for e in every],
         "text_offset": offsets,
     }
 

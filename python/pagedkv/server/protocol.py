@@ -111,6 +111,9 @@ class _Sampling(_Body):
     def _max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def _prompt_logprobs(self) -> int | None:
+        return None
+
     def check(self) -> list[str]:
         """Refuses what OpenAI refuses and what pagedkv cannot honour (raising
         :class:`InvalidArgumentError`); returns the names of the fields ignored."""
@@ -132,13 +135,37 @@ class _Sampling(_Body):
 class CompletionRequest(_Sampling):
     """``POST /v1/completions``: ``prompt`` is a text, a list of texts, token ids, or a list of
     token-id lists (one choice group of ``n`` per prompt); ``logprobs`` the number of
-    alternatives per token (0: the chosen token's only)."""
+    alternatives per token (0: the chosen token's only). ``echo`` puts the prompt before each
+    choice's text, and with ``logprobs`` its tokens' logprobs before the generated ones (the first
+    null); ``max_tokens`` 0 with ``echo`` scores the prompt without generating (lm-eval's
+    loglikelihood). ``prompt_logprobs`` (vLLM's) asks for the prompt's logprobs alone."""
 
     prompt: _Text | Annotated[list[_Text], Field(min_length=1)] | _Ids | Annotated[list[_Ids], Field(min_length=1)]
     logprobs: int | None = None
+    echo: bool = False
+    prompt_logprobs: int | None = None
 
     def _logprobs(self) -> tuple[bool, int]:
         return (False, 0) if self.logprobs is None else (True, self.logprobs)
+
+    @property
+    def score_only(self) -> bool:
+        """``max_tokens`` 0 with ``echo``: the prompt scored, nothing generated (one token is
+        sampled and left out of the answer)."""
+        return self.echo and self.max_tokens == 0
+
+    def _max_tokens(self) -> int | None:
+        return 1 if self.score_only else self.max_tokens
+
+    def check(self) -> list[str]:
+        if self.echo and self.stream:
+            raise NotSupportedError("echo is not supported with stream", "echo")
+        return super().check()
+
+    def _prompt_logprobs(self) -> int | None:
+        if self.echo and self.logprobs is not None:
+            return max(self.logprobs, self.prompt_logprobs or 0)
+        return self.prompt_logprobs
 
 
 class ChatCompletionRequest(_Sampling):
@@ -211,6 +238,7 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, default:
         "stop_token_ids": None if request.stop_token_ids is None else tuple(request.stop_token_ids),
         "stop": None if request.stop is None else ((request.stop,) if isinstance(request.stop, str) else tuple(request.stop)),
         "logit_bias": None if request.logit_bias is None else _token_keys(request.logit_bias),
+        "prompt_logprobs": request._prompt_logprobs(),
     }
     fields = {name: value for name, value in given.items() if value is not None}
     fields.setdefault("max_tokens", default_max_tokens)
