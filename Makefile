@@ -96,3 +96,10 @@ parity: $(VENV)/.built $(PEERS_VENV)/.parity
 # llama.cpp built CPU-only from the llama-cpp-python sdist, and the model at F16 / F32.
 peers: $(VENV)/.built $(PEERS_VENV)/.parity
 	PEERS_VENV=$(abspath $(PEERS_VENV)) PROJECT_PY=$(abspath $(PY)) bash scripts/build_peers.sh
+
+# Outside CI: guidellm's benchmark and lm-eval's local-completions (a multiple-choice task of
+# scripts/clients/) against `pagedkv serve --model smollm2-135m`, the clients in their own venv
+# (.clients/venv); results in .clients/.
+.PHONY: clients
+clients: $(VENV)/.built
+	$(PY) scripts/clients/run.py

@@ -298,3 +298,17 @@ def test_smollm_stop_string_cuts_the_answer(smollm_engine):
     assert cut.text == full.text[: full.text.index("Paris")]
     assert cut.outputs[0].finish_reason == "stop" and len(cut.token_ids) < len(full.token_ids)
     assert not smollm_engine.core.has_unfinished()
+
+
+def test_a_gguf_tokenizer_saved_as_a_hugging_face_directory_loads_back_alike(smollm, tmp_path):
+    """What `make clients` hands lm-eval and guidellm (transformers' AutoTokenizer reads the
+    same two files): the same ids, special tokens and chat template."""
+    import json
+
+    tokenizer = smollm
+    tokenizer.save(tmp_path / "tok")
+    loaded = tokenizer_from_file(tmp_path / "tok" / "tokenizer.json")
+    text = "Hello, world! <|im_start|>user\nnaïve café 🚀<|im_end|>"
+    assert loaded.encode(text) == tokenizer.encode(text) and loaded.vocab_size == tokenizer.vocab_size
+    config = json.loads((tmp_path / "tok" / "tokenizer_config.json").read_text())
+    assert (config["eos_token"], config["chat_template"]) == (tokenizer.eos_token, tokenizer.chat_template)

@@ -9,6 +9,8 @@ reads no file.
 
 from __future__ import annotations
 
+import json
+
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
@@ -123,3 +125,14 @@ class HFTokenizer:
     def decode(self, token_ids: Sequence[int]) -> str:
         """Text of ``token_ids`` with special tokens skipped."""
         return str(self._tokenizer.decode(list(token_ids), skip_special_tokens=True))
+
+    def save(self, directory: Path) -> None:
+        """Writes the tokenizer as a Hugging Face tokenizer directory (``tokenizer.json`` and a
+        ``tokenizer_config.json`` with its special tokens and chat template), which transformers'
+        ``AutoTokenizer`` loads: what clients that count tokens themselves (lm-eval, guidellm)
+        are given for a model read from a GGUF file."""
+        directory.mkdir(parents=True, exist_ok=True)
+        self._tokenizer.save(str(directory / "tokenizer.json"))
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": self.bos_token or None,
+                  "eos_token": self.eos_token or None, "chat_template": self.chat_template}
+        (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
