@@ -10,7 +10,6 @@ reads no file.
 from __future__ import annotations
 
 import json
-
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
