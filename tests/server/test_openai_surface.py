@@ -352,3 +352,25 @@ def test_echo_with_logprobs_scores_the_prompt_as_the_model_does(http):
     refused = http.post("/v1/completions", json={**body, "stream": True})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "echo"
     assert http.post("/v1/completions", json={"prompt": "x", "max_tokens": 0}).status_code == 400
+
+
+def test_the_responses_api_through_the_openai_sdk(http):
+    """``client.responses.create`` whole and streamed (the SDK parses every event), text parts
+    as input, and what is refused because nothing is stored."""
+    import openai
+
+    sdk = openai.OpenAI(base_url="http://testserver/v1", api_key="none", http_client=http, max_retries=0)
+    whole = sdk.responses.create(model=MODEL, instructions="be brief", input="hello", max_output_tokens=5, temperature=0,
+                                 store=False)
+    assert whole.status == "incomplete" and whole.incomplete_details.reason == "max_output_tokens"
+    assert whole.usage.output_tokens == 5 and isinstance(whole.output_text, str)
+    events = list(sdk.responses.create(model=MODEL, input=[{"role": "user", "content": [{"type": "input_text", "text": "hello"}]}],
+                                       instructions="be brief", max_output_tokens=5, temperature=0, stream=True))
+    kinds = [e.type for e in events]
+    assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added", "response.content_part.added"]
+    assert kinds[-1] == "response.incomplete" and [e.sequence_number for e in events] == list(range(len(events)))
+    streamed = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert streamed == whole.output_text == events[-1].response.output_text  # greedy: the same text
+    for field, value in (("store", True), ("previous_response_id", "resp_1"), ("tools", [{"type": "web_search"}])):
+        response = http.post("/v1/responses", json={"input": "x", field: value})
+        assert response.status_code == 400 and response.json()["error"]["param"] == field

@@ -47,6 +47,7 @@ from pagedkv.server.protocol import (
     TokenizeRequest,
     sampling_params,
 )
+from pagedkv.server.responses import ResponsesRequest, response_object, stream_events
 from pagedkv.server.streaming import stream
 
 __all__ = ["COMPLETIONS_MAX_TOKENS", "DEFAULT_MAX_TOKENS", "MAX_REQUEST_BYTES", "build_app"]
@@ -121,6 +122,23 @@ def build_app(engine: Engine | EngineClient, model_name: str, *, default_max_tok
     async def chat_completions(http: Request, body: ChatCompletionRequest) -> Response:
         messages = [m.for_template(i) for i, m in enumerate(body.messages)]
         return await generate(http, body, [messages], chat_format, chat=True)
+
+    @app.post("/v1/responses")
+    async def responses(http: Request, body: ResponsesRequest) -> Response:
+        """OpenAI's Responses API, text only, nothing stored (:mod:`pagedkv.server.responses`)."""
+        check_model(body.model)
+        ignored.record(body.check(), http.url.path)
+        params = body.params(client.default_params, default_max_tokens)
+        trace = {k: v for k in _TRACE_HEADERS if (v := http.headers.get(k)) is not None}
+        generation = await Generation.submit(client, encoder, [body.messages()], params, chat=True, cache_salt=None,
+                                             trace_headers=trace or None, prefix="resp")
+        if body.stream:
+            return StreamingResponse(stream_events(body, generation, model_name), media_type="text/event-stream")
+        outputs = await _until_disconnect(http, generation)
+        if outputs is None:
+            return Response(status_code=499)
+        generation.check_ended(outputs)
+        return JSONResponse(response_object(body, generation, outputs[0], model_name))
 
     card = {"id": model_name, "object": "model", "created": 0, "owned_by": "pagedkv", "max_model_len": client.max_model_len}
 

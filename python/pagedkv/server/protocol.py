@@ -30,8 +30,10 @@ from pagedkv.errors import InvalidArgumentError
 from pagedkv.sampling import SamplingParams
 from pagedkv.server.fields import NotSupportedError, check_unhonoured
 
-__all__ = ["ChatCompletionRequest", "ChatMessage", "CompletionRequest", "DetokenizeRequest", "StreamOptions", "TokenizeRequest",
-           "sampling_params"]
+__all__ = [
+    "ChatCompletionRequest", "ChatMessage", "CompletionRequest", "DetokenizeRequest", "RequestBody", "StreamOptions",
+    "TokenizeRequest", "sampling_params",
+]
 
 
 # Empty prompts are refused here: a tokenizer that adds a BOS token would make "" a prompt.
@@ -39,18 +41,20 @@ _Text = Annotated[str, Field(min_length=1)]
 _Ids = Annotated[list[int], Field(min_length=1)]
 
 
-class _Body(BaseModel):
-    # Unknown names are kept (``model_extra``) for :func:`pagedkv.server.fields.check_unhonoured`.
+class RequestBody(BaseModel):
+    """A request body: strict types; unknown names kept (``model_extra``) for
+    :func:`pagedkv.server.fields.check_unhonoured`."""
+
     model_config = ConfigDict(extra="allow", strict=True)
 
 
-class StreamOptions(_Body):
+class StreamOptions(RequestBody):
     include_usage: bool = False
     # vLLM's: every chunk carries the usage so far (guidellm asks for it to time each token).
     continuous_usage_stats: bool = False
 
 
-class ChatMessage(_Body):
+class ChatMessage(RequestBody):
     """A message: ``content`` a string, a list of text parts (``{"type": "text", "text": …}``,
     joined by newlines as vLLM joins them), or null on an assistant message with ``tool_calls``;
     other keys (``tool_calls``, ``tool_call_id``…) go to the chat template as they are."""
@@ -85,7 +89,7 @@ class ChatMessage(_Body):
         return "\n".join(texts)
 
 
-class _Sampling(_Body):
+class _Sampling(RequestBody):
     """Fields both endpoints share."""
 
     model: str | None = None
@@ -186,7 +190,7 @@ class ChatCompletionRequest(_Sampling):
         return self.max_completion_tokens if self.max_tokens is None else self.max_tokens
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(RequestBody):
     """``POST /tokenize`` (vLLM's): a ``prompt`` text, or chat ``messages`` rendered as a chat
     request renders them."""
 
@@ -202,7 +206,7 @@ class TokenizeRequest(_Body):
         return None if self.messages is None else [m.for_template(i) for i, m in enumerate(self.messages)]
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(RequestBody):
     """``POST /detokenize`` (vLLM's): the text of ``tokens``."""
 
     model: str | None = None
