@@ -364,8 +364,9 @@ def test_the_responses_api_through_the_openai_sdk(http):
                                  store=False)
     assert whole.status == "incomplete" and whole.incomplete_details.reason == "max_output_tokens"
     assert whole.usage.output_tokens == 5 and isinstance(whole.output_text, str)
-    events = list(sdk.responses.create(model=MODEL, input=[{"role": "user", "content": [{"type": "input_text", "text": "hello"}]}],
-                                       instructions="be brief", max_output_tokens=5, temperature=0, stream=True))
+    parts = [{"role": "user", "content": [{"type": "input_text", "text": "hello"}]}]
+    events = list(sdk.responses.create(model=MODEL, input=parts, instructions="be brief", max_output_tokens=5, temperature=0,
+                                       stream=True))
     kinds = [e.type for e in events]
     assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added", "response.content_part.added"]
     assert kinds[-1] == "response.incomplete" and [e.sequence_number for e in events] == list(range(len(events)))
