@@ -4,7 +4,6 @@
 //! values were validated by `SamplingParams`, this checks only what memory safety needs.
 
 use std::borrow::Cow;
-use std::ops::Range;
 
 use numpy::ndarray::{Ix1, Ix2};
 use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray, PyUntypedArrayMethods};
@@ -54,20 +53,30 @@ fn row_params(row: &[f64]) -> PyResult<RowParams> {
     })
 }
 
-/// The `rows` ranges of CSR `offsets` into arrays of `len` elements, or a `ShapeError`.
-fn csr_rows(offsets: &[i64], rows: usize, len: usize, what: &str) -> PyResult<Vec<Range<usize>>> {
-    let valid = offsets[0] == 0
-        && offsets[rows] as usize == len
+/// The `rows` row slices of two parallel arrays in CSR form (`offsets` `[rows + 1]`, rising from 0
+/// to their common length), or a `ShapeError` naming the `what_*` arrays.
+fn csr_pairs<'a, A, B>(
+    offsets: &[i64],
+    rows: usize,
+    a: &'a [A],
+    b: &'a [B],
+    what: &str,
+) -> PyResult<Vec<(&'a [A], &'a [B])>> {
+    let valid = offsets.len() == rows + 1
+        && a.len() == b.len()
+        && offsets[0] == 0
+        && offsets[rows] as usize == a.len()
         && offsets.windows(2).all(|w| w[0] <= w[1]);
-    match valid {
-        true => Ok(offsets
-            .windows(2)
-            .map(|w| w[0] as usize..w[1] as usize)
-            .collect()),
-        false => Err(shape_error(format!(
-            "{what}_offsets must rise from 0 to the length of its {what} arrays"
-        ))),
+    if !valid {
+        return Err(shape_error(format!(
+            "{what}_offsets must have rows + 1 entries rising from 0 to the common length of its two {what} arrays"
+        )));
     }
+    let range = |w: &[i64]| w[0] as usize..w[1] as usize;
+    Ok(offsets
+        .windows(2)
+        .map(|w| (&a[range(w)], &b[range(w)]))
+        .collect())
 }
 
 /// `(tokens int64[rows], logprobs float32[rows], top_ids int64[rows, n], top_logprobs
@@ -104,25 +113,15 @@ fn sample_rows<'py>(
         typed_array(history_counts, "history_counts", "int32")?;
     let (rows, vocab) = (logits.shape()[0], logits.shape()[1]);
     expect_shape(params.shape(), &[Some(rows), Some(COLUMNS.len())], "params")?;
-    expect_shape(offsets.shape(), &[Some(rows + 1)], "history_offsets")?;
     let params: Cow<'_, [f64]> = c_order(&params)?;
     let row_params = params
         .chunks(COLUMNS.len())
         .map(row_params)
         .collect::<PyResult<Vec<_>>>()?;
-    let offsets = c_order(&offsets)?;
-    let (tokens, counts) = (c_order(&tokens)?, c_order(&counts)?);
-    if tokens.len() != counts.len() {
-        return Err(shape_error(
-            "history_tokens and history_counts differ in length".into(),
-        ));
-    }
-    let histories: Vec<History<'_>> = csr_rows(&offsets, rows, tokens.len(), "history")?
+    let (offsets, tokens, counts) = (c_order(&offsets)?, c_order(&tokens)?, c_order(&counts)?);
+    let histories: Vec<History<'_>> = csr_pairs(&offsets, rows, &tokens, &counts, "history")?
         .into_iter()
-        .map(|r| History {
-            tokens: &tokens[r.clone()],
-            counts: &counts[r],
-        })
+        .map(|(tokens, counts)| History { tokens, counts })
         .collect();
     let bias_offsets: PyReadonlyArray<'py, i64, Ix1> =
         typed_array(bias_offsets, "bias_offsets", "int64")?;
@@ -130,20 +129,11 @@ fn sample_rows<'py>(
         typed_array(bias_tokens, "bias_tokens", "int32")?;
     let bias_values: PyReadonlyArray<'py, f32, Ix1> =
         typed_array(bias_values, "bias_values", "float32")?;
-    expect_shape(bias_offsets.shape(), &[Some(rows + 1)], "bias_offsets")?;
     let bias_offsets = c_order(&bias_offsets)?;
     let (bias_tokens, bias_values) = (c_order(&bias_tokens)?, c_order(&bias_values)?);
-    if bias_tokens.len() != bias_values.len() {
-        return Err(shape_error(
-            "bias_tokens and bias_values differ in length".into(),
-        ));
-    }
-    let biases: Vec<Bias<'_>> = csr_rows(&bias_offsets, rows, bias_tokens.len(), "bias")?
+    let biases: Vec<Bias<'_>> = csr_pairs(&bias_offsets, rows, &bias_tokens, &bias_values, "bias")?
         .into_iter()
-        .map(|r| Bias {
-            tokens: &bias_tokens[r.clone()],
-            values: &bias_values[r],
-        })
+        .map(|(tokens, values)| Bias { tokens, values })
         .collect();
     let logits = c_order(&logits)?;
     let width = row_params
