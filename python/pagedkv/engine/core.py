@@ -177,8 +177,8 @@ class EngineCore:
     ) -> RequestOutput:
         """Queues a request; returns its (empty) output record. Raises, changing nothing:
         :class:`InvalidArgumentError` for a prompt (or a ``logit_bias``) that is not token ids of
-        the model's vocabulary or ``params`` that are not :class:`SamplingParams`, and whatever the scheduler refuses
-        (a duplicate id, an empty or too long prompt, out-of-range limits, arguments of the
+        the model's vocabulary or ``params`` that are not :class:`SamplingParams`, and whatever
+        the scheduler refuses (a duplicate id, an empty or too long prompt, out-of-range limits, arguments of the
         wrong type), and stop strings without a tokenizer. ``trace_headers`` (W3C ``traceparent``)
         make the request's trace a child of the caller's."""
         token_ids = _vocabulary_tokens(prompt_token_ids, self.runner.vocab_size)
@@ -265,6 +265,7 @@ class EngineCore:
             step = self.scheduler.schedule()
             self.last_step = step
             requests = [self._requests[rid] for rid in step.sample_request_ids]
+            row_requests = [self._requests.get(rid) for rid in step.request_ids] if self._requests else []
             for request_id, _, kind, hit in step.events:
                 if kind == "admitted":
                     self._requests[request_id].output.num_cached_tokens = hit
@@ -278,7 +279,7 @@ class EngineCore:
                 params = [r.params for r in requests]
                 generators = [r.generators[i] for r, i in zip(requests, indices, strict=True)]
                 histories = [None if r.histories is None else r.histories[i] for r, i in zip(requests, indices, strict=True)]
-                scoring, scored = self._scoring(step)
+                scoring, scored = _scoring(step, row_requests)
                 if scoring is None:
                     samples = self.runner.run(step, params, generators, histories)
                 else:
@@ -313,21 +314,6 @@ class EngineCore:
             # thread instead of spinning on empty steps (holding no lock, so requests still come in).
             time.sleep(_LOAD_WAIT_SECONDS)
         return events, failed + finished
-
-    def _scoring(self, step: SchedulerOutput) -> tuple[ScoreRows | None, list[tuple[_Request, np.ndarray]]]:
-        """The token rows of ``step`` scoring a prompt token of a request that asked for prompt
-        logprobs, and where their scores go: (request, prompt positions scored)."""
-        with self._lock:
-            row_requests = [self._requests.get(rid) for rid in step.request_ids]
-        wanted = [r if r is not None and r.params.prompt_logprobs is not None else None for r in row_requests]
-        if not any(wanted):
-            return None, []
-        prompts = [None if r is None else r.output.prompt_token_ids for r in wanted]
-        rows, targets, where = rows_of(np.asarray(step.positions), np.asarray(step.query_start_loc), prompts)
-        if not len(rows):
-            return None, []
-        top = max(r.params.prompt_logprobs for r in wanted if r is not None)  # type: ignore[type-var]
-        return ScoreRows(rows, targets, int(top)), [(wanted[i], positions) for i, positions in where]  # type: ignore[misc]
 
     @staticmethod
     def _keep_scores(scored: list[tuple[_Request, np.ndarray]], samples: Samples) -> None:
@@ -487,6 +473,23 @@ class EngineCore:
                 if self._emit_kv_events:
                     self.kv_events.record([*self.scheduler.take_kv_events(), *last])
         self.kv_events.deliver()
+
+
+def _scoring(
+    step: SchedulerOutput, row_requests: Sequence[_Request | None]
+) -> tuple[ScoreRows | None, list[tuple[_Request, np.ndarray]]]:
+    """The token rows of ``step`` scoring a prompt token of a request that asked for prompt
+    logprobs (``row_requests``: each sequence row's request, None if it ended meanwhile), and where
+    their scores go: (request, prompt positions scored)."""
+    wanted = [r if r is not None and r.params.prompt_logprobs is not None else None for r in row_requests]
+    if not any(wanted):
+        return None, []
+    prompts = [None if r is None else r.output.prompt_token_ids for r in wanted]
+    rows, targets, where = rows_of(np.asarray(step.positions), np.asarray(step.query_start_loc), prompts)
+    if not len(rows):
+        return None, []
+    top = max(r.params.prompt_logprobs for r in wanted if r is not None)  # type: ignore[type-var]
+    return ScoreRows(rows, targets, int(top)), [(wanted[i], positions) for i, positions in where]  # type: ignore[misc]
 
 
 def _logprobs_by_sample(

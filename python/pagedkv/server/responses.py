@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -122,7 +121,7 @@ def response_object(request: ResponsesRequest, generation: Generation, output: R
 async def stream_events(request: ResponsesRequest, generation: Generation, model: str) -> AsyncIterator[str]:
     """The generation as the Responses API's server-sent events (see the module doc)."""
     response_id, message_id = _ids()
-    shell = _shell(request, response_id, model, generation.created or int(time.time()), "in_progress")
+    shell = _shell(request, response_id, model, generation.created, "in_progress")
     number = 0
 
     def event(kind: str, **body: Any) -> str:
@@ -150,7 +149,7 @@ async def stream_events(request: ResponsesRequest, generation: Generation, model
         kind = "response.incomplete" if done["status"] == "incomplete" else "response.completed"
         yield event(kind, response=done)
     except PagedKVError as error:
-        status, name = classify(error)
+        _, name = classify(error)
         failed = {**shell, "status": "failed", "error": {"code": name, "message": str(error)}}
         yield event("response.failed", response=failed)
     finally:
