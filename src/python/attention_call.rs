@@ -1,7 +1,8 @@
 //! The arguments of one attention call from Python, converted once for `KVCache.attention`,
 //! `ContiguousKV.attention` and `attention_kernel_seconds` alike: the numpy arrays (kept alive
-//! while borrowed), read in C order whatever their layout ([`c_order`]), the scale and the kernel
-//! path. Values are validated by the core (`attention::paged_attention_with`), not here.
+//! while borrowed), read in C order whatever their layout ([`c_order`]), the scale, the sliding
+//! window and the kernel path. Values are validated by the core
+//! (`attention::paged_attention_with`: a window of 0 tokens is refused there), not here.
 
 use std::borrow::Cow;
 
@@ -31,6 +32,8 @@ pub(crate) struct Call<'a> {
     pub context_lens: Cow<'a, [i32]>,
     pub query_start_loc: Cow<'a, [i32]>,
     pub scale: f32,
+    /// Positions each query attends to, its own included (None: full attention).
+    pub window: Option<usize>,
     pub path: Isa,
 }
 
@@ -51,16 +54,19 @@ impl<'py> Arrays<'py> {
     }
 
     /// The call over K/V of `head_dim`: `scale` (a float or None) defaults to
-    /// `1/sqrt(head_dim)`, `kernel` (a path name or None) to the process's default path.
+    /// `1/sqrt(head_dim)`, `window` (an int or None) to full attention, `kernel` (a path name or
+    /// None) to the process's default path.
     pub fn call(
         &self,
         head_dim: usize,
         scale: Option<&Bound<'_, PyAny>>,
+        window: Option<&Bound<'_, PyAny>>,
         kernel: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Call<'_>> {
         let shape = self.query.shape();
         expect_shape(shape, &[None, None, Some(head_dim)], "query")?;
         let (scale, path) = scale_and_path(head_dim, scale, kernel)?;
+        let window = opt(window, "window")?;
         Ok(Call {
             query: c_order(&self.query)?,
             num_tokens: shape[0],
@@ -69,6 +75,7 @@ impl<'py> Arrays<'py> {
             context_lens: c_order(&self.context_lens)?,
             query_start_loc: c_order(&self.query_start_loc)?,
             scale,
+            window,
             path,
         })
     }
@@ -139,6 +146,7 @@ impl Call<'_> {
             self.num_heads,
             &batch,
             self.scale,
+            self.window,
             out,
         )
     }

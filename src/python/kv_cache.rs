@@ -150,10 +150,13 @@ impl PyKVCache {
     /// K/V through `block_tables` (int32 `[num_seqs, max_blocks_per_seq]`, padding never read).
     /// Sequence i owns query rows `query_start_loc[i]:query_start_loc[i + 1]` (int32
     /// `[num_seqs + 1]`) and `context_lens[i]` (int32) tokens of cache including those new tokens;
-    /// its query j attends causally to keys `0..=context_lens[i] - nq + j`. `scale` defaults to
-    /// `1/sqrt(head_dim)`; `kernel` forces "avx2" or "portable". Returns a new float32 array
-    /// shaped like `query`. Releases the GIL while computing.
-    #[pyo3(signature = (layer, query, block_tables, context_lens, query_start_loc, scale=None, kernel=None))]
+    /// its query j, at position `p = context_lens[i] - nq + j`, attends causally to keys `0..=p`,
+    /// or with `window` (a positive int: a sliding-window layer) to the last `window` of them,
+    /// `p - window < k <= p`; table entries of blocks wholly before every window of a sequence
+    /// are never read. `scale` defaults to `1/sqrt(head_dim)`; `kernel` forces "avx2" or
+    /// "portable". Returns a new float32 array shaped like `query`. Releases the GIL while
+    /// computing.
+    #[pyo3(signature = (layer, query, block_tables, context_lens, query_start_loc, scale=None, kernel=None, *, window=None))]
     #[allow(clippy::too_many_arguments)]
     fn attention<'py>(
         &self,
@@ -165,11 +168,12 @@ impl PyKVCache {
         query_start_loc: &Bound<'py, PyAny>,
         scale: Option<&Bound<'py, PyAny>>,
         kernel: Option<&Bound<'py, PyAny>>,
+        window: Option<&Bound<'py, PyAny>>,
     ) -> PyResult<Bound<'py, PyAny>> {
         let layer: usize = arg(layer, "layer")?;
         let arrays = Arrays::extract(query, context_lens, query_start_loc)?;
         let tables = Tables::extract(block_tables)?;
-        let call = arrays.call(self.shape.head_dim, scale, kernel)?;
+        let call = arrays.call(self.shape.head_dim, scale, window, kernel)?;
         let (tables, width) = tables.rows()?;
         let mut out = call.out()?;
         self.with(py, |c| call.run_paged(c, layer, &tables, width, &mut out))?;

@@ -53,10 +53,7 @@ impl PyLayerSpec {
     /// Tokens a sliding-window layer attends over, None for full attention.
     #[getter]
     fn window(&self) -> Option<usize> {
-        match self.inner.attention {
-            AttentionKind::Full => None,
-            AttentionKind::Sliding { window } => Some(window),
-        }
+        self.inner.attention.window()
     }
 
     fn __repr__(&self) -> String {
@@ -74,7 +71,8 @@ impl PyLayerSpec {
 
 /// What a model keeps of K/V: one `LayerSpec` per layer, stored as `dtype` ("float32",
 /// "float16" or "bfloat16"). A scheduler given one (`kv_spec=`) derives its KV cache groups from
-/// it and owns K/V storage of that layout for its pool, reached only through its steps.
+/// it and owns K/V storage of that layout for its pool, reached only through its steps, whose
+/// attention applies each layer's window from here.
 #[pyclass(name = "KvSpec", module = "pagedkv", frozen, eq)]
 #[derive(Clone, PartialEq)]
 pub struct PyKvSpec {
@@ -163,8 +161,10 @@ impl PyKvSpec {
     }
 }
 
-/// Layers whose K/V one block table per sequence addresses: alike in attention (`layer`),
-/// numbered `layers`, in blocks of `block_size` tokens. Read from `Scheduler.kv_groups`.
+/// Layers whose K/V one block table per sequence addresses: alike in KV heads and head size
+/// (`layer`, whose window is None: the group keeps every token of its sequences, a
+/// sliding-window layer in it attending over its own window, from its `KvSpec`), numbered
+/// `layers`, in blocks of `block_size` tokens. Read from `Scheduler.kv_groups`.
 #[pyclass(name = "GroupSpec", module = "pagedkv", frozen, eq)]
 #[derive(Clone, PartialEq)]
 pub struct PyGroupSpec {

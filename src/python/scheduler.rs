@@ -567,10 +567,12 @@ impl PySchedulerOutput {
     }
 
     /// Attention of `query` (float32 `[num_tokens, num_heads, head_dim]`) over `layer` through
-    /// this step's block tables, context lengths and query offsets (see `KVCache.attention`);
-    /// `scale` defaults to `1/sqrt(head_dim)`, `kernel` forces "avx2" or "portable". Refused as
-    /// `write` is for any step but the one awaiting update. Returns a new float32 array shaped
-    /// like `query`; releases the GIL while computing.
+    /// this step's block tables, context lengths and query offsets (see `KVCache.attention`),
+    /// over the layer's sliding window when the scheduler's `kv_spec` gives it one (never the
+    /// caller's: the spec is the one place it is stated); `scale` defaults to
+    /// `1/sqrt(head_dim)`, `kernel` forces "avx2" or "portable". Refused as `write` is for any
+    /// step but the one awaiting update. Returns a new float32 array shaped like `query`;
+    /// releases the GIL while computing.
     #[pyo3(signature = (layer, query, scale=None, kernel=None))]
     fn attention<'py>(
         &self,

@@ -18,6 +18,8 @@
 //! - A panic inside a call poisons the lock it held; every later call needing that lock is
 //!   `Error::Internal` rather than an operation on state the panic may have left half-changed.
 //! - The figures of a detached disk tier stay readable (`tier_counters`) after it is closed.
+//! - A step's attention over a layer applies the sliding window the K/V spec gives that layer
+//!   (`KvRuntime::attention`); the caller has no say, so the spec is the one place it is stated.
 
 mod gate;
 mod step;
@@ -72,8 +74,10 @@ fn lock<T>(mutex: &Mutex<T>) -> Result<MutexGuard<'_, T>> {
 impl KvRuntime {
     /// A runtime scheduling by `config`, with K/V storage for `kv` (none: a runtime for a model
     /// that keeps no K/V of its own, e.g. a simulated one; its steps then refuse K/V calls).
-    /// Fails with `InvalidArgument` for a spec whose layout is not one group of full-attention
-    /// layers (`KvCacheConfig::single_full_group`), and as `Scheduler::new` and `KvCache::new` do.
+    /// Sliding-window layers are kept whole, their windows applied by [`KvRuntime::attention`].
+    /// Fails with `InvalidArgument` for a spec whose layers differ in KV heads or head size (more
+    /// than one group: `KvCacheConfig::single_group`), and as `Scheduler::new` and
+    /// `KvCache::new` do.
     pub fn new(config: SchedulerConfig, kv: Option<KvSpec>) -> Result<Self> {
         let kv = kv
             .map(|spec| KvCacheConfig::derive(&spec, config.block_size).map(|c| (spec, c)))
@@ -81,7 +85,7 @@ impl KvRuntime {
         let store = match &kv {
             None => None,
             Some((_, layout)) => {
-                let group = layout.single_full_group()?;
+                let group = layout.single_group()?;
                 let shape = KvShape {
                     num_layers: group.layers.len(),
                     num_blocks: config.num_blocks,
@@ -196,7 +200,9 @@ impl KvRuntime {
     }
 
     /// Attention of `query` (`[num_tokens, num_heads, head_dim]`) over `layer` through the
-    /// step's tables, on kernel `path`, into `out` (see `attention::paged_attention_with`).
+    /// step's tables, on kernel `path`, into `out` (see `attention::paged_attention_with`), over
+    /// the layer's sliding window if its spec has one: the caller never passes it, so the step
+    /// and the spec cannot disagree.
     #[allow(clippy::too_many_arguments)]
     pub fn attention(
         &self,
@@ -215,8 +221,21 @@ impl KvRuntime {
             query_start_loc: &step.query_start_loc,
         };
         self.through(step, |c| {
-            attention::paged_attention_with(path, c, layer, query, num_heads, &batch, scale, out)
+            let window = self.layer_window(layer)?;
+            attention::paged_attention_with(
+                path, c, layer, query, num_heads, &batch, scale, window, out,
+            )
         })
+    }
+
+    /// The window of `layer`'s attention, from the K/V spec (None: full attention).
+    /// `InvalidArgument`, as the store's, for a layer the spec does not have.
+    fn layer_window(&self, layer: usize) -> Result<Option<usize>> {
+        let layers = self.kv.as_ref().map_or(&[][..], |(spec, _)| &spec.layers);
+        let spec = layers.get(layer).ok_or_else(|| {
+            Error::InvalidArgument(format!("layer {layer} outside 0..{}", layers.len()))
+        })?;
+        Ok(spec.attention.window())
     }
 
     /// Opens (or creates) the disk tier in `dir` for the runtime's K/V, at most `capacity_bytes`

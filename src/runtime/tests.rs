@@ -73,8 +73,18 @@ fn a_step_writes_at_its_slots_and_attends_through_its_tables() {
         query_start_loc: &output.query_start_loc,
     };
     let store = lock(rt.store.as_ref().unwrap()).unwrap();
-    attention::paged_attention_with(path, &store, 1, &query, HEADS, &batch, 0.5, &mut expected)
-        .unwrap();
+    attention::paged_attention_with(
+        path,
+        &store,
+        1,
+        &query,
+        HEADS,
+        &batch,
+        0.5,
+        None,
+        &mut expected,
+    )
+    .unwrap();
     drop(store);
     assert_eq!(out, expected);
     rt.finish_step(&step, &[7]).unwrap();
@@ -164,9 +174,72 @@ fn the_store_is_shaped_by_the_spec_and_the_pool() {
 }
 
 #[test]
-fn a_layout_of_more_than_one_full_group_is_refused() {
+fn layers_of_several_shapes_are_refused_and_sliding_layers_share_the_group() {
+    let mut spec = KvSpec::uniform(2, HEADS, HEAD_DIM, KvDtype::F32);
+    spec.layers[1].num_kv_heads = 2 * HEADS;
+    let refused = KvRuntime::new(SchedulerConfig::new(16, BLOCK), Some(spec));
+    assert!(matches!(refused, Err(Error::InvalidArgument(m)) if m.contains("2 KV cache groups")));
+    // A sliding layer of the same shape joins the one group, which keeps every token.
     let mut spec = KvSpec::uniform(2, HEADS, HEAD_DIM, KvDtype::F32);
     spec.layers[1].attention = AttentionKind::Sliding { window: 8 };
-    let refused = KvRuntime::new(SchedulerConfig::new(16, BLOCK), Some(spec));
-    assert!(matches!(refused, Err(Error::InvalidArgument(m)) if m.contains("sliding")));
+    let rt = KvRuntime::new(SchedulerConfig::new(16, BLOCK), Some(spec.clone())).unwrap();
+    let (kept, layout) = rt.kv_spec().unwrap();
+    assert_eq!(kept, &spec, "the windows stay in the spec");
+    assert_eq!(layout.groups.len(), 1);
+    assert_eq!(layout.groups[0].layers, [0, 1]);
+    assert_eq!(layout.groups[0].layer.attention, AttentionKind::Full);
+}
+
+#[test]
+fn a_sliding_layer_attends_over_the_window_of_its_spec() {
+    let (window, prompt) = (3, 10);
+    // Small enough that the softmax does not put all its weight on the last key.
+    const SCALE: f32 = 1e-3;
+    let mut spec = KvSpec::uniform(2, HEADS, HEAD_DIM, KvDtype::F32);
+    spec.layers[1].attention = AttentionKind::Sliding { window };
+    let rt = KvRuntime::new(SchedulerConfig::new(16, BLOCK), Some(spec)).unwrap();
+    add(&rt, "a", prompt);
+    let (output, step) = rt.begin_step().unwrap();
+    let n = output.num_tokens();
+    assert_eq!(n, prompt as usize, "the whole prompt in one step");
+    for layer in 0..2 {
+        rt.write(&step, layer, &rows(n, 1.0), &rows(n, 50.0))
+            .unwrap();
+    }
+    let query = rows(n, 0.5);
+    let path = default_isa();
+    let batch = AttentionBatch {
+        block_tables: &output.block_tables,
+        max_blocks_per_seq: output.block_table_width,
+        context_lens: &output.context_lens,
+        query_start_loc: &output.query_start_loc,
+    };
+    let by_hand = |layer, window| {
+        let store = lock(rt.store.as_ref().unwrap()).unwrap();
+        let mut out = vec![0.0; query.len()];
+        attention::paged_attention_with(
+            path, &store, layer, &query, HEADS, &batch, SCALE, window, &mut out,
+        )
+        .unwrap();
+        out
+    };
+    let (full, windowed) = (by_hand(0, None), by_hand(1, Some(window)));
+    assert_ne!(
+        full, windowed,
+        "the window changes what the last queries see"
+    );
+    for (layer, expected) in [(0, full), (1, windowed)] {
+        let mut out = vec![0.0; query.len()];
+        rt.attention(&step, path, layer, &query, HEADS, SCALE, &mut out)
+            .unwrap();
+        assert_eq!(out, expected, "layer {layer}");
+    }
+    // A layer the spec does not have is refused, typed.
+    let mut out = vec![0.0; query.len()];
+    let refused = rt.attention(&step, path, 2, &query, HEADS, SCALE, &mut out);
+    assert!(
+        matches!(refused, Err(Error::InvalidArgument(_))),
+        "{refused:?}"
+    );
+    rt.finish_step(&step, &[7]).unwrap();
 }

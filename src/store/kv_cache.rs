@@ -12,8 +12,10 @@
 //! - Every stored element is finite: `write` refuses NaN, infinity, and finite values the dtype
 //!   would round to infinity (beyond ±65504 in f16), so what is read back is what was written,
 //!   rounded.
-//! - A block table is read only in its first `ceil(num_tokens / block_size)` entries
-//!   ([`KvShape::used_blocks`]); the rest is padding (-1 in the scheduler's tables), never read.
+//! - A block table is read only in the entries of the tokens a reader needs
+//!   ([`KvShape::used_blocks`]): at most its first `ceil(num_tokens / block_size)`, fewer when a
+//!   sliding window starts past the first block. The rest (padding, -1 in the scheduler's tables;
+//!   blocks wholly before a window) is never read.
 //!
 //! Sharing with a tier's I/O thread ([`KvBlockIo`], from [`KvCache::block_io`]). The buffers are
 //! raw allocations ([`SharedBuf`]) behind an `Arc`, so the I/O thread can copy one block out
@@ -119,25 +121,27 @@ impl KvShape {
         })
     }
 
-    /// The entries of `table` that hold the first `num_tokens` tokens of a sequence, each checked
-    /// to be a block of this cache; entries past them are padding and never read. `owner` names
-    /// the table in errors (e.g. "sequence 3").
+    /// The entries of `table` that hold tokens `tokens` of a sequence (`tokens.end` its length),
+    /// each checked to be a block of this cache. Entries before them (blocks wholly before a
+    /// sliding window, which may be released) and past them (padding) are never read. `owner`
+    /// names the table in errors (e.g. "sequence 3").
     pub fn used_blocks<'t>(
         &self,
         table: &'t [i32],
-        num_tokens: usize,
+        tokens: Range<usize>,
         owner: impl Fn() -> String,
     ) -> Result<&'t [i32]> {
         let bs = self.block_size;
-        let used = num_tokens.div_ceil(bs);
-        ensure(used <= table.len(), || {
+        let end = tokens.end.div_ceil(bs);
+        ensure(end <= table.len(), || {
             format!(
-                "{}: {num_tokens} tokens do not fit {} blocks of {bs}",
+                "{}: {} tokens do not fit {} blocks of {bs}",
                 owner(),
+                tokens.end,
                 table.len()
             )
         })?;
-        let used = &table[..used];
+        let used = &table[(tokens.start / bs).min(end)..end];
         match used
             .iter()
             .find(|&&b| usize::try_from(b).map_or(true, |b| b >= self.num_blocks))
@@ -459,7 +463,7 @@ impl KvCache {
         self.check_layer(layer)?;
         let used = self
             .shape
-            .used_blocks(block_table, num_tokens, || "the block table".into())?;
+            .used_blocks(block_table, 0..num_tokens, || "the block table".into())?;
         let len = num_tokens
             .checked_mul(self.shape.row_elems())
             .ok_or_else(|| {

@@ -1,4 +1,5 @@
-"""Paged attention (``KVCache.attention``) against a float64 numpy reference of dense attention.
+"""Paged attention (``KVCache.attention``) against a float64 numpy reference of dense attention, over
+every earlier key or a sliding window of them.
 
 The reference uses the float32 K/V written to the cache, so f16/bf16 storage rounding counts in the
 error: the bounds are 1e-5 (f32) and 1e-2 (f16, bf16) of the largest reference magnitude.
@@ -56,7 +57,7 @@ class Batch:
         qsl = np.concatenate([[0], np.cumsum(query_counts)]).astype(np.int32)
         return self.cache.attention(LAYER, query, self.tables, np.array(contexts, dtype=np.int32), qsl, **kwargs)
 
-    def reference(self, query, query_counts, scale):
+    def reference(self, query, query_counts, scale, window=None):
         num_heads = query.shape[1]
         out = np.zeros(query.shape, dtype=np.float64)
         start = 0
@@ -70,6 +71,8 @@ class Batch:
             scores = np.einsum("thd,khd->htk", q, k) * scale
             positions = context - nq + np.arange(nq)
             scores[:, np.arange(context)[None, :] > positions[:, None]] = -np.inf
+            if window is not None:  # keys k with p - window < k <= p
+                scores[:, np.arange(context)[None, :] <= positions[:, None] - window] = -np.inf
             scores -= scores.max(axis=-1, keepdims=True)
             weights = np.exp(scores)
             weights /= weights.sum(axis=-1, keepdims=True)
@@ -190,6 +193,51 @@ def test_contiguous_kv_runs_the_same_kernel():
     small, large = kv.attention(*args, block_size=16), kv.attention(*args, block_size=128)
     np.testing.assert_allclose(small, large, rtol=0, atol=1e-5)
     assert np.isfinite(small).all() and np.abs(small).max() > 0
+
+
+@pytest.mark.parametrize("kernel", pagedkv.available_kernels())
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [1, 5, 20, 1000])
+def test_sliding_window_matches_dense_reference(kernel, dtype, window):
+    # A decode, a chunk of 30 over a cached prefix and a whole prompt, in blocks of 16; windows of
+    # one token, less than a block, not a block multiple, longer than every context.
+    rng = np.random.default_rng(window)
+    contexts, counts = [70, 100, 45], [1, 30, 45]
+    batch = Batch(rng, dtype, contexts, 16, 2, 64)
+    query = rng.standard_normal((sum(counts), 8, 64)).astype(np.float32)
+    # The entries of blocks wholly before every window of a sequence are never read.
+    for seq, (nq, context) in enumerate(zip(counts, contexts, strict=True)):
+        batch.tables[seq, : max(0, context - nq + 1 - window) // 16] = -1
+    out = batch.attention(query, counts, window=window, kernel=kernel)
+    expected = batch.reference(query, counts, 1 / 8, window=window)
+    assert relative_error(out, expected) <= TOLERANCE[dtype]
+    qsl = np.array([0, 1, 31, 76], np.int32)
+    seconds = _core.attention_kernel_seconds(
+        batch.cache, LAYER, query, batch.tables, np.array(contexts, np.int32), qsl, iterations=1, window=window
+    )
+    assert seconds > 0
+
+
+@pytest.mark.parametrize("window", [0, -1, True, 1.5, "3", 2**63])
+def test_a_window_is_a_positive_int_or_none(window):
+    rng = np.random.default_rng(15)
+    batch = Batch(rng, "float32", [20], 8, 2, 16)
+    query = np.zeros((1, 4, 16), np.float32)
+    with pytest.raises(pagedkv.InvalidArgumentError, match="window"):
+        batch.attention(query, [1], window=window)
+    kv = pagedkv.ContiguousKV(1, 2, 20, 16)
+    with pytest.raises(pagedkv.InvalidArgumentError, match="window"):
+        kv.attention(query, np.array([20], np.int32), np.array([0, 1], np.int32), window=window)
+    assert np.array_equal(batch.attention(query, [1], window=None), batch.attention(query, [1]))
+
+
+def test_contiguous_kv_takes_the_window_as_paged_attention_does():
+    kv = pagedkv.ContiguousKV(2, 2, 300, 64, "float32", seed=2)
+    query = np.random.default_rng(16).standard_normal((7, 4, 64)).astype(np.float32)
+    args = (query, np.array([300, 41], np.int32), np.array([0, 1, 7], np.int32))
+    small, large = kv.attention(*args, block_size=16, window=50), kv.attention(*args, block_size=128, window=50)
+    np.testing.assert_allclose(small, large, rtol=0, atol=1e-5)
+    assert not np.allclose(small, kv.attention(*args, block_size=16), rtol=0, atol=1e-3)
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork()")

@@ -1,13 +1,15 @@
 """A model's K/V declared layer by layer (``LayerSpec``, ``KvSpec``) and the KV cache groups a
-scheduler derives from it (``Scheduler.kv_groups``): alike layers share a group; a layout the
-runtime cannot keep yet (a sliding-window layer, layers of several shapes) is refused, typed,
-before anything is allocated."""
+scheduler derives from it (``Scheduler.kv_groups``): layers of one shape share a group, which keeps
+every token, sliding-window layers included (their steps' attention applies the spec's window); a
+layout the runtime cannot keep yet (layers of several shapes) is refused, typed, before anything
+is allocated."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
-from pagedkv import InvalidArgumentError, KvSpec, LayerSpec, Scheduler
+from pagedkv import CacheStep, InvalidArgumentError, KVCache, KvSpec, LayerSpec, Scheduler
 from support.tier_workload import tiny_model
 
 
@@ -44,8 +46,49 @@ def test_the_llama_model_declares_one_full_group() -> None:
     assert group.layers == list(range(c.num_layers))
 
 
+def test_sliding_layers_share_the_group_of_their_shape_which_keeps_every_token() -> None:
+    spec = KvSpec([LayerSpec(2, 8, window=4), LayerSpec(2, 8), LayerSpec(2, 8, window=4)])
+    s = Scheduler(num_blocks=8, block_size=4, kv_spec=spec)
+    [group] = s.kv_groups
+    assert (group.layer, group.layers) == (LayerSpec(2, 8), [0, 1, 2])
+    assert s.kv_spec == spec and [layer.window for layer in spec.layers] == [4, None, 4]
+
+
+def test_a_steps_attention_applies_the_window_of_its_spec_as_a_cache_step_of_the_same_windows() -> None:
+    heads, dim, window, prompt = 2, 8, 3, 10
+    spec = KvSpec([LayerSpec(heads, dim), LayerSpec(heads, dim, window=window)], "float32")
+    s = Scheduler(num_blocks=8, block_size=4, kv_spec=spec)
+    s.add_request("r", list(range(prompt)), max_tokens=2)
+    step = s.schedule()
+    rng = np.random.default_rng(1)
+    keys, values, query = (rng.standard_normal((prompt, heads, dim)).astype(np.float32) for _ in range(3))
+    cache = KVCache(2, 8, 4, heads, dim)
+    by_hand = CacheStep(step, cache, windows=[layer.window for layer in spec.layers])
+    for layer in range(2):
+        step.write(layer, keys, values)
+        by_hand.write(layer, keys, values)
+    # The dense reference: query p attends to keys p - window < k <= p of the sliding layer.
+    scores = np.einsum("thd,khd->htk", query.astype(np.float64), keys.astype(np.float64)) / np.sqrt(dim)
+    positions = np.arange(prompt)
+    visible = (positions[None, :] <= positions[:, None]) & (positions[None, :] > positions[:, None] - window)
+    scores[:, ~visible] = -np.inf
+    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    expected = np.einsum("htk,khd->thd", weights / weights.sum(axis=-1, keepdims=True), values.astype(np.float64))
+    windowed = step.attention(1, query)
+    assert np.abs(windowed - expected).max() <= 1e-5
+    assert np.array_equal(by_hand.attention(1, query), windowed)
+    assert np.array_equal(by_hand.attention(0, query), step.attention(0, query))
+    assert not np.allclose(step.attention(0, query), windowed)
+    s.update(step, [1])
+
+
+@pytest.mark.parametrize("windows", [[3], [3, 0], [None, True], [None, 1.5], "ab", 3])
+def test_a_cache_step_takes_one_positive_window_or_none_per_layer(windows: object) -> None:
+    with pytest.raises(InvalidArgumentError, match="windows"):
+        CacheStep(None, KVCache(2, 8, 4, 2, 8), windows=windows)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(("layers", "message"), [
-    ([LayerSpec(2, 8), LayerSpec(2, 8, window=4)], "sliding-window layers are not supported"),
     ([LayerSpec(2, 8), LayerSpec(4, 8)], "2 KV cache groups"),
     ([LayerSpec(2, 8, window=0)], "at least one token"),
     ([LayerSpec(0, 8)], "positive"),

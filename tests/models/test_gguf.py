@@ -117,8 +117,9 @@ def test_float_types_decode_their_bit_patterns(tmp_path, qtype, raw, expected):
 
 
 def test_an_unsupported_tensor_type_is_refused_by_name(tmp_path):
-    path = write_gguf(tmp_path / "q5.gguf", {"t": (np.ones((2, 32), np.float32), Q.Q5_0)})
-    with pytest.raises(CheckpointError, match="Q5_0; supported: "):
+    # IQ4_NL: 32 weights in 18 bytes (a float16 scale, 16 bytes of 4-bit indices), as raw bytes.
+    path = write_gguf(tmp_path / "iq4.gguf", {"t": (np.zeros((2, 18), np.uint8), Q.IQ4_NL)})
+    with pytest.raises(CheckpointError, match="IQ4_NL; supported: "):
         read_gguf(path)
 
 
@@ -281,7 +282,7 @@ def test_add_bos_and_eos_token_make_encode_add_them(add_bos, add_eos):
         pytest.param({"llama.rope.dimension_count": 16}, "partial rotary", id="partial-rotary"),
         pytest.param({"llama.rope.scaling.type": "yarn"}, "'yarn' is not supported", id="yarn"),
         pytest.param({"llama.expert_count": 8}, "experts", id="experts"),
-        pytest.param({"tokenizer.ggml.model": "llama"}, "'llama' is not supported", id="sentencepiece"),
+        pytest.param({"tokenizer.ggml.model": "bert"}, "'bert' is not supported", id="wordpiece"),
         pytest.param({"tokenizer.ggml.pre": "llama-bpe"}, "'llama-bpe' is not supported", id="pre-tokenizer"),
         pytest.param({"llama.block_count": 5}, r"tensors missing: model\.layers\.4\.", id="missing-layer"),
         pytest.param({"llama.block_count": 2**31}, r"and 19327352793 more", id="billions-of-layers"),

@@ -25,4 +25,6 @@ def prefill_logits(model: LlamaModel, tokens: Sequence[int]) -> np.ndarray:
         copy_ops=[],
         logits_indices=np.arange(n, dtype=np.int64),
     )
-    return model.forward(CacheStep(step, model.new_kv_cache(blocks)))
+    # Each layer's sliding window, as a scheduler's step takes it from the spec.
+    windows = [layer.window for layer in model.kv_spec().layers]
+    return model.forward(CacheStep(step, model.new_kv_cache(blocks), windows=windows))

@@ -77,7 +77,7 @@ from pagedkv.kv_events import KvEventPublisher, KvSnapshot
 from pagedkv.loaders.generation_config import default_sampling_params
 from pagedkv.loaders.identity import WeightsDigest, kv_identity
 from pagedkv.loaders.registry import load_model
-from pagedkv.models import LlamaModel
+from pagedkv.models import PagedDecoder
 from pagedkv.models.llama import DEFAULT_WEIGHT_DTYPE
 from pagedkv.observability.metrics import EngineMetrics
 from pagedkv.sampling import SamplingParams
@@ -103,7 +103,7 @@ class Engine:
 
     def __init__(
         self,
-        model: LlamaModel,
+        model: PagedDecoder,
         tokenizer: Tokenizer,
         config: EngineConfig = EngineConfig(),
         *,

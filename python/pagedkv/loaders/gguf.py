@@ -1,8 +1,9 @@
-"""A Llama model from one GGUF file (llama.cpp's format): :func:`load_gguf` gives its float32
-:class:`~pagedkv.models.weights.LlamaWeights` and its tokenizer; :func:`stream_gguf` gives the
-config, the tokenizer and the tensors one at a time (what a streaming load packs from).
+"""A model from one GGUF file (llama.cpp's format): :func:`stream_gguf` gives the config, the
+tokenizer and the tensors one at a time (what a streaming load packs from), of a Llama or a Gemma 3
+file (:mod:`pagedkv.loaders.gguf_gemma3`); :func:`load_gguf` gives a Llama file's float32
+:class:`~pagedkv.models.weights.LlamaWeights` and its tokenizer.
 
-The file's ``llama.*`` metadata becomes the :class:`LlamaConfig` (:func:`config_from_gguf`); its
+A Llama file's ``llama.*`` metadata becomes the :class:`LlamaConfig` (:func:`config_from_gguf`); its
 tensors are renamed to the Hugging Face names the rest of the package uses, dequantized, and the
 Q and K projections' rows put back in Hugging Face order (:func:`unpermute_qk`).
 
@@ -24,8 +25,10 @@ import numpy as np
 
 from pagedkv.errors import CheckpointError, InvalidArgumentError
 from pagedkv.loaders.gguf_file import GGUFFile, read_gguf
+from pagedkv.loaders.gguf_gemma3 import gemma3_config_from_gguf, gemma3_tensor, gemma3_tensor_names, num_gemma3_tensors
 from pagedkv.loaders.tokenizers import tokenizer_from_gguf_metadata
 from pagedkv.models.config import LlamaConfig, RopeScaling, _Fields, union_token_ids
+from pagedkv.models.gemma3 import Gemma3Config
 from pagedkv.models.weights import LlamaWeights, expected_names, expected_shape, num_expected
 from pagedkv.text.tokenizer import HFTokenizer
 
@@ -54,56 +57,72 @@ def load_gguf(path: PathLike) -> tuple[LlamaWeights, HFTokenizer]:
     """The weights (float32) and tokenizer of a Llama GGUF file. The embedding is tied to the
     output layer when the file has no ``output.weight``. Raises :class:`CheckpointError`, naming
     the file, for a malformed file, an unsupported architecture, setting or tensor type, or a
-    missing or misshapen tensor."""
+    missing or misshapen tensor (and for a Gemma 3 file: load it with ``load_model``)."""
     config, tokenizer, tensors = stream_gguf(path)
+    if not isinstance(config, LlamaConfig):
+        raise CheckpointError(Path(path), "not a Llama model: load_gguf gives Llama weights (load_model loads any)")
     return LlamaWeights.from_named_tensors(config, dict(tensors)), tokenizer
 
 
-def stream_gguf(path: PathLike) -> tuple[LlamaConfig, HFTokenizer, Iterator[tuple[str, np.ndarray]]]:
-    """The config and tokenizer of a Llama GGUF file, and its tensors as ``(Hugging Face name,
-    float32 array)``, each read and dequantized only when the iterator reaches it. Every check
-    of :func:`load_gguf` is made before this returns; reading raises :class:`CheckpointError`
-    only if the file changes meanwhile."""
+def stream_gguf(path: PathLike) -> tuple[LlamaConfig | Gemma3Config, HFTokenizer, Iterator[tuple[str, np.ndarray]]]:
+    """The config and tokenizer of a Llama or Gemma 3 GGUF file, and its tensors as ``(Hugging
+    Face name, float32 array)``, each read and dequantized only when the iterator reaches it.
+    Every check of :func:`load_gguf` is made before this returns; reading raises
+    :class:`CheckpointError` only if the file changes meanwhile."""
     gguf = read_gguf(path)
     config = config_from_gguf(gguf)
-    names = _hf_names(gguf, config)
-    num_missing = num_expected(config) - len(names)  # counted: a config may claim a million layers
-    if num_missing:
+    if isinstance(config, Gemma3Config):
+        try:
+            names = gemma3_tensor_names(gguf, config)
+        except InvalidArgumentError as error:
+            raise CheckpointError(gguf.file.path, str(error)) from error
+        num_missing = num_gemma3_tensors(config) - len(names)
+        listed = f"{num_missing} of the model's tensors" if num_missing else ""
+    else:
+        names = _hf_names(gguf, config)
+        num_missing = num_expected(config) - len(names)  # counted: a config may claim a million layers
         found = set(names.values())
         listed = ", ".join(itertools.islice((n for n in expected_names(config) if n not in found), 3))
-        more = f" and {num_missing - 3} more" if num_missing > 3 else ""
-        raise CheckpointError(gguf.file.path, f"tensors missing: {listed}{more} (Hugging Face names)")
+        listed += f" and {num_missing - 3} more" if num_missing > 3 else ""
+    if num_missing:
+        raise CheckpointError(gguf.file.path, f"tensors missing: {listed} (Hugging Face names)")
     # Built only now, its vocabulary bounded by the embedding just checked: a tokenizer costs ~20
     # times the metadata it is built from.
     tokenizer = tokenizer_from_gguf_metadata(gguf.metadata, gguf.file.path, config.vocab_size)
+    # The stream keeps only the tensor directory: the metadata (the vocabulary and merges as ~100k
+    # Python strings) is dropped once the tokenizer is built, not held through the whole load.
+    tensor_file = dataclasses.replace(gguf, metadata={})
+    if isinstance(config, Gemma3Config):
+        tensors = ((names[name], gemma3_tensor(names[name], array)) for name, array in tensor_file.stream(list(names)))
+        return config, tokenizer, tensors
     heads = {"attn_q.weight": config.num_heads, "attn_k.weight": config.num_kv_heads}
 
     def unpermute(name: str, raw: np.ndarray) -> np.ndarray:
         layer = _LAYER_NAME.fullmatch(name)
         return unpermute_qk(raw, heads[layer[2]]) if layer and layer[2] in heads else raw
 
-    # The stream keeps only the tensor directory: the metadata (the vocabulary and merges as ~100k
-    # Python strings) is dropped once the tokenizer is built, not held through the whole load.
-    tensor_file = dataclasses.replace(gguf, metadata={})
-    tensors = ((names[name], array) for name, array in tensor_file.stream(list(names), transform=unpermute))
-    return config, tokenizer, tensors
+    return config, tokenizer, ((names[name], array) for name, array in tensor_file.stream(list(names), transform=unpermute))
 
 
-def config_from_gguf(gguf: GGUFFile) -> LlamaConfig:
-    """The :class:`LlamaConfig` of a Llama GGUF file: its ``llama.*`` metadata, bos/eos ids from
-    ``tokenizer.ggml.*`` (``eot_token_id`` and ``eom_token_id`` also end generation, as in
-    llama.cpp) and ``tie_word_embeddings`` from the absence of ``output.weight``."""
+def config_from_gguf(gguf: GGUFFile) -> LlamaConfig | Gemma3Config:
+    """The config of a GGUF file of architecture "llama" (a :class:`LlamaConfig`: its ``llama.*``
+    metadata, bos/eos ids from ``tokenizer.ggml.*`` (``eot_token_id`` and ``eom_token_id`` also
+    end generation, as in llama.cpp) and ``tie_word_embeddings`` from the absence of
+    ``output.weight``) or "gemma3" (a :class:`Gemma3Config`,
+    :func:`~pagedkv.loaders.gguf_gemma3.gemma3_config_from_gguf`)."""
     f = _Fields(gguf.metadata)
     try:
+        arch = f.str_("general.architecture")
+        if arch == "gemma3":
+            return gemma3_config_from_gguf(f, gguf)
+        if arch != "llama":
+            raise InvalidArgumentError(f"general.architecture {arch!r} is not supported (llama, gemma3)")
         return _read_config(f, gguf)
     except InvalidArgumentError as error:
         raise CheckpointError(gguf.file.path, str(error)) from error
 
 
 def _read_config(f: _Fields, gguf: GGUFFile) -> LlamaConfig:
-    arch = f.str_("general.architecture")
-    if arch != "llama":
-        raise InvalidArgumentError(f"general.architecture {arch!r} is not supported (only 'llama')")
     if f.int_("llama.expert_count", 0):
         raise InvalidArgumentError("llama.expert_count: mixtures of experts are not supported")
     if "rope_freqs.weight" in gguf.tensors:

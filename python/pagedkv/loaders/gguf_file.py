@@ -48,10 +48,14 @@ _MAX_NESTING = 8  # arrays of arrays of ...; the format allows them, no model ke
 # object per 8 bytes: a 60 MB file declaring 4 M tokens took 13 s and 1.4 GB before (issue 23).
 MAX_METADATA_ITEMS = 2**21
 
-# The tensor types this loader reads (others, e.g. the K-quants, are refused by name).
+# The tensor types this loader reads: the float types, the legacy quants and the K-quants of the
+# common 4- to 6-bit presets (Q4_K_M mixes Q4_K, Q5_0, Q6_K and Q8_0; tests/models/test_gguf_quants.py
+# holds each dequantization to a scalar transcription of ggml's). Others (Q2_K and Q3_K, the IQ
+# and ternary types) are refused by name.
 SUPPORTED_TYPES = frozenset({
     GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16,
-    GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q8_0,
+    GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1,
+    GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
 })
 
 # Fixed-size metadata value types -> struct format (little-endian).

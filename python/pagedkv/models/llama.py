@@ -18,21 +18,21 @@ the float32 embedding table and one layer in float32.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterable
 from typing import NamedTuple
 
 import numpy as np
-from threadpoolctl import ThreadpoolController
 
-from pagedkv._core import KVCache, KvSpec, LayerSpec, Linear
-from pagedkv.errors import InvalidArgumentError, ShapeError
+from pagedkv._core import KvSpec, LayerSpec, Linear
+from pagedkv.errors import InvalidArgumentError
 from pagedkv.models.config import LlamaConfig
+from pagedkv.models.decoder import PagedDecoder
+from pagedkv.models.layers import packed_linear, rms_norm, silu
 from pagedkv.models.rope import apply_rope, rope_cos_sin, rope_frequencies
 from pagedkv.models.step import ModelStep
 from pagedkv.models.weights import LAYER_TENSORS, LlamaWeights
 
-__all__ = ["LlamaModel", "rms_norm", "DEFAULT_WEIGHT_DTYPE", "WEIGHT_DTYPES"]
+__all__ = ["LlamaModel", "DEFAULT_WEIGHT_DTYPE", "WEIGHT_DTYPES"]
 
 WEIGHT_DTYPES = ("float32", "float16", "bfloat16")
 """The storage types :class:`LlamaModel` packs its projections in."""
@@ -50,13 +50,7 @@ DEFAULT_WEIGHT_DTYPE = "float16"
 _LAYER_FIELDS = {suffix: field for field, suffix in LAYER_TENSORS.items()}
 
 
-def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    """``x / sqrt(mean(x**2) + eps) * weight`` over the last axis, in float32."""
-    mean_square = np.mean(np.square(x), axis=-1, keepdims=True)
-    return x * (1.0 / np.sqrt(mean_square + np.float32(eps))) * weight
-
-
-class LlamaModel:
+class LlamaModel(PagedDecoder):
     """A Llama decoder running on paged K/V, reached through each step (:class:`ModelStep`).
 
     The projections are packed fused (``[q|k|v]`` and ``[gate|up]``) into
@@ -67,17 +61,12 @@ class LlamaModel:
     given (what tests against the dense reference need); the loaders (``load_model``,
     ``Engine.from_pretrained``, the CLI) default to :data:`DEFAULT_WEIGHT_DTYPE`.
 
-    ``blas_threads`` caps numpy's BLAS threads while :meth:`forward` runs (None leaves BLAS as it
-    is), for whatever numpy still does there. The default, 1, is deliberate: the Rust workers need
-    the same cores, and OpenBLAS threads that spin waiting for work starve everything else. On 2
-    loaded cores, a batch-32 decode step of the tiny model took 14 ms with one BLAS thread and
-    166 ms with two when numpy did the matrix products. The cap is process-wide while it holds,
-    so numpy work on other threads during a step runs single-threaded too.
+    ``blas_threads``: see :class:`~pagedkv.models.decoder.PagedDecoder`.
     """
 
     def __init__(self, weights: LlamaWeights, blas_threads: int | None = 1, weight_dtype: str = "float32") -> None:
-        self._setup(weights.config, blas_threads)
-        self._pack(weights.named_tensors(), weight_dtype)
+        self._setup(weights.config, blas_threads, weight_dtype)
+        self._pack(weights.named_tensors())
 
     @classmethod
     def from_tensors(
@@ -93,31 +82,20 @@ class LlamaModel:
         packed once its nine tensors have arrived, and the arrays are not kept. Raises
         :class:`InvalidArgumentError` when a tensor is missing or unknown."""
         model = cls.__new__(cls)
-        model._setup(config, blas_threads)
-        model._pack(tensors, weight_dtype)
+        model._setup(config, blas_threads, weight_dtype)
+        model._pack(tensors)
         return model
 
-    @staticmethod
-    def check_weight_dtype(weight_dtype: str) -> None:
-        """Raises :class:`InvalidArgumentError` unless ``Linear`` stores ``weight_dtype`` (one of
-        :data:`WEIGHT_DTYPES` or an alias such as "bf16"), so a load can fail before it reads
-        anything. ``Linear`` itself is the one validator: a 1 × 1 weight asks it."""
-        Linear(np.zeros((1, 1), np.float32), weight_dtype)
-
-    def _setup(self, config: LlamaConfig, blas_threads: int | None) -> None:
-        if blas_threads is not None and blas_threads < 1:
-            raise InvalidArgumentError(f"blas_threads must be ≥ 1 or None, got {blas_threads}")
-        self._blas_threads = blas_threads
-        self._blas = ThreadpoolController() if blas_threads is not None else None
-        self.config = c = config
+    def _setup(self, config: LlamaConfig, blas_threads: int | None, weight_dtype: str) -> None:
+        PagedDecoder.__init__(self, config, blas_threads, weight_dtype)
+        c = config
         self._q_dim = c.num_heads * c.head_dim
         self._kv_dim = c.num_kv_heads * c.head_dim
         self._scale = float(c.head_dim) ** -0.5
         self._rope_frequencies = rope_frequencies(c)
 
-    def _pack(self, tensors: Iterable[tuple[str, np.ndarray]], weight_dtype: str) -> None:
-        self.check_weight_dtype(weight_dtype)
-        c = self.config
+    def _pack(self, tensors: Iterable[tuple[str, np.ndarray]]) -> None:
+        c, weight_dtype = self.config, self.weight_dtype
         pending: dict[int, dict[str, np.ndarray]] = {}
         layers: dict[int, _FusedLayer] = {}
         found: dict[str, np.ndarray] = {}
@@ -134,7 +112,7 @@ class LlamaModel:
             elif name != "lm_head.weight" or c.tie_word_embeddings:
                 raise InvalidArgumentError(f"tensor {name} is not part of this model")
             if name == ("model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"):
-                lm_head = _linear(array, weight_dtype, name)
+                lm_head = packed_linear(array, weight_dtype, name)
             del array  # the loop must not keep the last tensor alive while the next is read
         missing = [f"model.layers.{i}" for i in range(c.num_layers) if i not in layers]
         missing += [n for n in ("model.embed_tokens.weight", "model.norm.weight") if n not in found]
@@ -143,7 +121,6 @@ class LlamaModel:
         self._embed = found["model.embed_tokens.weight"]
         self._final_norm = found["model.norm.weight"]
         self._lm_head = lm_head
-        self.weight_dtype = lm_head.dtype
         self._layers = [layers[i] for i in range(c.num_layers)]
 
     @property
@@ -164,45 +141,10 @@ class LlamaModel:
         layers = [LayerSpec(c.num_kv_heads, c.head_dim)] * c.num_layers
         return KvSpec(layers) if dtype is None else KvSpec(layers, dtype)
 
-    def new_kv_cache(self, num_blocks: int, block_size: int = 16, dtype: str | None = None) -> KVCache:
-        """A K/V cache of one's own shaped for this model (for a :class:`~pagedkv.models.step.CacheStep`)."""
-        c, spec = self.config, self.kv_spec(dtype)
-        return KVCache(c.num_layers, num_blocks, block_size, c.num_kv_heads, c.head_dim, spec.dtype)
-
-    def forward(self, step: ModelStep) -> np.ndarray:
-        """Runs one step: applies its copy-on-write copies, writes every token's K/V at its slots,
-        attends through its tables (each through the step: ``step.copy_blocks()``,
-        ``step.write``, ``step.attention``) and returns the float32 logits
-        ``[len(step.logits_indices), vocab_size]`` of the rows ``step.logits_indices``."""
-        return self.logits(self.hidden(step, np.asarray(step.logits_indices)))
-
-    def hidden(self, step: ModelStep, rows: np.ndarray) -> np.ndarray:
-        """Runs one step as :meth:`forward` does; returns the final-normed hidden states
-        ``[len(rows), hidden_size]`` of the token ``rows`` (for :meth:`logits`)."""
-        with self._blas_limit():
-            return self._forward(step, rows)
-
-    def logits(self, hidden: np.ndarray) -> np.ndarray:
-        """The float32 logits ``[rows, vocab_size]`` of final hidden states."""
-        with self._blas_limit():
-            return self._lm_head(hidden)
-
-    def _blas_limit(self) -> contextlib.AbstractContextManager[object]:
-        if self._blas is None:
-            return contextlib.nullcontext()
-        return self._blas.limit(limits=self._blas_threads, user_api="blas")
-
     def _forward(self, step: ModelStep, rows: np.ndarray) -> np.ndarray:
         c = self.config
-        input_ids = np.asarray(step.input_ids)
-        positions = np.asarray(step.positions)
+        input_ids, positions = self._step_inputs(step)
         num_tokens = input_ids.shape[0]
-        if input_ids.ndim != 1 or positions.shape != (num_tokens,):
-            raise ShapeError(f"input_ids {input_ids.shape} and positions {positions.shape} must be equal 1-D shapes")
-        if num_tokens and int(positions.max()) >= c.max_position_embeddings:
-            raise InvalidArgumentError(
-                f"position {int(positions.max())} is past max_position_embeddings {c.max_position_embeddings}"
-            )
         step.copy_blocks()
 
         cos, sin = rope_cos_sin(self._rope_frequencies, positions)
@@ -220,7 +162,7 @@ class LlamaModel:
             x = rms_norm(hidden, layer.post_norm, c.rms_norm_eps)
             gate_up = layer.gate_up(x)
             gate, up = gate_up[:, : c.intermediate_size], gate_up[:, c.intermediate_size :]
-            hidden = hidden + layer.down(_silu(gate) * up)
+            hidden = hidden + layer.down(silu(gate) * up)
         return rms_norm(hidden[rows], self._final_norm, c.rms_norm_eps)
 
 
@@ -241,28 +183,9 @@ def _fuse(parts: dict[str, np.ndarray], weight_dtype: str, index: int) -> _Fused
     layer = f"model.layers.{index}"
     return _FusedLayer(
         input_norm=parts["input_layernorm"],
-        qkv=_linear(np.concatenate((parts["q_proj"], parts["k_proj"], parts["v_proj"])), weight_dtype, f"{layer}.qkv"),
-        o=_linear(parts["o_proj"], weight_dtype, f"{layer}.o_proj"),
+        qkv=packed_linear(np.concatenate((parts["q_proj"], parts["k_proj"], parts["v_proj"])), weight_dtype, f"{layer}.qkv"),
+        o=packed_linear(parts["o_proj"], weight_dtype, f"{layer}.o_proj"),
         post_norm=parts["post_attention_layernorm"],
-        gate_up=_linear(np.concatenate((parts["gate_proj"], parts["up_proj"])), weight_dtype, f"{layer}.gate_up"),
-        down=_linear(parts["down_proj"], weight_dtype, f"{layer}.down_proj"),
+        gate_up=packed_linear(np.concatenate((parts["gate_proj"], parts["up_proj"])), weight_dtype, f"{layer}.gate_up"),
+        down=packed_linear(parts["down_proj"], weight_dtype, f"{layer}.down_proj"),
     )
-
-
-def _linear(out_in: np.ndarray, weight_dtype: str, name: str) -> Linear:
-    """An ``[out, in]`` matrix packed, read through its ``.T`` (Fortran-ordered: no copy). Raises
-    :class:`InvalidArgumentError` if float16 storage would turn a weight into infinity."""
-    linear = Linear(out_in.T, weight_dtype)
-    # max and -min, not abs(): no temporary the size of the tensor during a streamed load.
-    if linear.dtype == "float16" and max(float(out_in.max()), -float(out_in.min())) >= _F16_OVERFLOW:
-        raise InvalidArgumentError(f"{name} holds weights beyond float16's range: use bfloat16 or float32 weights")
-    return linear
-
-
-# The smallest magnitude float16 rounds to infinity (65504 is its largest finite value).
-_F16_OVERFLOW = 65520.0
-
-
-def _silu(x: np.ndarray) -> np.ndarray:
-    """``x * sigmoid(x)`` in float32, written with tanh so no input overflows."""
-    return x * (np.float32(0.5) + np.float32(0.5) * np.tanh(np.float32(0.5) * x))

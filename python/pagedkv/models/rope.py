@@ -13,13 +13,19 @@ import numpy as np
 
 from pagedkv.models.config import LlamaConfig
 
-__all__ = ["rope_frequencies", "rope_cos_sin", "apply_rope"]
+__all__ = ["inverse_frequencies", "rope_frequencies", "rope_cos_sin", "apply_rope"]
+
+
+def inverse_frequencies(theta: float, head_dim: int) -> np.ndarray:
+    """float64 ``[head_dim // 2]``: frequency ``i`` turns by ``theta ** (-2i / head_dim)`` radians
+    per position (plain rotary embedding)."""
+    return theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
 
 
 def rope_frequencies(config: LlamaConfig) -> np.ndarray:
-    """float64 ``[head_dim // 2]``: frequency ``i`` turns by ``rope_theta ** (-2i / head_dim)``
-    radians per position, then rescaled by ``config.rope_scaling`` as transformers does."""
-    inv_freq = config.rope_theta ** (-np.arange(0, config.head_dim, 2, dtype=np.float64) / config.head_dim)
+    """float64 ``[head_dim // 2]``: :func:`inverse_frequencies` of the config's ``rope_theta``,
+    rescaled by ``config.rope_scaling`` as transformers does."""
+    inv_freq = inverse_frequencies(config.rope_theta, config.head_dim)
     scaling = config.rope_scaling
     if scaling is None:
         return inv_freq

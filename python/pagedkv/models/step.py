@@ -6,18 +6,24 @@ touch the scheduler's K/V only where the step was scheduled, and only until it i
 :class:`CacheStep` gives the same to a step's arrays over a :class:`~pagedkv.KVCache` of one's own
 (tests, benchmarks, driving a model by hand).
 
+A layer's sliding window is a fact about the model, stated once, never passed per call: a
+scheduler's step reads each layer's from its ``kv_spec``, a :class:`CacheStep` from the ``windows``
+it was made with. So a model calls ``step.attention(layer, query)`` alike over either.
+
 The step's tokens are flattened: sequence ``i`` owns rows ``query_start_loc[i]:query_start_loc[i+1]``
 of ``input_ids``, ``positions`` and ``slot_mapping``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import operator
+from collections.abc import Iterable, Sequence
 from typing import Protocol
 
 import numpy as np
 
 from pagedkv._core import KVCache
+from pagedkv.errors import InvalidArgumentError
 
 __all__ = ["CacheStep", "ModelStep", "StepArrays"]
 
@@ -73,17 +79,25 @@ class ModelStep(StepArrays, Protocol):
         ...
 
     def attention(self, layer: int, query: np.ndarray, scale: float | None = None, kernel: str | None = None) -> np.ndarray:
-        """Attention of ``query`` over ``layer`` through the step's tables."""
+        """Attention of ``query`` over ``layer`` through the step's tables, over the layer's sliding
+        window if it has one: the step knows it (a scheduler's from its ``kv_spec``, a
+        :class:`CacheStep` from its ``windows``), the caller never passes it."""
         ...
 
 
 class CacheStep:
     """A :class:`ModelStep` over a :class:`~pagedkv.KVCache` of one's own: ``arrays`` (a step built
-    by hand, or a ``SchedulerOutput`` of a scheduler without K/V) addressing ``kv_cache``."""
+    by hand, or a ``SchedulerOutput`` of a scheduler without K/V) addressing ``kv_cache``.
 
-    def __init__(self, arrays: StepArrays, kv_cache: KVCache) -> None:
+    ``windows`` gives each layer's sliding window (None: full attention), as a scheduler's step
+    takes them from its ``kv_spec`` (``[layer.window for layer in spec.layers]``); without it every
+    layer attends over every earlier token. ``InvalidArgumentError`` unless it has one entry per
+    layer of the cache, each None or a positive int."""
+
+    def __init__(self, arrays: StepArrays, kv_cache: KVCache, windows: Sequence[int | None] | None = None) -> None:
         self.arrays = arrays
         self.kv_cache = kv_cache
+        self.windows = _layer_windows(windows, kv_cache.num_layers)
 
     @property
     def input_ids(self) -> np.ndarray:
@@ -125,4 +139,28 @@ class CacheStep:
 
     def attention(self, layer: int, query: np.ndarray, scale: float | None = None, kernel: str | None = None) -> np.ndarray:
         a = self.arrays
-        return self.kv_cache.attention(layer, query, a.block_tables, a.context_lens, a.query_start_loc, scale, kernel)
+        try:
+            window = self.windows[layer] if layer >= 0 else None
+        except (IndexError, TypeError):
+            window = None  # not a layer of the cache, which refuses it, typed
+        return self.kv_cache.attention(
+            layer, query, a.block_tables, a.context_lens, a.query_start_loc, scale, kernel, window=window
+        )
+
+
+def _layer_windows(windows: Sequence[int | None] | None, num_layers: int) -> tuple[int | None, ...]:
+    """``windows`` checked (one per layer, each None or a positive int), or no window for each layer."""
+    if windows is None:
+        return (None,) * num_layers
+    if isinstance(windows, (str, bytes)) or not isinstance(windows, Sequence) or len(windows) != num_layers:
+        raise InvalidArgumentError(f"windows must be a sequence of one window per layer ({num_layers}), got {windows!r}")
+    checked: list[int | None] = []
+    for layer, window in enumerate(windows):
+        try:
+            value = None if window is None or isinstance(window, bool) else operator.index(window)
+        except TypeError:
+            value = None
+        if window is not None and (value is None or value < 1):
+            raise InvalidArgumentError(f"windows[{layer}] must be None or a positive int, got {window!r}")
+        checked.append(value)
+    return tuple(checked)

@@ -6,10 +6,11 @@
 //!   unnormalised output `acc = Σ exp(s - m) v`; when `m` grows, `l` and `acc` are rescaled by
 //!   `exp(m_old - m_new)`. The output is `acc / l`.
 //! - Query rows are pre-multiplied by the softmax scale when gathered, so scores come out scaled.
-//! - A key past a query's position scores `-inf`, whose weight is exactly 0. A row that has seen
-//!   no allowed key yet keeps `m = -inf`, `l = 0`, `acc = 0`: such a partition adds nothing when
-//!   merged (only partitions of prefill tiles can be wholly masked for some rows; every row
-//!   allows key 0, so the merged maximum is finite).
+//! - A key past a query's position, or before its window, scores `-inf`, whose weight is exactly
+//!   0. A row that has seen no allowed key yet keeps `m = -inf`, `l = 0`, `acc = 0`: such a
+//!   partition adds nothing when merged (only partitions of prefill tiles, or before a later
+//!   query's window, can be wholly masked for some rows; every row allows its own position, which
+//!   some partition of its tile covers, so the merged maximum is finite).
 //! - Items write disjoint output rows or their own partial slot, so they run in parallel without
 //!   locks (see [`SharedOut`]).
 
@@ -171,15 +172,22 @@ pub(crate) unsafe fn run_item<K: Kernels, T: KvElement, L: KvLayout<T>>(
                 columns += valid;
             }
             for i in 0..rows {
+                // The row's allowed columns: its window start (0 without a window) through its
+                // own position.
                 let position = first_position + (i % head_rows) / group;
-                let allowed = (position + 1).saturating_sub(first_key).min(columns);
+                let end = (position + 1).saturating_sub(first_key).min(columns);
+                let start = problem
+                    .window_start(position)
+                    .saturating_sub(first_key)
+                    .min(end);
                 let scores = &mut scratch.scores[i * stride..i * stride + columns];
-                scores[allowed..].fill(f32::NEG_INFINITY);
-                if allowed == 0 {
+                scores[end..].fill(f32::NEG_INFINITY);
+                if start == end {
                     scores.fill(0.0);
                     continue;
                 }
-                let block_max = K::max(&scores[..allowed]);
+                scores[..start].fill(f32::NEG_INFINITY);
+                let block_max = K::max(&scores[start..end]);
                 let running_max = &mut scratch.max[i];
                 if block_max > *running_max {
                     if scratch.sum[i] > 0.0 {

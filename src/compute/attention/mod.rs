@@ -1,16 +1,22 @@
 //! Paged attention: decode, prefill and chunked prefill read K/V straight through block tables.
 //!
 //! Semantics: sequence `i` has `nq = query_start_loc[i + 1] - query_start_loc[i]` query tokens;
-//! its query `j` sits at position `context_len - nq + j` and attends to keys `0..=position`. The
-//! K/V of the step's new tokens are already in the cache. Output row (token, head) is
+//! its query `j` sits at position `p = context_len - nq + j` and attends to keys `0..=p`, or,
+//! with a sliding window of `w` tokens, to the keys `k` with `p - w < k <= p` (its last `w`
+//! positions, its own included: transformers' `q_idx - kv_idx < sliding_window`). The K/V of the
+//! step's new tokens are already in the cache. Output row (token, head) is
 //! `softmax(scale · q K^T) V` over those keys, accumulated in f32 whatever the K/V dtype.
+//! `window: None` is full attention.
 //!
 //! Invariants:
 //! - Every argument is validated before anything is computed; an error leaves `out` untouched.
-//! - Only the used part of a block table (`ceil(context_len / block_size)` entries) is read;
-//!   padding is never dereferenced.
+//! - Only the part of a block table a sequence's queries attend to is read and validated: from
+//!   the block holding the earliest window start of its queries (block 0 without a window) to
+//!   block `ceil(context_len / block_size)`. Padding, and entries of blocks wholly before every
+//!   window (which may be released, or hold -1), are never dereferenced.
 //! - Work runs over (sequence, KV heads, query tile, key partition) items (see [`plan`]); each K/V
-//!   tile is read once per KV-head group, all query heads of the group scored together.
+//!   tile is read once per KV-head group, all query heads of the group scored together; no item
+//!   covers a block wholly before its tile's windows.
 //! - Results do not depend on the thread count beyond f32 rounding of the partition merge.
 
 mod compute;
@@ -51,7 +57,10 @@ pub fn default_isa() -> Isa {
 }
 
 /// Attention of `q` (`[num_tokens, num_heads, head_dim]` f32) over layer `layer` of `cache`
-/// through `batch`'s block tables, into `out` (same shape). See the module doc for semantics.
+/// through `batch`'s block tables, into `out` (same shape): over each query's last `window`
+/// positions for a sliding-window layer, over every earlier one for `None`. See the module doc
+/// for semantics.
+#[allow(clippy::too_many_arguments)]
 pub fn paged_attention(
     cache: &KvCache,
     layer: usize,
@@ -59,9 +68,20 @@ pub fn paged_attention(
     num_heads: usize,
     batch: &AttentionBatch<'_>,
     scale: f32,
+    window: Option<usize>,
     out: &mut [f32],
 ) -> Result<()> {
-    paged_attention_with(default_isa(), cache, layer, q, num_heads, batch, scale, out)
+    paged_attention_with(
+        default_isa(),
+        cache,
+        layer,
+        q,
+        num_heads,
+        batch,
+        scale,
+        window,
+        out,
+    )
 }
 
 /// [`paged_attention`] on a chosen instruction set (tests compare every one with the portable one).
@@ -74,6 +94,7 @@ pub fn paged_attention_with(
     num_heads: usize,
     batch: &AttentionBatch<'_>,
     scale: f32,
+    window: Option<usize>,
     out: &mut [f32],
 ) -> Result<()> {
     let shape = cache.shape();
@@ -86,6 +107,7 @@ pub fn paged_attention_with(
         batch.context_lens,
         batch.query_start_loc,
         scale,
+        window,
         out,
     )?;
     validate_tables(&problem, batch, &shape)?;
@@ -161,7 +183,8 @@ impl ContiguousKv {
     }
 
     /// Attention of `q` over these K/V, tiles of `block_size` rows; sequence `i` uses its first
-    /// `context_lens[i]` rows. Same semantics and errors as [`paged_attention`].
+    /// `context_lens[i]` rows (a window skips the tiles wholly before it, as the paged loop
+    /// does). Same semantics and errors as [`paged_attention`].
     #[allow(clippy::too_many_arguments)]
     pub fn attention(
         &self,
@@ -172,6 +195,7 @@ impl ContiguousKv {
         query_start_loc: &[i32],
         block_size: usize,
         scale: f32,
+        window: Option<usize>,
         out: &mut [f32],
     ) -> Result<()> {
         let problem = Problem::validate(
@@ -182,6 +206,7 @@ impl ContiguousKv {
             context_lens,
             query_start_loc,
             scale,
+            window,
             out,
         )?;
         if problem.num_seqs() != self.num_seqs {
@@ -238,6 +263,8 @@ pub(crate) struct Problem<'a> {
     pub context_lens: &'a [i32],
     pub query_start_loc: &'a [i32],
     pub scale: f32,
+    /// Positions a query attends to, its own included (None: every earlier one).
+    pub window: Option<usize>,
 }
 
 impl<'a> Problem<'a> {
@@ -250,6 +277,7 @@ impl<'a> Problem<'a> {
         context_lens: &'a [i32],
         query_start_loc: &'a [i32],
         scale: f32,
+        window: Option<usize>,
         out: &[f32],
     ) -> Result<Self> {
         let invalid = |message: String| Err(Error::InvalidArgument(message));
@@ -265,6 +293,9 @@ impl<'a> Problem<'a> {
         }
         if !scale.is_finite() {
             return invalid(format!("scale must be finite, got {scale}"));
+        }
+        if window == Some(0) {
+            return invalid("a sliding window must hold at least one token, got 0".into());
         }
         let num_seqs = context_lens.len();
         if query_start_loc.len() != num_seqs + 1 {
@@ -313,6 +344,7 @@ impl<'a> Problem<'a> {
             context_lens,
             query_start_loc,
             scale,
+            window,
         })
     }
 
@@ -336,10 +368,24 @@ impl<'a> Problem<'a> {
     pub fn group_size(&self) -> usize {
         self.num_heads / self.num_kv_heads
     }
+
+    /// The first key a query at `position` attends to: 0, or the start of its window.
+    #[inline]
+    pub fn window_start(&self, position: usize) -> usize {
+        self.window
+            .map_or(0, |window| (position + 1).saturating_sub(window))
+    }
+
+    /// The first key any query of `seq` attends to: its first query's window start (a later
+    /// position's window never starts earlier).
+    pub fn first_key(&self, seq: usize) -> usize {
+        self.window_start(self.context_len(seq) - self.num_queries(seq))
+    }
 }
 
-/// Checks that the tables hold a row per sequence and that every sequence's used entries are
-/// block ids ([`KvShape::used_blocks`]).
+/// Checks that the tables hold a row per sequence and that the entries each sequence's queries
+/// attend to are block ids ([`KvShape::used_blocks`]); those wholly before its windows are not
+/// looked at (module invariants).
 fn validate_tables(
     problem: &Problem<'_>,
     batch: &AttentionBatch<'_>,
@@ -355,7 +401,8 @@ fn validate_tables(
     }
     for seq in 0..num_seqs {
         let row = &batch.block_tables[seq * width..(seq + 1) * width];
-        shape.used_blocks(row, problem.context_len(seq), || format!("sequence {seq}"))?;
+        let keys = problem.first_key(seq)..problem.context_len(seq);
+        shape.used_blocks(row, keys, || format!("sequence {seq}"))?;
     }
     Ok(())
 }

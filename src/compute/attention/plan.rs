@@ -10,7 +10,9 @@
 //!   keys are split into several partitions (flash-decoding), each partition writes its own
 //!   partial-result slot and one [`Group`] merges them into the output rows.
 //! - A tile only visits key blocks up to its last query's position: the causal mask never lets a
-//!   query see later keys.
+//!   query see later keys. With a sliding window it visits none before the block holding its
+//!   first query's window start (the earliest of its queries'): a partition wholly before it
+//!   never exists, and no item reads its block-table entries.
 //! - Partitions exist only to give every thread work (batch 1, few KV heads, long context); a
 //!   call small enough to run inline is never split.
 
@@ -30,6 +32,15 @@ const INLINE_NANOS: f64 = 15_000.0;
 /// Rough single-thread rates for that estimate: f32 FMAs per ns and K/V bytes per ns.
 const FMAS_PER_NANO: f64 = 25.0;
 const BYTES_PER_NANO: f64 = 20.0;
+
+/// A query tile and the key blocks `first_block..first_block + blocks` its queries attend to.
+struct Tile {
+    seq: usize,
+    first_query: usize,
+    queries: usize,
+    first_block: usize,
+    blocks: usize,
+}
 
 /// One unit of parallel work.
 #[derive(Debug, Clone, Copy)]
@@ -84,15 +95,24 @@ impl Plan {
         let tile_tokens = (TARGET_TILE_ROWS / group).max(1);
         let d = problem.head_dim;
 
-        // First pass: the query tiles and the work they hold.
+        // First pass: the query tiles, their key blocks and the work they hold.
         let mut tiles = Vec::new();
         let (mut fmas, mut bytes) = (0f64, 0f64);
         for seq in 0..problem.num_seqs() {
             let (nq, context) = (problem.num_queries(seq), problem.context_len(seq));
             for first_query in (0..nq).step_by(tile_tokens) {
                 let queries = tile_tokens.min(nq - first_query);
-                let keys = context - nq + first_query + queries;
-                tiles.push((seq, first_query, queries, keys.div_ceil(block_size)));
+                let first_position = context - nq + first_query;
+                let first_block = problem.window_start(first_position) / block_size;
+                let end_block = (first_position + queries).div_ceil(block_size);
+                let keys = first_position + queries - first_block * block_size;
+                tiles.push(Tile {
+                    seq,
+                    first_query,
+                    queries,
+                    first_block,
+                    blocks: end_block - first_block,
+                });
                 // In f64: an absurd call (huge group × context) must not overflow usize here.
                 let (queries_f, keys_f, d_f) = (queries as f64, keys as f64, d as f64);
                 fmas += 2.0 * queries_f * group as f64 * keys_f * d_f;
@@ -113,7 +133,7 @@ impl Plan {
                     1
                 }
             };
-            let base_items: usize = tiles.iter().map(|t| kv_heads / head_count(t.2)).sum();
+            let base_items: usize = tiles.iter().map(|t| kv_heads / head_count(t.queries)).sum();
             let wanted_parts = if inline {
                 1
             } else {
@@ -121,7 +141,10 @@ impl Plan {
             };
             let items: usize = tiles
                 .iter()
-                .map(|t| kv_heads / head_count(t.2) * wanted_parts.min(t.3 / min_blocks).max(1))
+                .map(|t| {
+                    kv_heads / head_count(t.queries)
+                        * wanted_parts.min(t.blocks / min_blocks).max(1)
+                })
                 .sum();
             (head_count, base_items, wanted_parts, items)
         };
@@ -145,7 +168,14 @@ impl Plan {
         let mut groups = Vec::new();
         let mut next_slot = 0;
         let mut max_rows = 0;
-        for &(seq, first_query, queries, blocks) in &tiles {
+        for tile in &tiles {
+            let Tile {
+                seq,
+                first_query,
+                queries,
+                first_block: tile_block,
+                blocks,
+            } = *tile;
             let parts = wanted_parts.min(blocks / min_blocks).max(1);
             for heads in head_sets(queries) {
                 max_rows = max_rows.max(queries * group * heads.count);
@@ -161,8 +191,10 @@ impl Plan {
                 }
                 for part in 0..parts {
                     let partial_slot = (parts > 1).then(|| next_slot + part);
-                    let (first_block, end_block) =
-                        (blocks * part / parts, blocks * (part + 1) / parts);
+                    let (first_block, end_block) = (
+                        tile_block + blocks * part / parts,
+                        tile_block + blocks * (part + 1) / parts,
+                    );
                     items.push(Item {
                         seq,
                         heads,
