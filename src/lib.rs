@@ -36,7 +36,7 @@ pub use ids::{BlockId, CopyOp, SeqId, TokenId, MAX_NUM_BLOCKS};
 pub use kv::spec::{AttentionKind, GroupSpec, KvCacheConfig, KvSpec, LayerSpec};
 pub use memory::block_manager::{BlockManager, BlockStats, PrefixMatch};
 pub use memory::block_pool::BlockPool;
-pub use memory::block_table::BlockTable;
+pub use memory::block_table::{BlockTable, RELEASED};
 pub use memory::free_list::FreeList;
 pub use runtime::{KvRuntime, Step};
 pub use scheduler::{Scheduler, SchedulerConfig};

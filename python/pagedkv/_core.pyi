@@ -76,10 +76,13 @@ class BlockManager:
         """Give ``token_ids`` slots; return the copy-on-write op ``(src, dst)`` if the tail was shared."""
     def fork(self, parent_id: int, child_id: int) -> None:
         """Make ``child_id`` share every block of ``parent_id``."""
+    def release_before(self, seq_id: int, first_needed: int) -> int:
+        """Release the blocks wholly before token ``first_needed`` (a sliding window's; hashed
+        ones stay cached), their entries -1; return how many."""
     def free(self, seq_id: int) -> None:
         """Free ``seq_id``: full blocks stay cached for later hits, tail evicted first."""
     def block_table(self, seq_id: int) -> npt.NDArray[np.int32]:
-        """Physical block ids of ``seq_id`` in logical order."""
+        """Physical block ids of ``seq_id`` in logical order, -1 where a window released one."""
     def num_tokens(self, seq_id: int) -> int:
         """Tokens with a slot in ``seq_id``."""
     def token_ids(self, seq_id: int) -> list[int]:
@@ -90,7 +93,7 @@ class BlockManager:
         """Slots of the last ``num_new_tokens[i]`` tokens of each sequence, concatenated."""
     def stats(self) -> dict[str, int | float]:
         """num_blocks, free_blocks, cached_blocks, used_blocks, usage, prefix_queried_tokens,
-        prefix_hit_tokens, allocations, evictions, cow_copies."""
+        prefix_hit_tokens, allocations, evictions, cow_copies, window_released_blocks."""
     def check_invariants(self) -> None:
         """Raise AssertionError naming the first broken invariant."""
     @property
@@ -304,7 +307,8 @@ class Scheduler:
         """steps, num_running, num_waiting, num_unfinished_requests, scheduled_tokens,
         prefill_tokens, generated_tokens, preemptions, finished_requests, aborted_requests,
         peak_running, prefix_queried_tokens, prefix_hit_tokens (RAM and disk hits),
-        prefix_hit_rate, kv_usage, cow_copies, num_loading; with a disk tier (attached, or
+        prefix_hit_rate, kv_usage, cow_copies, window_released_blocks (blocks a sliding window
+        released: every layer sliding), num_loading; with a disk tier (attached, or
         detached since): disk_hits / disk_hit_tokens (blocks admission found only on disk),
         disk_loads (loaded, verified), disk_loads_dropped (recomputed instead), disk_dropped_corrupt (did not verify),
         disk_load_misses (not held, or the job failed),

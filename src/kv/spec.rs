@@ -7,11 +7,12 @@
 //!   groups in the order of their first layer;
 //! - two layers share a group exactly when their KV heads and head size are equal, whatever
 //!   their attention kind;
-//! - every group keeps every token of its sequences (its `layer.attention` is `Full`). A
-//!   sliding-window layer's window is applied by attention alone, which reads it from the
-//!   layer's own [`LayerSpec`] in the [`KvSpec`] (one fact, one place): the blocks wholly before
-//!   every window of a sequence stay allocated. Releasing them — a group of `Sliding` layers
-//!   keeping only the last `window` tokens' blocks — is future work;
+//! - a group's `layer.attention` says what it keeps of each sequence: `Sliding { window }` when
+//!   every layer of the group is sliding (`window` the widest: the scheduler releases the blocks
+//!   wholly before it), else `Full`, every token. Each layer's own window is applied by attention,
+//!   which reads it from the layer's [`LayerSpec`] in the [`KvSpec`] (one fact, one place). A
+//!   model mixing full and sliding layers of one shape (Gemma 3) is one `Full` group today:
+//!   splitting it in two, so its sliding layers keep only their window, is the next step;
 //! - every size is positive and a window holds at least one token.
 //!
 //! The runtime keeps one group today (`KvCacheConfig::single_group`): a model whose layers all
@@ -79,7 +80,7 @@ impl KvSpec {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GroupSpec {
     /// The layers' KV heads and head size, and in `attention` what the group keeps of each
-    /// sequence: `Full`, every token (module invariants; each layer's own kind is in the spec).
+    /// sequence (module invariants; each layer's own kind is in the spec).
     pub layer: LayerSpec,
     /// The model's layer numbers, increasing.
     pub layers: Vec<usize>,
@@ -93,10 +94,21 @@ pub struct KvCacheConfig {
     pub dtype: KvDtype,
 }
 
+/// What a group keeps once a layer of kind `layer` joins a group keeping `group`: the last `w`
+/// tokens while every layer is sliding (`w` the widest window), else every token.
+fn kept(group: AttentionKind, layer: AttentionKind) -> AttentionKind {
+    match (group, layer) {
+        (AttentionKind::Sliding { window: a }, AttentionKind::Sliding { window: b }) => {
+            AttentionKind::Sliding { window: a.max(b) }
+        }
+        _ => AttentionKind::Full,
+    }
+}
+
 impl KvCacheConfig {
-    /// The groups of `spec` in blocks of `block_size` tokens: one per K/V shape, keeping every
-    /// token (module invariants). `InvalidArgument` for a spec without layers, a zero size or
-    /// window.
+    /// The groups of `spec` in blocks of `block_size` tokens: one per K/V shape, keeping what its
+    /// layers need (module invariants). `InvalidArgument` for a spec without layers, a zero size
+    /// or window.
     pub fn derive(spec: &KvSpec, block_size: usize) -> Result<Self> {
         ensure(!spec.layers.is_empty(), || {
             "a KV spec needs at least one layer".into()
@@ -111,14 +123,14 @@ impl KvCacheConfig {
                 layer.attention != AttentionKind::Sliding { window: 0 },
                 || format!("layer {index}: a sliding window must hold at least one token"),
             )?;
-            let kept = LayerSpec {
-                attention: AttentionKind::Full,
-                ..*layer
-            };
-            match groups.iter_mut().find(|g| g.layer == kept) {
-                Some(group) => group.layers.push(index),
+            let shape = |l: &LayerSpec| (l.num_kv_heads, l.head_dim);
+            match groups.iter_mut().find(|g| shape(&g.layer) == shape(layer)) {
+                Some(group) => {
+                    group.layers.push(index);
+                    group.layer.attention = kept(group.layer.attention, layer.attention);
+                }
                 None => groups.push(GroupSpec {
-                    layer: kept,
+                    layer: *layer,
                     layers: vec![index],
                     block_size,
                 }),

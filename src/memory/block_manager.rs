@@ -22,7 +22,7 @@ use rustc_hash::FxHashMap;
 use crate::error::{ensure, Error, Result};
 use crate::ids::{BlockId, CopyOp, SeqId, TokenId, MAX_NUM_BLOCKS};
 use crate::memory::block_pool::BlockPool;
-use crate::memory::block_table::BlockTable;
+use crate::memory::block_table::{BlockTable, RELEASED};
 use crate::memory::events::{KvEvent, Medium};
 use crate::memory::eviction::EvictionPolicy;
 use crate::memory::prefix_cache::{block_hashes, chain_hash, root_hash, BlockHash, BlockKey};
@@ -129,6 +129,8 @@ pub struct BlockStats {
     /// Cached blocks dropped (not offloaded) to satisfy an allocation.
     pub evictions: u64,
     pub cow_copies: u64,
+    /// Blocks sliding windows released from their sequences (`BlockManager::release_before`).
+    pub window_released_blocks: u64,
     /// Blocks handed to the tier and not yet returned to the free list.
     pub offloading_blocks: usize,
     /// RAM blocks under a load in flight.
@@ -152,6 +154,8 @@ pub struct BlockManager {
     prefix_queried_tokens: u64,
     prefix_hit_tokens: u64,
     cow_copies: u64,
+    /// Blocks released by sliding windows (`release_before`).
+    window_released: u64,
     tier: Option<Box<dyn KvTier>>,
     tier_policy: TierPolicy,
     /// Loads in flight, by target block.
@@ -207,6 +211,7 @@ impl BlockManager {
             prefix_queried_tokens: 0,
             prefix_hit_tokens: 0,
             cow_copies: 0,
+            window_released: 0,
             tier: None,
             tier_policy: TierPolicy::default(),
             loads: FxHashMap::default(),
@@ -384,6 +389,7 @@ impl BlockManager {
                     .get_mut(&seq)
                     .expect("a loading sequence has a table");
                 if let Some(cut) = state.first_dropped {
+                    debug_assert_eq!(table.released, 0, "a loading sequence has run no step");
                     for &block in table.blocks[cut..].iter().rev() {
                         self.pool.release(block);
                     }
@@ -575,6 +581,7 @@ impl BlockManager {
             tokens: tokens[..cached].to_vec(),
             hashes: found.hashes,
             root: found.root,
+            released: 0,
         };
         if found.tier_hashes.is_empty() {
             grow(
@@ -694,11 +701,30 @@ impl BlockManager {
             .get(&parent)
             .ok_or_else(|| Error::UnknownSequence(parent.to_string()))?
             .clone();
-        for &block in &table.blocks {
+        for &block in table.held() {
             self.pool.retain(block);
         }
         self.tables.insert(child, table);
         Ok(())
+    }
+
+    /// Releases the blocks of `seq` wholly before token position `first_needed`: what a sliding
+    /// window no query of `seq` will read again. Each goes back to the pool (to the prefix cache if
+    /// hashed, where a later prompt may still hit it; else free); its entry becomes
+    /// [`RELEASED`]. Returns how many were released. Fails with `UnknownSequence`, or
+    /// `InvalidArgument` for a loading sequence.
+    pub fn release_before(&mut self, seq: SeqId, first_needed: usize) -> Result<usize> {
+        self.ensure_not_loading(seq)?;
+        let table = self
+            .tables
+            .get_mut(&seq)
+            .ok_or_else(|| Error::UnknownSequence(seq.to_string()))?;
+        let gone = table.release_before(first_needed, self.block_size);
+        for &block in gone.iter().rev() {
+            self.pool.release(block);
+        }
+        self.window_released += gone.len() as u64;
+        Ok(gone.len())
     }
 
     /// Drops `seq`, releasing its blocks tail first so its prefix outlives its tail in the cache.
@@ -709,7 +735,7 @@ impl BlockManager {
             .remove(&seq)
             .ok_or_else(|| Error::UnknownSequence(seq.to_string()))?;
         let loading = self.seq_loads.remove(&seq).is_some();
-        for &block in table.blocks.iter().rev() {
+        for &block in table.held().iter().rev() {
             match self.loads.get_mut(&block) {
                 Some(load) if loading => load.seq = None,
                 _ => self.pool.release(block),
@@ -751,6 +777,11 @@ impl BlockManager {
                     "sequence {seq} has {end} tokens, fewer than {count}"
                 ))
             })?;
+            if count > 0 && start < table.num_released() * self.block_size {
+                return Err(Error::InvalidArgument(format!(
+                    "sequence {seq}: tokens {start}..{end} reach into blocks its window released"
+                )));
+            }
             ranges.push((table, start, end));
         }
         let mut out = Vec::with_capacity(num_new_tokens.iter().sum());
@@ -802,6 +833,7 @@ impl BlockManager {
             allocations: counters.allocations,
             evictions: counters.evictions,
             cow_copies: self.cow_copies,
+            window_released_blocks: self.window_released,
             offloading_blocks: self.pool.num_offloading(),
             loading_blocks: self.loads.len(),
             loads_issued: self.loads_issued,
@@ -854,7 +886,14 @@ impl BlockManager {
         }
         for (seq, table) in &self.tables {
             let mut seen = std::collections::HashSet::new();
-            for &block in &table.blocks {
+            if table.blocks[..table.released.min(table.blocks.len())]
+                .iter()
+                .any(|&b| b != RELEASED)
+                || table.released > table.blocks.len()
+            {
+                return Err(format!("sequence {seq}: a released entry holds a block"));
+            }
+            for &block in table.held() {
                 if !seen.insert(block) {
                     return Err(format!("sequence {seq} holds block {block} twice"));
                 }
@@ -965,6 +1004,60 @@ mod tests {
                 "{policy:?}"
             );
         }
+    }
+
+    #[test]
+    fn a_window_releases_leading_blocks_to_the_cache_and_never_the_ones_it_reads() {
+        let mut m = manager(16); // blocks of 4 tokens
+        let tokens: Vec<u32> = (0..18).collect(); // 4 full blocks + 2 tokens
+        m.allocate(1, &tokens, None).unwrap();
+        let held = m.table(1).unwrap().blocks().to_vec();
+        // Tokens 9.. are still read: blocks 0 and 1 (tokens 0..8) go, block 2 (8..12) stays.
+        assert_eq!(m.release_before(1, 9).unwrap(), 2);
+        let table = m.table(1).unwrap();
+        assert_eq!(
+            table.entries().collect::<Vec<_>>()[..3],
+            [-1, -1, held[2] as i32]
+        );
+        assert_eq!(
+            (table.num_released(), table.held(), table.num_tokens()),
+            (2, &held[2..], 18)
+        );
+        m.check_invariants().unwrap();
+        // Released full blocks stay cached: the same prompt hits them.
+        assert_eq!(m.match_prefix(&tokens, None).blocks[..2], held[..2]);
+        // Moving back releases nothing; appends and slots past the window still work.
+        assert_eq!(m.release_before(1, 3).unwrap(), 0);
+        m.append(1, &[100, 101, 102]).unwrap();
+        assert_eq!(
+            m.slot_mapping(&[1], &[1]).unwrap(),
+            [i64::from(m.table(1).unwrap().blocks()[5]) * 4]
+        );
+        // A fork shares only what is held; freeing both returns every block.
+        m.fork(1, 2).unwrap();
+        m.check_invariants().unwrap();
+        assert_eq!(m.release_before(2, 21).unwrap(), 3);
+        m.check_invariants().unwrap();
+        m.free(1).unwrap();
+        m.free(2).unwrap();
+        m.check_invariants().unwrap();
+        assert_eq!(m.stats().used_blocks, 0);
+        assert_eq!(m.stats().window_released_blocks, 5);
+        assert!(matches!(
+            m.release_before(1, 4),
+            Err(Error::UnknownSequence(_))
+        ));
+    }
+
+    #[test]
+    fn without_prefix_caching_released_blocks_are_free_for_the_next_allocation() {
+        let mut m = BlockManager::new(3, 4, false).unwrap();
+        m.allocate(1, &(0..12).collect::<Vec<u32>>(), None).unwrap();
+        assert_eq!(m.num_available_blocks(), 0);
+        assert_eq!(m.release_before(1, 8).unwrap(), 2);
+        assert_eq!(m.num_available_blocks(), 2);
+        m.append(1, &[7; 8]).unwrap();
+        m.check_invariants().unwrap();
     }
 
     #[test]

@@ -5,9 +5,18 @@
 //! `hashes.len() == tokens.len() / block_size` (one hash per full block, chained from `root`);
 //! token `p` lives at slot `blocks[p / block_size] * block_size + p % block_size`, which fits an
 //! i64 because `BlockManager::new` checks `num_blocks * block_size` does.
+//!
+//! A sliding window releases a table's leading blocks once no query will read them again: the
+//! first `released` entries then hold [`RELEASED`] (an int32 table shows -1 there), the table
+//! holds only `blocks[released..]`, and its tokens and hashes stay whole (the later blocks' hashes
+//! chain through them). Released blocks are always a prefix: a window only moves forward.
 
 use crate::ids::{BlockId, TokenId};
 use crate::memory::prefix_cache::BlockHash;
+
+/// The entry of a released block (module invariants): no block has this id
+/// (`MAX_NUM_BLOCKS` is below it).
+pub const RELEASED: BlockId = BlockId::MAX;
 
 /// The blocks, tokens and full-block hashes of one sequence.
 #[derive(Debug, Clone, Default)]
@@ -16,12 +25,41 @@ pub struct BlockTable {
     pub(crate) tokens: Vec<TokenId>,
     pub(crate) hashes: Vec<BlockHash>,
     pub(crate) root: BlockHash,
+    /// Leading blocks released by a sliding window (module invariants).
+    pub(crate) released: usize,
 }
 
 impl BlockTable {
-    /// Physical block ids in logical order.
+    /// Physical block ids in logical order, [`RELEASED`] for the leading blocks a window released.
     pub fn blocks(&self) -> &[BlockId] {
         &self.blocks
+    }
+
+    /// The blocks the table holds: every block after the released ones.
+    pub fn held(&self) -> &[BlockId] {
+        &self.blocks[self.released..]
+    }
+
+    /// Leading blocks a sliding window has released.
+    pub fn num_released(&self) -> usize {
+        self.released
+    }
+
+    /// Releases the blocks wholly before token position `first_needed` (those not released yet)
+    /// and returns them, in order; their entries become [`RELEASED`]. A block holding a token at
+    /// or after `first_needed` is kept, and so is the partly filled tail whatever `first_needed`
+    /// says (a later append writes into it).
+    pub(crate) fn release_before(
+        &mut self,
+        first_needed: usize,
+        block_size: usize,
+    ) -> Vec<BlockId> {
+        let upto = first_needed.min(self.tokens.len()) / block_size;
+        let start = self.released.min(upto);
+        let gone = self.blocks[start..upto].to_vec();
+        self.blocks[start..upto].fill(RELEASED);
+        self.released = self.released.max(upto);
+        gone
     }
 
     /// Token ids whose K/V this table holds (or will hold once the step that wrote them runs).
@@ -33,6 +71,9 @@ impl BlockTable {
     /// `BlockManager::new` bounds `num_blocks` by `MAX_NUM_BLOCKS`.
     pub fn entries(&self) -> impl Iterator<Item = i32> + '_ {
         self.blocks.iter().map(|&b| {
+            if b == RELEASED {
+                return -1;
+            }
             debug_assert!(b <= i32::MAX as BlockId);
             b as i32
         })
@@ -56,6 +97,10 @@ impl BlockTable {
 
     /// Cache slot of token position `position` (which must be below `num_tokens`).
     pub fn slot(&self, position: usize, block_size: usize) -> i64 {
+        debug_assert!(
+            position / block_size >= self.released,
+            "a released block has no slots"
+        );
         let block = self.blocks[position / block_size] as i64;
         block * block_size as i64 + (position % block_size) as i64
     }
@@ -63,6 +108,10 @@ impl BlockTable {
     /// Appends the slots of token positions `start..end` to `out`.
     pub fn extend_slots(&self, start: usize, end: usize, block_size: usize, out: &mut Vec<i64>) {
         // One division per block touched rather than per token: prefill chunks are long.
+        debug_assert!(
+            start >= end || start / block_size >= self.released,
+            "a released block has no slots"
+        );
         let mut position = start;
         while position < end {
             let (index, offset) = (position / block_size, position % block_size);

@@ -135,6 +135,20 @@ impl PyBlockManager {
         self.with(py, |m| m.fork(parent, child))
     }
 
+    /// Releases the blocks of `seq_id` wholly before token position `first_needed` (what a
+    /// sliding window no longer reads; hashed ones stay cached); their entries become -1.
+    /// Returns how many were released.
+    fn release_before(
+        &self,
+        py: Python<'_>,
+        seq_id: &Bound<'_, PyAny>,
+        first_needed: &Bound<'_, PyAny>,
+    ) -> PyResult<usize> {
+        let seq: SeqId = arg(seq_id, "seq_id")?;
+        let first: usize = arg(first_needed, "first_needed")?;
+        self.with(py, |m| m.release_before(seq, first))
+    }
+
     /// Frees `seq_id`; its full blocks stay cached for later prefix hits, tail block evicted first.
     fn free(&self, py: Python<'_>, seq_id: &Bound<'_, PyAny>) -> PyResult<()> {
         let seq: SeqId = arg(seq_id, "seq_id")?;
@@ -206,6 +220,7 @@ impl PyBlockManager {
         dict.set_item("allocations", s.allocations)?;
         dict.set_item("evictions", s.evictions)?;
         dict.set_item("cow_copies", s.cow_copies)?;
+        dict.set_item("window_released_blocks", s.window_released_blocks)?;
         Ok(dict)
     }
 

@@ -33,7 +33,7 @@ use crate::compute::attention::{self, AttentionBatch};
 use crate::compute::cpu::Isa;
 use crate::error::{ensure, Error, Result};
 use crate::ids::TokenId;
-use crate::kv::spec::{KvCacheConfig, KvSpec};
+use crate::kv::spec::{AttentionKind, KvCacheConfig, KvSpec};
 use crate::memory::events::{KvEvent, Medium};
 use crate::memory::prefix_cache::BlockHash;
 use crate::scheduler::{
@@ -74,7 +74,9 @@ fn lock<T>(mutex: &Mutex<T>) -> Result<MutexGuard<'_, T>> {
 impl KvRuntime {
     /// A runtime scheduling by `config`, with K/V storage for `kv` (none: a runtime for a model
     /// that keeps no K/V of its own, e.g. a simulated one; its steps then refuse K/V calls).
-    /// Sliding-window layers are kept whole, their windows applied by [`KvRuntime::attention`].
+    /// Each layer's window is applied by [`KvRuntime::attention`]; when every layer is sliding,
+    /// the scheduler also releases the blocks wholly before the widest window (else every
+    /// token's K/V is kept: `KvCacheConfig`).
     /// Fails with `InvalidArgument` for a spec whose layers differ in KV heads or head size (more
     /// than one group: `KvCacheConfig::single_group`), and as `Scheduler::new` and
     /// `KvCache::new` do.
@@ -82,6 +84,10 @@ impl KvRuntime {
         let kv = kv
             .map(|spec| KvCacheConfig::derive(&spec, config.block_size).map(|c| (spec, c)))
             .transpose()?;
+        let kept = match &kv {
+            Some((_, layout)) => layout.single_group()?.layer.attention,
+            None => AttentionKind::Full,
+        };
         let store = match &kv {
             None => None,
             Some((_, layout)) => {
@@ -99,7 +105,7 @@ impl KvRuntime {
         Ok(KvRuntime {
             kv,
             serving: Mutex::new(Serving {
-                scheduler: Scheduler::new(config)?,
+                scheduler: Scheduler::keeping(config, kept)?,
                 closed_tier: None,
             }),
             store,

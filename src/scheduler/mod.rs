@@ -62,6 +62,7 @@ pub use request::{FinishReason, SamplingParams};
 
 use crate::error::{ensure, Error, Result};
 use crate::ids::{SeqId, TokenId};
+use crate::kv::spec::AttentionKind;
 use crate::memory::block_manager::{BlockManager, TierPolicy, DEFAULT_MIN_LOAD_BLOCKS};
 use crate::memory::events::{KvEvent, Medium};
 use crate::memory::eviction::EvictionPolicy;
@@ -287,6 +288,8 @@ pub struct Scheduler {
     /// Process-unique, from `NEXT_SCHEDULER` (see `StepId`).
     id: u64,
     config: SchedulerConfig,
+    /// The sliding window of the K/V kept (`Scheduler::keeping`); None keeps every token.
+    window: Option<usize>,
     blocks: BlockManager,
     requests: Slab<Request>,
     request_ids: HashMap<Arc<str>, Handle>,
@@ -313,8 +316,22 @@ pub struct Scheduler {
 }
 
 impl Scheduler {
+    /// A scheduler keeping every token's K/V (`keeping(config, AttentionKind::Full)`).
     pub fn new(config: SchedulerConfig) -> Result<Self> {
+        Self::keeping(config, AttentionKind::Full)
+    }
+
+    /// A scheduler keeping what `kept` says of each sequence: every token (`Full`), or the last
+    /// `window` tokens (`Sliding`): before a running sequence computes its next tokens, the
+    /// blocks wholly before its first new token's window go back to the pool (to the prefix cache
+    /// when hashed). What a layout derived from the model's spec keeps (`KvCacheConfig`).
+    pub fn keeping(config: SchedulerConfig, kept: AttentionKind) -> Result<Self> {
         config.validate()?;
+        if let AttentionKind::Sliding { window } = kept {
+            ensure(window > 0, || {
+                "a sliding window must hold at least one token".into()
+            })?;
+        }
         let mut blocks = BlockManager::with_eviction_policy(
             config.num_blocks,
             config.block_size,
@@ -331,6 +348,7 @@ impl Scheduler {
         Ok(Scheduler {
             id: NEXT_SCHEDULER.fetch_add(1, Ordering::Relaxed),
             config,
+            window: kept.window(),
             blocks,
             requests: Slab::default(),
             request_ids: HashMap::new(),
@@ -733,6 +751,7 @@ impl Scheduler {
             },
             kv_usage: blocks.usage,
             cow_copies: blocks.cow_copies,
+            window_released_blocks: blocks.window_released_blocks,
             num_loading: self.loading.len(),
             tier_hit_blocks: blocks.loads_issued,
             tier_hit_tokens: blocks.loads_issued * self.config.block_size as u64,
@@ -847,6 +866,13 @@ impl Scheduler {
         while cursor < self.running.len() && *budget > 0 {
             let handle = self.running[cursor];
             let start = self.seqs[handle].num_computed;
+            if let Some(window) = self.window {
+                // The previous step has run (`update` came first): no query reads these again.
+                let seq = &self.seqs[handle];
+                self.blocks
+                    .release_before(seq.block_seq, (start + 1).saturating_sub(window))
+                    .expect("a running sequence has a table and is not loading");
+            }
             let len = self.seqs[handle]
                 .num_uncomputed()
                 .min(self.chunk_cap(*budget));

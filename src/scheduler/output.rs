@@ -209,6 +209,8 @@ pub struct SchedulerStats {
     pub prefix_hit_rate: f64,
     pub kv_usage: f64,
     pub cow_copies: u64,
+    /// Blocks sliding windows released from running sequences (`Scheduler::keeping`).
+    pub window_released_blocks: u64,
     /// Sequences waiting for their loads from the tier (now).
     pub num_loading: usize,
     /// Blocks (and their tokens) that admissions found in the tier, past the RAM hits.
@@ -278,6 +280,7 @@ impl SchedulerStats {
             "prefix_hit_rate" => self.prefix_hit_rate,
             "kv_usage" => self.kv_usage,
             "cow_copies" => self.cow_copies,
+            "window_released_blocks" => self.window_released_blocks,
             "num_loading" => self.num_loading,
         ];
         if let Some(tier) = tier {

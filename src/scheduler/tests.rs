@@ -164,6 +164,32 @@ fn schedule_and_update_must_alternate_and_count_samples() {
 }
 
 #[test]
+fn a_sliding_window_holds_a_bounded_number_of_blocks_however_long_the_sequence() {
+    // Window 6, blocks of 4, chunks of at most 5 tokens: a step's queries read back 5 tokens
+    // before the first, so at most ceil((5 + 5) / 4) + 1 = 4 blocks are held at a step.
+    let mut cfg = config(32, 4);
+    cfg.max_num_batched_tokens = 5;
+    cfg.max_model_len = 128;
+    let mut s = Scheduler::keeping(cfg, AttentionKind::Sliding { window: 6 }).unwrap();
+    add(&mut s, "long", (0..23).collect(), 100);
+    let mut peak_table_width = 0;
+    while s.has_unfinished() {
+        let (out, _) = step(&mut s);
+        let table = &out.block_tables[..out.block_table_width];
+        let held = table.iter().filter(|&&b| b >= 0).count();
+        assert!(held <= 4, "{held} blocks held: {table:?}");
+        // The entries before the window are -1, and only those.
+        let released = table.iter().take_while(|&&b| b < 0).count();
+        assert!(table[released..].iter().all(|&b| b >= 0));
+        // Every block in use is one the sequence holds (released ones are only cached).
+        assert!(s.stats().kv_usage <= 4.0 / 32.0);
+        peak_table_width = peak_table_width.max(out.block_table_width);
+    }
+    assert_eq!(peak_table_width, (23 + 100 - 1usize).div_ceil(4));
+    assert!(s.stats().window_released_blocks >= 25);
+}
+
+#[test]
 fn preempted_requests_resume_with_the_same_tokens() {
     let workload = |s: &mut Scheduler| {
         for r in 0..6u32 {
@@ -681,6 +707,7 @@ proptest! {
         max_num_seqs in 3..8usize,
         priority in any::<bool>(),
         slru in any::<bool>(),
+        window in proptest::option::of(1..12usize),
     ) {
         let mut cfg = config(num_blocks, 4);
         cfg.max_num_batched_tokens = budget;
@@ -689,7 +716,8 @@ proptest! {
         cfg.max_model_len = 64;
         cfg.policy = if priority { Policy::Priority { aging_steps: 3 } } else { Policy::Fcfs };
         cfg.eviction_policy = if slru { EvictionPolicy::Slru } else { EvictionPolicy::Lru };
-        let mut s = Scheduler::new(cfg).unwrap();
+        let kept = window.map_or(AttentionKind::Full, |window| AttentionKind::Sliding { window });
+        let mut s = Scheduler::keeping(cfg, kept).unwrap();
         let mut outcome: HashMap<String, &str> = HashMap::new();
         for t in 0..4000usize {
             for (i, spec) in specs.iter().enumerate() {

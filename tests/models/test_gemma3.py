@@ -128,6 +128,27 @@ def test_the_engine_decodes_batched_chunked_prompts_as_the_reference_does(tiny):
         assert got == reference_greedy(prompt, 12)
 
 
+def test_a_model_of_only_sliding_layers_releases_the_blocks_behind_its_window():
+    """With every layer sliding, the scheduler keeps only the window's blocks of each sequence:
+    the tokens stay the reference's while blocks are released (and the tables show -1)."""
+    config = CONFIG.replace(sliding_window_pattern=CONFIG.num_layers + 1)
+    tensors = random_tensors(config, seed=3)
+    model = Gemma3Model(config, tensors.items())
+    assert {layer.window for layer in model.kv_spec().layers} == {5}
+    prompt = list(map(int, np.random.default_rng(4).integers(3, config.vocab_size, 21)))
+    engine = Engine(model, ByteTokenizer(), EngineConfig(num_blocks=64, block_size=4, max_num_batched_tokens=6))
+    try:
+        got = engine.submit(prompt, SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)).result(timeout=120)
+        stats = engine.stats()
+    finally:
+        engine.shutdown(timeout=60)
+    tokens = list(prompt)
+    for _ in range(16):
+        tokens.append(int(np.argmax(dense_logits(config, tensors, tokens)[-1])))
+    assert got.outputs[0].token_ids == tokens[len(prompt):]
+    assert stats["window_released_blocks"] >= (21 + 15 - 5) // 4 - 1
+
+
 def test_the_kv_spec_declares_each_layers_window(tiny):
     model, _ = tiny
     assert [layer.window for layer in model.kv_spec().layers] == [5, None, 5, None]

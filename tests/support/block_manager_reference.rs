@@ -19,7 +19,7 @@
 use std::collections::{BTreeMap, HashMap, VecDeque};
 
 use arbitrary::Arbitrary;
-use pagedkv::{BlockId, BlockManager, CopyOp, Error, PrefixMatch, SeqId};
+use pagedkv::{BlockId, BlockManager, CopyOp, Error, PrefixMatch, SeqId, RELEASED};
 
 /// Sequence ids drawn from `0..SEQ_IDS`, so operations often hit live (and missing) sequences.
 const SEQ_IDS: u8 = 8;
@@ -72,6 +72,11 @@ enum Op {
     },
     Free {
         seq: u8,
+    },
+    /// A sliding window releases the blocks wholly before token `first_needed`.
+    ReleaseBefore {
+        seq: u8,
+        first_needed: u8,
     },
     Lookup {
         prompt: Prompt,
@@ -141,6 +146,7 @@ enum Outcome {
     Done,
     Cached(usize),
     Copy(Option<CopyOp>),
+    Released(usize),
     Slots(Vec<i64>),
     OutOfBlocks { needed: usize, available: usize },
     Unknown,
@@ -333,6 +339,9 @@ impl Model {
             let Some(start) = end.checked_sub(count) else {
                 return Outcome::Invalid;
             };
+            if (start..end).any(|p| state.blocks[p / bs] == RELEASED) {
+                return Outcome::Invalid; // a window released that block: it has no slots
+            }
             slots.extend(
                 (start..end).map(|p| i64::from(state.blocks[p / bs]) * bs as i64 + (p % bs) as i64),
             );
@@ -395,7 +404,7 @@ impl Model {
         let Some(state) = self.seqs.get(&parent).cloned() else {
             return Outcome::Unknown;
         };
-        for &b in &state.blocks {
+        for &b in state.blocks.iter().filter(|&&b| b != RELEASED) {
             self.retain(b);
         }
         self.seqs.insert(child, state);
@@ -406,10 +415,29 @@ impl Model {
         let Some(state) = self.seqs.remove(&seq) else {
             return Outcome::Unknown;
         };
-        for &b in state.blocks.iter().rev() {
+        for &b in state.blocks.iter().rev().filter(|&&b| b != RELEASED) {
             self.release(b);
         }
         Outcome::Done
+    }
+
+    /// Predicts `release_before`: the held blocks wholly before `first_needed` go, last first.
+    fn release_before(&mut self, seq: SeqId, first_needed: usize) -> Outcome {
+        let Some(mut state) = self.seqs.remove(&seq) else {
+            return Outcome::Unknown;
+        };
+        let upto = first_needed.min(state.tokens.len()) / self.block_size;
+        let gone: Vec<BlockId> = state.blocks[..upto]
+            .iter()
+            .copied()
+            .filter(|&b| b != RELEASED)
+            .collect();
+        for &b in gone.iter().rev() {
+            self.release(b);
+        }
+        state.blocks[..upto].fill(RELEASED);
+        self.seqs.insert(seq, state);
+        Outcome::Released(gone.len())
     }
 
     /// Predicts `append`; applies it when `real` (the manager's table afterwards) is given.
@@ -550,6 +578,15 @@ impl Harness {
                 let got = outcome(self.manager.free(seq), |()| Outcome::Done);
                 assert_eq!(got, self.model.free(seq), "free({seq})");
             }
+            Op::ReleaseBefore { seq, first_needed } => {
+                let (seq, first) = (seq_id(*seq), usize::from(*first_needed));
+                let got = outcome(self.manager.release_before(seq, first), Outcome::Released);
+                assert_eq!(
+                    got,
+                    self.model.release_before(seq, first),
+                    "release_before({seq}, {first})"
+                );
+            }
             Op::Lookup { prompt } => {
                 let lookup = self.lookup(prompt);
                 self.model.saved = Some(lookup);
@@ -667,7 +704,7 @@ impl Harness {
             let table = manager.table(s).expect("live sequence");
             assert_eq!(table.blocks(), &state.blocks[..], "blocks of sequence {s}");
             assert_eq!(table.tokens(), &state.tokens[..], "tokens of sequence {s}");
-            for &b in &state.blocks {
+            for &b in state.blocks.iter().filter(|&&b| b != RELEASED) {
                 holders[b as usize] += 1;
             }
         }
