@@ -14,6 +14,7 @@ BENCHES = {
     "sampling": "lab.bench.sampling",
     "http": "lab.bench.http",
     "tiers": "lab.bench.tiers",
+    "kv-groups": "lab.bench.kv_groups",
     "cluster": "lab.bench.cluster",
     "all": "lab.bench.all",
 }

@@ -226,7 +226,9 @@ class Scheduler:
         kv_spec: KvSpec | None = None,
     ) -> Self:
         """A limit left out takes its default from :data:`SCHEDULER_DEFAULTS` (the core's, set
-        once); ``max_model_len`` defaults to the whole cache and may not exceed it;
+        once); ``max_model_len`` defaults to the longest sequence the cache holds (the whole cache;
+        with a ``kv_spec`` of several KV cache groups, what fits in all of them:
+        ``KvSpec.capacity_tokens``) and may not exceed it;
         ``long_prefill_token_threshold`` caps one sequence's prompt tokens per step (0: no cap).
         ``max_model_len`` and ``max_num_batched_tokens`` at most ``2**31 - 1`` (int32 step arrays).
         Sampling any of ``eos_token_ids`` finishes a sequence unless its request sets ``ignore_eos``.
@@ -337,7 +339,8 @@ class Scheduler:
         """The model's K/V spec it was made with; None without."""
     @property
     def kv_groups(self) -> list[GroupSpec]:
-        """The KV cache groups derived from its K/V spec (empty without one)."""
+        """The KV cache groups derived from its K/V spec (empty without one): each sequence has a
+        block table per group, a step's ``slot_mapping`` and ``block_tables`` one per group."""
     def __len__(self) -> int: ...
     def __contains__(self, request_id: object, /) -> bool:
         """Never raises: anything that is not a valid request id is not in it."""
@@ -411,10 +414,11 @@ class KvSpec:
     """What a model keeps of K/V: one :class:`LayerSpec` per layer, stored as ``dtype``
     ("float32", "float16" or "bfloat16"; default ``SCHEDULER_DEFAULTS["kv_dtype"]``). A scheduler
     given one derives its KV cache groups from it (:attr:`Scheduler.kv_groups`): layers alike in
-    KV heads and head size share a group, which keeps every token of a sequence, sliding-window
-    layers included (their steps' attention applies each layer's window from here; releasing the
-    blocks before a window is future work). Today a scheduler keeps one group and refuses layers
-    of several shapes (InvalidArgumentError)."""
+    attention (full, or one window) share groups of as many layers as the rarest kind has (Gemma 3:
+    one full group, five sliding groups of 3 layers), each sequence has a block table per group,
+    and a sliding group releases the blocks behind its window; every page holds a block of one
+    group's layers, so one pool serves all groups. Layers of several K/V shapes are refused
+    (InvalidArgumentError)."""
 
     def __new__(cls, layers: Sequence[LayerSpec], dtype: str = ...) -> Self: ...
     @staticmethod
@@ -430,13 +434,17 @@ class KvSpec:
     @property
     def dtype(self) -> str:
         """Storage dtype name."""
+    def capacity_tokens(self, num_blocks: int, block_size: int, max_num_batched_tokens: int) -> int:
+        """The longest sequence a cache of ``num_blocks`` blocks of ``block_size`` tokens holds for
+        this spec, computing up to ``max_num_batched_tokens`` tokens a step: ``num_blocks *
+        block_size`` with one full-attention group; a sliding group holds only its window. Raises
+        InvalidArgumentError for a spec a scheduler refuses."""
 
 @final
 class GroupSpec:
-    """Layers whose K/V one block table per sequence addresses: alike in KV heads and head size
-    (``layer``, whose ``window`` is None: the group keeps every token of its sequences, and a
-    sliding-window layer in it attends over its own window, from the :class:`KvSpec`), numbered
-    ``layers`` (increasing), in blocks of ``block_size`` tokens."""
+    """Layers whose K/V one block table per sequence addresses: alike in KV heads, head size and
+    window (``layer``; a group of sliding-window layers keeps each sequence's last ``window``
+    tokens), numbered ``layers`` (increasing), in blocks of ``block_size`` tokens."""
 
     def __eq__(self, other: object, /) -> bool: ...
     def __ne__(self, other: object, /) -> bool: ...
@@ -483,7 +491,11 @@ class SchedulerOutput:
         """[T] position of each token in its sequence."""
     @property
     def slot_mapping(self) -> npt.NDArray[np.int64]:
-        """[T] cache slot (block * block_size + offset) for each token's K/V."""
+        """[T] cache slot (block * block_size + offset) for each token's K/V; with several KV cache
+        groups (``num_kv_groups``), [G, T], each group's."""
+    @property
+    def num_kv_groups(self) -> int:
+        """KV cache groups (G): each sequence has a block table per group."""
     @property
     def query_start_loc(self) -> npt.NDArray[np.int32]:
         """[S + 1] row i's tokens are ``query_start_loc[i]:query_start_loc[i + 1]``."""
@@ -492,7 +504,8 @@ class SchedulerOutput:
         """[S] tokens in the cache per row, including this step's."""
     @property
     def block_tables(self) -> npt.NDArray[np.int32]:
-        """[S, W] block table per row, padded with -1."""
+        """[S, W] block table per row, padded with -1 (as are blocks a sliding window released);
+        with several KV cache groups, [G, S, W], each group's."""
     @property
     def copy_ops(self) -> npt.NDArray[np.int64]:
         """[C, 2] copy-on-write block copies (src, dst), to apply before attention."""

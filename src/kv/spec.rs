@@ -1,24 +1,21 @@
 //! What a model declares of its K/V, layer by layer ([`KvSpec`]), and the KV cache layout the
-//! runtime derives from it ([`KvCacheConfig`]): the layers split into groups, each group's layers
-//! alike in KV heads and head size, so one block table per sequence serves a whole group.
+//! runtime derives from it ([`KvCacheConfig`]): the layers split into groups, one block table per
+//! sequence and group (`crate::kv::coordinator`), every group's pages one size.
 //!
 //! Invariants of a derived [`KvCacheConfig`]:
 //! - every layer of the spec is in exactly one group, each group's layers in increasing order,
 //!   groups in the order of their first layer;
-//! - two layers share a group exactly when their KV heads and head size are equal, whatever
-//!   their attention kind;
-//! - a group's `layer.attention` says what it keeps of each sequence: `Sliding { window }` when
-//!   every layer of the group is sliding (`window` the widest: the scheduler releases the blocks
-//!   wholly before it), else `Full`, every token. Each layer's own window is applied by attention,
-//!   which reads it from the layer's [`LayerSpec`] in the [`KvSpec`] (one fact, one place). A
-//!   model mixing full and sliding layers of one shape (Gemma 3) is one `Full` group today:
-//!   splitting it in two, so its sliding layers keep only their window, is the next step;
+//! - a group's layers are alike in KV heads, head size and attention kind (`Full`, or `Sliding`
+//!   with one window), which its `layer` states: a sliding group's tables release the blocks
+//!   behind its window;
+//! - every group holds `page_layers` layers but the last of a kind, which may hold fewer (its
+//!   pages are padded): `page_layers` is the fewest layers of any kind, so each kind splits into
+//!   whole groups of the same page size (Gemma 3: 3 full layers and 15 sliding ones make one full
+//!   group and five sliding groups of 3 layers) — one page size, so a page serves any group;
+//! - all layers have one K/V shape (pages of one size; several shapes are refused);
 //! - every size is positive and a window holds at least one token.
-//!
-//! The runtime keeps one group today (`KvCacheConfig::single_group`): a model whose layers all
-//! have one K/V shape, full-attention and sliding-window layers alike (Gemma 3's).
 
-use crate::error::{ensure, Error, Result};
+use crate::error::{ensure, Result};
 use crate::store::dtype::KvDtype;
 
 /// How a layer attends over the cached tokens.
@@ -75,12 +72,11 @@ impl KvSpec {
     }
 }
 
-/// Layers whose K/V one block table per sequence addresses: alike in KV heads and head size, in
-/// blocks of `block_size` tokens.
+/// Layers whose K/V one block table per sequence addresses: alike in KV heads, head size and
+/// attention kind, in blocks of `block_size` tokens.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct GroupSpec {
-    /// The layers' KV heads and head size, and in `attention` what the group keeps of each
-    /// sequence (module invariants; each layer's own kind is in the spec).
+    /// What every layer of the group keeps (so what the group keeps of each sequence).
     pub layer: LayerSpec,
     /// The model's layer numbers, increasing.
     pub layers: Vec<usize>,
@@ -94,27 +90,16 @@ pub struct KvCacheConfig {
     pub dtype: KvDtype,
 }
 
-/// What a group keeps once a layer of kind `layer` joins a group keeping `group`: the last `w`
-/// tokens while every layer is sliding (`w` the widest window), else every token.
-fn kept(group: AttentionKind, layer: AttentionKind) -> AttentionKind {
-    match (group, layer) {
-        (AttentionKind::Sliding { window: a }, AttentionKind::Sliding { window: b }) => {
-            AttentionKind::Sliding { window: a.max(b) }
-        }
-        _ => AttentionKind::Full,
-    }
-}
-
 impl KvCacheConfig {
-    /// The groups of `spec` in blocks of `block_size` tokens: one per K/V shape, keeping what its
-    /// layers need (module invariants). `InvalidArgument` for a spec without layers, a zero size
-    /// or window.
+    /// The groups of `spec` in blocks of `block_size` tokens (module invariants).
+    /// `InvalidArgument` for a spec without layers, a zero size or window, or layers of several
+    /// K/V shapes.
     pub fn derive(spec: &KvSpec, block_size: usize) -> Result<Self> {
         ensure(!spec.layers.is_empty(), || {
             "a KV spec needs at least one layer".into()
         })?;
         ensure(block_size > 0, || "block_size must be positive".into())?;
-        let mut groups: Vec<GroupSpec> = Vec::new();
+        let shape = |l: &LayerSpec| (l.num_kv_heads, l.head_dim);
         for (index, layer) in spec.layers.iter().enumerate() {
             ensure(layer.num_kv_heads > 0 && layer.head_dim > 0, || {
                 format!("layer {index}: num_kv_heads and head_dim must be positive")
@@ -123,135 +108,162 @@ impl KvCacheConfig {
                 layer.attention != AttentionKind::Sliding { window: 0 },
                 || format!("layer {index}: a sliding window must hold at least one token"),
             )?;
-            let shape = |l: &LayerSpec| (l.num_kv_heads, l.head_dim);
-            match groups.iter_mut().find(|g| shape(&g.layer) == shape(layer)) {
-                Some(group) => {
-                    group.layers.push(index);
-                    group.layer.attention = kept(group.layer.attention, layer.attention);
-                }
-                None => groups.push(GroupSpec {
-                    layer: *layer,
-                    layers: vec![index],
-                    block_size,
-                }),
+            ensure(shape(layer) == shape(&spec.layers[0]), || {
+                format!(
+                    "layer {index} keeps {}×{} K/V (KV heads × head size), layer 0 {}×{}: the \
+                     KV cache keeps pages of one size, for layers of one shape",
+                    layer.num_kv_heads,
+                    layer.head_dim,
+                    spec.layers[0].num_kv_heads,
+                    spec.layers[0].head_dim
+                )
+            })?;
+        }
+        // The layers of each attention kind, in order of their first layer.
+        let mut kinds: Vec<(LayerSpec, Vec<usize>)> = Vec::new();
+        for (index, layer) in spec.layers.iter().enumerate() {
+            match kinds.iter_mut().find(|(kind, _)| kind == layer) {
+                Some((_, layers)) => layers.push(index),
+                None => kinds.push((*layer, vec![index])),
             }
         }
+        let page_layers = kinds.iter().map(|(_, l)| l.len()).min().expect("a layer");
+        let mut groups: Vec<GroupSpec> = kinds
+            .iter()
+            .flat_map(|(layer, layers)| {
+                layers.chunks(page_layers).map(|chunk| GroupSpec {
+                    layer: *layer,
+                    layers: chunk.to_vec(),
+                    block_size,
+                })
+            })
+            .collect();
+        groups.sort_by_key(|g| g.layers[0]);
         Ok(KvCacheConfig {
             groups,
             dtype: spec.dtype,
         })
     }
 
-    /// The one group of a layout whose layers all have one K/V shape: what the runtime serves
-    /// today. `InvalidArgument`, naming the shapes, for a layout of several groups.
-    pub fn single_group(&self) -> Result<&GroupSpec> {
-        match self.groups.as_slice() {
-            [group] => Ok(group),
-            groups => Err(Error::InvalidArgument(format!(
-                "layers of {} different shapes (KV heads, head size: {}) need {} KV cache \
-                 groups; the runtime keeps one group, of layers alike in KV heads and head size",
-                groups.len(),
-                groups
-                    .iter()
-                    .map(|g| format!("{}×{}", g.layer.num_kv_heads, g.layer.head_dim))
-                    .collect::<Vec<_>>()
-                    .join(", "),
-                groups.len()
-            ))),
+    /// Layers a page holds: the most of any group (module invariants).
+    pub fn page_layers(&self) -> usize {
+        self.groups
+            .iter()
+            .map(|g| g.layers.len())
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// What each group keeps of a sequence, in group order.
+    pub fn kept(&self) -> Vec<AttentionKind> {
+        self.groups.iter().map(|g| g.layer.attention).collect()
+    }
+
+    /// The group of each layer and its place among the group's layers (its layer in a page).
+    pub fn layer_places(&self) -> Vec<(usize, usize)> {
+        let num_layers = self.groups.iter().map(|g| g.layers.len()).sum();
+        let mut places = vec![(0, 0); num_layers];
+        for (g, group) in self.groups.iter().enumerate() {
+            for (slot, &layer) in group.layers.iter().enumerate() {
+                places[layer] = (g, slot);
+            }
         }
+        places
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::error::Error;
 
-    fn layer(attention: AttentionKind, num_kv_heads: usize) -> LayerSpec {
+    fn layer(attention: AttentionKind) -> LayerSpec {
         LayerSpec {
             attention,
-            num_kv_heads,
+            num_kv_heads: 2,
             head_dim: 8,
         }
     }
 
+    fn groups(config: &KvCacheConfig) -> Vec<(AttentionKind, Vec<usize>)> {
+        config
+            .groups
+            .iter()
+            .map(|g| (g.layer.attention, g.layers.clone()))
+            .collect()
+    }
+
     #[test]
-    fn layers_of_one_shape_share_a_group_in_the_order_of_their_first_layer() {
+    fn gemma3s_pattern_makes_one_full_group_and_five_sliding_groups_of_three_layers() {
         let (full, local) = (AttentionKind::Full, AttentionKind::Sliding { window: 512 });
         let spec = KvSpec {
-            layers: vec![
-                layer(local, 2),
-                layer(local, 2),
-                layer(full, 4),
-                layer(full, 2),
-                layer(local, 4),
-                layer(local, 2),
-            ],
+            layers: (0..18)
+                .map(|i| layer(if i % 6 == 5 { full } else { local }))
+                .collect(),
             dtype: KvDtype::F16,
         };
         let config = KvCacheConfig::derive(&spec, 16).unwrap();
-        let groups: Vec<_> = config
-            .groups
-            .iter()
-            .map(|g| (g.layer, g.layers.clone()))
-            .collect();
-        // Sliding and full layers of a shape share its group, which keeps every token.
         assert_eq!(
-            groups,
+            groups(&config),
             [
-                (layer(full, 2), vec![0, 1, 3, 5]),
-                (layer(full, 4), vec![2, 4])
+                (local, vec![0, 1, 2]),
+                (local, vec![3, 4, 6]),
+                (full, vec![5, 11, 17]),
+                (local, vec![7, 8, 9]),
+                (local, vec![10, 12, 13]),
+                (local, vec![14, 15, 16]),
             ]
         );
+        assert_eq!(config.page_layers(), 3);
         assert!(config.groups.iter().all(|g| g.block_size == 16));
-        assert_eq!(config.dtype, KvDtype::F16);
-        assert!(config
-            .single_group()
-            .unwrap_err()
-            .to_string()
-            .contains("2 KV cache groups"));
+        let places = config.layer_places();
+        assert_eq!((places[5], places[6], places[17]), ((2, 0), (1, 2), (2, 2)));
+        assert_eq!(config.kept().iter().filter(|&&k| k == full).count(), 1);
     }
 
     #[test]
-    fn a_model_of_one_shape_is_one_group_whatever_its_windows() {
-        let spec = KvSpec::uniform(3, 2, 8, KvDtype::F32);
+    fn counts_that_do_not_divide_leave_a_padded_last_group_and_one_kind_is_one_group() {
+        let (full, local) = (AttentionKind::Full, AttentionKind::Sliding { window: 4 });
+        let spec = KvSpec {
+            layers: vec![
+                layer(local),
+                layer(full),
+                layer(local),
+                layer(full),
+                layer(local),
+            ],
+            dtype: KvDtype::F32,
+        };
         let config = KvCacheConfig::derive(&spec, 4).unwrap();
-        let group = config.single_group().unwrap();
         assert_eq!(
-            (group.layers.clone(), group.layer),
-            (vec![0, 1, 2], spec.layers[0])
+            groups(&config),
+            [(local, vec![0, 2]), (full, vec![1, 3]), (local, vec![4])]
         );
-        // Gemma 3's pattern: sliding layers around a full one, one shape.
-        let mut gemma = spec.clone();
-        gemma.layers[0].attention = AttentionKind::Sliding { window: 4 };
-        gemma.layers[2].attention = AttentionKind::Sliding { window: 4 };
-        assert_eq!(
-            KvCacheConfig::derive(&gemma, 4).unwrap(),
-            config,
-            "the group keeps every token; the windows stay in the spec"
-        );
-        let windows: Vec<_> = gemma.layers.iter().map(|l| l.attention.window()).collect();
-        assert_eq!(windows, [Some(4), None, Some(4)]);
-        let mut mixed = spec.clone();
-        mixed.layers[1].num_kv_heads = 4;
-        let config = KvCacheConfig::derive(&mixed, 4).unwrap();
-        assert_eq!(config.groups.len(), 2);
-        assert!(config
-            .single_group()
-            .unwrap_err()
-            .to_string()
-            .contains("2 KV cache groups"));
+        assert_eq!(config.page_layers(), 2);
+        let uniform = KvSpec::uniform(3, 2, 8, KvDtype::F32);
+        let config = KvCacheConfig::derive(&uniform, 4).unwrap();
+        assert_eq!(groups(&config), [(full, vec![0, 1, 2])]);
+        // Two windows are two kinds.
+        let mut windows = uniform.clone();
+        windows.layers[1].attention = AttentionKind::Sliding { window: 8 };
+        windows.layers[2].attention = AttentionKind::Sliding { window: 4 };
+        let config = KvCacheConfig::derive(&windows, 4).unwrap();
+        assert_eq!(config.groups.len(), 3);
     }
 
     #[test]
-    fn empty_specs_zero_sizes_and_windows_are_refused() {
+    fn empty_specs_zero_sizes_windows_and_mixed_shapes_are_refused() {
+        let mut mixed = KvSpec::uniform(2, 2, 8, KvDtype::F32);
+        mixed.layers[1].num_kv_heads = 4;
         let bad = [
             KvSpec::uniform(0, 2, 8, KvDtype::F32),
             KvSpec::uniform(2, 0, 8, KvDtype::F32),
             KvSpec::uniform(2, 2, 0, KvDtype::F32),
             KvSpec {
-                layers: vec![layer(AttentionKind::Sliding { window: 0 }, 1)],
+                layers: vec![layer(AttentionKind::Sliding { window: 0 })],
                 dtype: KvDtype::F32,
             },
+            mixed,
         ];
         for spec in &bad {
             assert!(matches!(

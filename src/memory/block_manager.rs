@@ -541,12 +541,36 @@ impl BlockManager {
     /// block and a load, and `seq` is loading (nothing may be appended) until `poll_tier` reports
     /// its loads ended.
     pub fn admit(&mut self, seq: SeqId, tokens: &[TokenId], found: PrefixMatch) -> Result<usize> {
-        if self.tables.contains_key(&seq) {
-            return Err(Error::DuplicateSequence(seq.to_string()));
-        }
+        self.admit_tables(&[seq], tokens, vec![found])
+    }
+
+    /// `admit` of one sequence's tables in several KV cache groups at once (`crate::kv::coordinator`):
+    /// table `seqs[g]` holds `tokens` over `found[g]`, all or none. Every match must serve the
+    /// same number of cached tokens, and tier hits are for one table only. Capacity is checked for
+    /// all together, and every table's hits are retained before any block is allocated, so no
+    /// allocation evicts another table's hit. The prefix figures count the tokens once.
+    pub fn admit_tables(
+        &mut self,
+        seqs: &[SeqId],
+        tokens: &[TokenId],
+        found: Vec<PrefixMatch>,
+    ) -> Result<usize> {
+        ensure(!seqs.is_empty() && seqs.len() == found.len(), || {
+            format!("{} tables but {} prefix matches", seqs.len(), found.len())
+        })?;
         let bs = self.block_size;
-        let cached = found.num_cached_tokens(bs);
-        if found.tier_hashes.is_empty() {
+        let cached = found[0].num_cached_tokens(bs);
+        for (index, &seq) in seqs.iter().enumerate() {
+            if self.tables.contains_key(&seq) || seqs[..index].contains(&seq) {
+                return Err(Error::DuplicateSequence(seq.to_string()));
+            }
+        }
+        ensure(
+            found.iter().all(|f| f.num_cached_tokens(bs) == cached),
+            || "the tables' prefix matches differ in cached tokens".into(),
+        )?;
+        let tier_hits = found.iter().any(|f| !f.tier_hashes.is_empty());
+        if !tier_hits {
             ensure(tokens.len() > cached, || {
                 format!(
                     "{} tokens do not extend the {cached} cached ones",
@@ -554,28 +578,51 @@ impl BlockManager {
                 )
             })?;
         } else {
-            let hit = found.num_hit_tokens(bs);
-            ensure(self.tier.is_some() && tokens.len() == hit, || {
-                format!(
-                    "a match with tier hits admits exactly its {hit} hit tokens (with a tier), not {}",
-                    tokens.len()
-                )
-            })?;
+            let hit = found[0].num_hit_tokens(bs);
+            ensure(
+                self.tier.is_some() && found.len() == 1 && tokens.len() == hit,
+                || {
+                    format!(
+                        "a match with tier hits admits exactly its {hit} hit tokens (with a tier, \
+                         one table), not {}",
+                        tokens.len()
+                    )
+                },
+            )?;
         }
-        let stale = found
-            .blocks
-            .iter()
-            .zip(&found.hashes)
-            .any(|(&b, &h)| self.pool.hash_of(b) != Some(h));
+        let stale = found.iter().any(|f| {
+            f.blocks
+                .iter()
+                .zip(&f.hashes)
+                .any(|(&b, &h)| self.pool.hash_of(b) != Some(h))
+        });
         ensure(!stale, || {
             "prefix match is stale: the cache changed since match_prefix".into()
         })?;
-        let needed = self.blocks_to_admit(&found, tokens.len());
+        let needed = found
+            .iter()
+            .map(|f| self.blocks_to_admit(f, tokens.len()))
+            .sum();
         self.ensure_available(needed)?;
 
-        for &block in &found.blocks {
-            self.pool.retain_hit(block);
+        for f in &found {
+            for &block in &f.blocks {
+                self.pool.retain_hit(block);
+            }
         }
+        let num_queried = found[0].num_queried_tokens;
+        for (&seq, found) in seqs.iter().zip(found) {
+            self.admit_table(seq, tokens, found);
+        }
+        self.prefix_queried_tokens += num_queried as u64;
+        self.prefix_hit_tokens += cached as u64;
+        Ok(cached)
+    }
+
+    /// Builds the table of `seq` over `found`, whose hits are retained (`admit_tables` checked all).
+    fn admit_table(&mut self, seq: SeqId, tokens: &[TokenId], found: PrefixMatch) {
+        let bs = self.block_size;
+        let cached = found.num_cached_tokens(bs);
         let mut table = BlockTable {
             blocks: found.blocks,
             tokens: tokens[..cached].to_vec(),
@@ -630,9 +677,6 @@ impl BlockManager {
             );
         }
         self.tables.insert(seq, table);
-        self.prefix_queried_tokens += found.num_queried_tokens as u64;
-        self.prefix_hit_tokens += cached as u64;
-        Ok(cached)
     }
 
     /// `match_prefix` then `admit` of the whole prompt: creates `seq` holding all of `prompt`, its
@@ -664,13 +708,10 @@ impl BlockManager {
         if tokens.is_empty() {
             return Ok(None);
         }
+        self.ensure_available(self.blocks_to_append(table, tokens.len()))?;
         let shared_tail = table
             .partial_tail(self.block_size)
             .filter(|&b| self.pool.ref_count(b) > 1);
-        let needed = table.blocks_to_grow(tokens.len(), self.block_size)
-            + usize::from(shared_tail.is_some());
-        self.ensure_available(needed)?;
-
         let table = self.tables.get_mut(&seq).expect("checked above");
         let copy = shared_tail.map(|src| {
             let dst = self.pool.allocate().expect("capacity checked");
@@ -687,6 +728,26 @@ impl BlockManager {
             tokens,
         );
         Ok(copy)
+    }
+
+    /// Available blocks that appending `extra` tokens to `seq` would use up: new blocks, plus a
+    /// copy of its tail if shared. `UnknownSequence` for a sequence without a table.
+    pub fn blocks_needed_to_append(&self, seq: SeqId, extra: usize) -> Result<usize> {
+        let table = self
+            .tables
+            .get(&seq)
+            .ok_or_else(|| Error::UnknownSequence(seq.to_string()))?;
+        Ok(self.blocks_to_append(table, extra))
+    }
+
+    fn blocks_to_append(&self, table: &BlockTable, extra: usize) -> usize {
+        if extra == 0 {
+            return 0;
+        }
+        let shared_tail = table
+            .partial_tail(self.block_size)
+            .is_some_and(|b| self.pool.ref_count(b) > 1);
+        table.blocks_to_grow(extra, self.block_size) + usize::from(shared_tail)
     }
 
     /// Makes `child` share every block of `parent`, the partial tail included. Fails with
@@ -725,6 +786,11 @@ impl BlockManager {
         }
         self.window_released += gone.len() as u64;
         Ok(gone.len())
+    }
+
+    /// The sequences with a table, in no particular order.
+    pub fn sequences(&self) -> impl Iterator<Item = SeqId> + '_ {
+        self.tables.keys().copied()
     }
 
     /// Drops `seq`, releasing its blocks tail first so its prefix outlives its tail in the cache.

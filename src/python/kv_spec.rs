@@ -7,7 +7,8 @@ use pyo3::types::PySequence;
 
 use super::args::{arg, invalid, opt, Param};
 use super::errors::IntoPyResult;
-use crate::kv::spec::{AttentionKind, GroupSpec, KvSpec, LayerSpec};
+use crate::kv::coordinator::capacity_tokens;
+use crate::kv::spec::{AttentionKind, GroupSpec, KvCacheConfig, KvSpec, LayerSpec};
 use crate::store::dtype::KvDtype;
 
 /// What one layer keeps of K/V: `num_kv_heads` heads of `head_dim` elements, attending over every
@@ -151,6 +152,26 @@ impl PyKvSpec {
         self.inner.dtype.name()
     }
 
+    /// The longest sequence a cache of `num_blocks` blocks of `block_size` tokens holds for this
+    /// spec, computing up to `max_num_batched_tokens` tokens a step: with one group of full
+    /// attention, `num_blocks * block_size`; a sliding-window group holds only its window.
+    /// Raises InvalidArgumentError for a spec the runtime refuses.
+    fn capacity_tokens(
+        &self,
+        num_blocks: &Bound<'_, PyAny>,
+        block_size: &Bound<'_, PyAny>,
+        max_num_batched_tokens: &Bound<'_, PyAny>,
+    ) -> PyResult<usize> {
+        let block_size = arg(block_size, "block_size")?;
+        let layout = KvCacheConfig::derive(&self.inner, block_size).py_err()?;
+        Ok(capacity_tokens(
+            &layout.kept(),
+            arg(num_blocks, "num_blocks")?,
+            block_size,
+            arg(max_num_batched_tokens, "max_num_batched_tokens")?,
+        ))
+    }
+
     fn __repr__(&self) -> String {
         let layers: Vec<String> = self.layers().iter().map(PyLayerSpec::__repr__).collect();
         format!(
@@ -161,10 +182,10 @@ impl PyKvSpec {
     }
 }
 
-/// Layers whose K/V one block table per sequence addresses: alike in KV heads and head size
-/// (`layer`, whose window is None: the group keeps every token of its sequences, a
-/// sliding-window layer in it attending over its own window, from its `KvSpec`), numbered
-/// `layers`, in blocks of `block_size` tokens. Read from `Scheduler.kv_groups`.
+/// Layers whose K/V one block table per sequence addresses: alike in KV heads, head size and
+/// window (`layer`: a group of sliding-window layers keeps only each sequence's last `window`
+/// tokens), numbered `layers`, in blocks of `block_size` tokens; every group's pages hold a block
+/// of as many layers, so one pool serves all groups. Read from `Scheduler.kv_groups`.
 #[pyclass(name = "GroupSpec", module = "pagedkv", frozen, eq)]
 #[derive(Clone, PartialEq)]
 pub struct PyGroupSpec {

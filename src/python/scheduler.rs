@@ -9,8 +9,8 @@
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 
-use numpy::ndarray::Array2;
 use numpy::ndarray::Ix3;
+use numpy::ndarray::{Array2, Array3};
 use numpy::{IntoPyArray, PyArray1, PyArrayMethods, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
@@ -24,6 +24,8 @@ use super::kv_spec::{PyGroupSpec, PyKvSpec};
 use super::sync::{detached, locked};
 use super::tier;
 use crate::ids::TokenId;
+use crate::kv::coordinator::capacity_tokens;
+use crate::kv::spec::KvCacheConfig;
 use crate::memory::block_manager::DEFAULT_BLOCK_SIZE;
 use crate::memory::eviction::EvictionPolicy;
 use crate::runtime::{KvRuntime, Step};
@@ -126,7 +128,8 @@ impl PyScheduler {
         c.max_num_seqs = max_num_seqs.or("max_num_seqs", c.max_num_seqs)?;
         c.max_num_batched_tokens =
             max_num_batched_tokens.or("max_num_batched_tokens", c.max_num_batched_tokens)?;
-        if let Some(len) = opt(max_model_len, "max_model_len")? {
+        let max_model_len = opt(max_model_len, "max_model_len")?;
+        if let Some(len) = max_model_len {
             c.max_model_len = len;
         }
         c.enable_prefix_caching =
@@ -155,6 +158,18 @@ impl PyScheduler {
                     .clone(),
             ),
         };
+        if let (None, Some(spec)) = (max_model_len, &kv_spec) {
+            // The default: the longest sequence the cache holds in every group (a spec the
+            // runtime refuses keeps the whole cache, and the runtime says why).
+            if let Ok(layout) = KvCacheConfig::derive(spec, c.block_size) {
+                c.max_model_len = c.max_model_len.min(capacity_tokens(
+                    &layout.kept(),
+                    c.num_blocks,
+                    c.block_size,
+                    c.max_num_batched_tokens,
+                ));
+            }
+        }
         let runtime = detached(py, || {
             c.policy = Policy::from_name(&policy, aging_steps)?;
             c.eviction_policy = EvictionPolicy::from_name(&eviction_policy)?;
@@ -438,7 +453,8 @@ impl PyScheduler {
 
 /// One step's batch, as numpy arrays a model runner uses directly (S rows, T tokens, K samples):
 /// input_ids/positions/slot_mapping int64 [T]; query_start_loc int32 [S+1]; context_lens int32 [S]
-/// (cached tokens including this step's); block_tables int32 [S, W] padded with -1; copy_ops
+/// (cached tokens including this step's); block_tables int32 [S, W] padded with -1 (with G > 1
+/// KV cache groups, slot_mapping [G, T] and block_tables [G, S, W], one per group); copy_ops
 /// int64 [C, 2] (src, dst) to apply before attention; logits_indices int64 [K] (token row whose
 /// logits give sample k); seq_indices/sample_seq_indices uint32 (sample index 0..n); request_ids/sample_request_ids
 /// lists of str.
@@ -451,6 +467,7 @@ pub struct PySchedulerOutput {
     num_seqs: usize,
     num_samples: usize,
     block_table_width: usize,
+    num_kv_groups: usize,
     stats: crate::scheduler::StepStats,
     events: Vec<RequestEvent>,
     /// The step's buffers; each moves into its numpy array the first time it is read, so a
@@ -470,6 +487,7 @@ impl PySchedulerOutput {
             num_seqs: out.num_seqs(),
             num_samples: out.num_samples(),
             block_table_width: out.block_table_width,
+            num_kv_groups: out.num_kv_groups.max(1),
             stats: out.stats,
             data: Mutex::new(out),
             arrays: std::array::from_fn(|_| PyOnceLock::new()),
@@ -607,10 +625,30 @@ impl PySchedulerOutput {
         self.array(py, 1, |d| std::mem::take(&mut d.positions), vector)
     }
 
-    /// Cache slot (block * block_size + offset) to write each token's K/V to, int64 [T].
+    /// Cache slot (block * block_size + offset) to write each token's K/V to, int64 [T]; with
+    /// several KV cache groups, each group's, [G, T].
     #[getter]
     fn slot_mapping(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        self.array(py, 2, |d| std::mem::take(&mut d.slot_mapping), vector)
+        let groups = self.num_kv_groups;
+        self.array(
+            py,
+            2,
+            |d| std::mem::take(&mut d.slot_mapping),
+            move |py, data| match groups {
+                1 => vector(py, data),
+                _ => Ok(Array2::from_shape_vec((groups, data.len() / groups), data)
+                    .map_err(|e| invalid(e.to_string()))?
+                    .into_pyarray(py)
+                    .into_any()),
+            },
+        )
+    }
+
+    /// KV cache groups (G) the slot mapping and block tables cover: each sequence has a block
+    /// table per group (a hybrid model's full and sliding-window layers).
+    #[getter]
+    fn num_kv_groups(&self) -> usize {
+        self.num_kv_groups
     }
 
     /// Row i's tokens are query_start_loc[i]..query_start_loc[i+1], int32 [S+1].
@@ -625,19 +663,24 @@ impl PySchedulerOutput {
         self.array(py, 4, |d| std::mem::take(&mut d.context_lens), vector)
     }
 
-    /// Block table of each row, int32 [S, W], padded with -1.
+    /// Block table of each row, int32 [S, W], padded with -1 (as are blocks a sliding window
+    /// released); with several KV cache groups, each group's, [G, S, W].
     #[getter]
     fn block_tables(&self, py: Python<'_>) -> PyResult<Py<PyAny>> {
-        let width = self.block_table_width;
-        let rows = self.num_seqs;
+        let (groups, rows, width) = (self.num_kv_groups, self.num_seqs, self.block_table_width);
         self.array(
             py,
             5,
             |d| std::mem::take(&mut d.block_tables),
-            |py, data| {
-                let array = Array2::from_shape_vec((rows, width), data)
-                    .map_err(|e| invalid(e.to_string()))?;
-                Ok(array.into_pyarray(py).into_any())
+            move |py, data| match groups {
+                1 => Ok(Array2::from_shape_vec((rows, width), data)
+                    .map_err(|e| invalid(e.to_string()))?
+                    .into_pyarray(py)
+                    .into_any()),
+                _ => Ok(Array3::from_shape_vec((groups, rows, width), data)
+                    .map_err(|e| invalid(e.to_string()))?
+                    .into_pyarray(py)
+                    .into_any()),
             },
         )
     }

@@ -20,6 +20,9 @@
 //! - The figures of a detached disk tier stay readable (`tier_counters`) after it is closed.
 //! - A step's attention over a layer applies the sliding window the K/V spec gives that layer
 //!   (`KvRuntime::attention`); the caller has no say, so the spec is the one place it is stated.
+//! - The store's pages hold a block of each layer of one KV cache group (`KvCacheConfig`): a
+//!   layer's K/V is written and read at its place in its group's pages, through its group's
+//!   slots and tables, so one pool of pages serves every group.
 
 mod gate;
 mod step;
@@ -57,6 +60,8 @@ pub struct KvRuntime {
     /// The model's K/V spec and the layout derived from it (None: no K/V).
     kv: Option<(KvSpec, KvCacheConfig)>,
     store: Option<Mutex<KvCache>>,
+    /// Each model layer's KV cache group and its layer in the group's pages (`store`'s layer).
+    places: Vec<(usize, usize)>,
     gate: StepGate,
 }
 
@@ -74,32 +79,32 @@ fn lock<T>(mutex: &Mutex<T>) -> Result<MutexGuard<'_, T>> {
 impl KvRuntime {
     /// A runtime scheduling by `config`, with K/V storage for `kv` (none: a runtime for a model
     /// that keeps no K/V of its own, e.g. a simulated one; its steps then refuse K/V calls).
-    /// Each layer's window is applied by [`KvRuntime::attention`]; when every layer is sliding,
-    /// the scheduler also releases the blocks wholly before the widest window (else every
-    /// token's K/V is kept: `KvCacheConfig`).
-    /// Fails with `InvalidArgument` for a spec whose layers differ in KV heads or head size (more
-    /// than one group: `KvCacheConfig::single_group`), and as `Scheduler::new` and
-    /// `KvCache::new` do.
+    /// The layout derived from the spec gives each sequence a block table per KV cache group
+    /// (a sliding group releasing the blocks behind its window: `Scheduler::keeping`); each
+    /// layer's window is applied by [`KvRuntime::attention`]. Fails as `KvCacheConfig::derive`,
+    /// `Scheduler::keeping` and `KvCache::new` do.
     pub fn new(config: SchedulerConfig, kv: Option<KvSpec>) -> Result<Self> {
         let kv = kv
             .map(|spec| KvCacheConfig::derive(&spec, config.block_size).map(|c| (spec, c)))
             .transpose()?;
-        let kept = match &kv {
-            Some((_, layout)) => layout.single_group()?.layer.attention,
-            None => AttentionKind::Full,
-        };
-        let store = match &kv {
-            None => None,
-            Some((_, layout)) => {
-                let group = layout.single_group()?;
+        let (kept, store, places) = match &kv {
+            None => (vec![AttentionKind::Full], None, Vec::new()),
+            Some((spec, layout)) => {
+                // One page holds a block of every layer of a group (`KvCacheConfig`), so the store
+                // has `page_layers` layers, each model layer at its place in its group's pages.
                 let shape = KvShape {
-                    num_layers: group.layers.len(),
+                    num_layers: layout.page_layers(),
                     num_blocks: config.num_blocks,
-                    block_size: group.block_size,
-                    num_kv_heads: group.layer.num_kv_heads,
-                    head_dim: group.layer.head_dim,
+                    block_size: config.block_size,
+                    num_kv_heads: spec.layers[0].num_kv_heads,
+                    head_dim: spec.layers[0].head_dim,
                 };
-                Some(Mutex::new(KvCache::new(shape, layout.dtype)?))
+                let store = KvCache::new(shape, layout.dtype)?;
+                (
+                    layout.kept(),
+                    Some(Mutex::new(store)),
+                    layout.layer_places(),
+                )
             }
         };
         Ok(KvRuntime {
@@ -109,6 +114,7 @@ impl KvRuntime {
                 closed_tier: None,
             }),
             store,
+            places,
             gate: StepGate::default(),
         })
     }
@@ -195,9 +201,12 @@ impl KvRuntime {
     }
 
     /// Stores rows `keys[i]`, `values[i]` (each `[num_kv_heads, head_dim]`, f32) of `layer` at the
-    /// step's slots (see `KvCache::write`).
+    /// step's slots in the layer's group (see `KvCache::write`).
     pub fn write(&self, step: &Step, layer: usize, keys: &[f32], values: &[f32]) -> Result<()> {
-        self.through(step, |c| c.write(layer, keys, values, &step.slot_mapping))
+        self.through(step, |c| {
+            let (group, page_layer) = self.place(layer)?;
+            c.write(page_layer, keys, values, step.group_slots(group))
+        })
     }
 
     /// Applies the step's copy-on-write block copies (before its attention reads the store).
@@ -206,9 +215,9 @@ impl KvRuntime {
     }
 
     /// Attention of `query` (`[num_tokens, num_heads, head_dim]`) over `layer` through the
-    /// step's tables, on kernel `path`, into `out` (see `attention::paged_attention_with`), over
-    /// the layer's sliding window if its spec has one: the caller never passes it, so the step
-    /// and the spec cannot disagree.
+    /// step's tables of the layer's group, on kernel `path`, into `out` (see
+    /// `attention::paged_attention_with`), over the layer's sliding window if its spec has one:
+    /// the caller never passes it, so the step and the spec cannot disagree.
     #[allow(clippy::too_many_arguments)]
     pub fn attention(
         &self,
@@ -220,28 +229,30 @@ impl KvRuntime {
         scale: f32,
         out: &mut [f32],
     ) -> Result<()> {
-        let batch = AttentionBatch {
-            block_tables: &step.block_tables,
-            max_blocks_per_seq: step.block_table_width,
-            context_lens: &step.context_lens,
-            query_start_loc: &step.query_start_loc,
-        };
         self.through(step, |c| {
-            let window = self.layer_window(layer)?;
+            let (group, page_layer) = self.place(layer)?;
+            let window = self
+                .kv
+                .as_ref()
+                .and_then(|(spec, _)| spec.layers[layer].attention.window());
+            let batch = AttentionBatch {
+                block_tables: step.group_tables(group),
+                max_blocks_per_seq: step.block_table_width,
+                context_lens: &step.context_lens,
+                query_start_loc: &step.query_start_loc,
+            };
             attention::paged_attention_with(
-                path, c, layer, query, num_heads, &batch, scale, window, out,
+                path, c, page_layer, query, num_heads, &batch, scale, window, out,
             )
         })
     }
 
-    /// The window of `layer`'s attention, from the K/V spec (None: full attention).
-    /// `InvalidArgument`, as the store's, for a layer the spec does not have.
-    fn layer_window(&self, layer: usize) -> Result<Option<usize>> {
-        let layers = self.kv.as_ref().map_or(&[][..], |(spec, _)| &spec.layers);
-        let spec = layers.get(layer).ok_or_else(|| {
-            Error::InvalidArgument(format!("layer {layer} outside 0..{}", layers.len()))
-        })?;
-        Ok(spec.attention.window())
+    /// `layer`'s KV cache group and its layer in the group's pages. `InvalidArgument`, as the
+    /// store's, for a layer the spec does not have.
+    fn place(&self, layer: usize) -> Result<(usize, usize)> {
+        self.places.get(layer).copied().ok_or_else(|| {
+            Error::InvalidArgument(format!("layer {layer} outside 0..{}", self.places.len()))
+        })
     }
 
     /// Opens (or creates) the disk tier in `dir` for the runtime's K/V, at most `capacity_bytes`

@@ -67,6 +67,18 @@ impl Step {
 
     /// Tokens in the step.
     pub fn num_tokens(&self) -> usize {
-        self.slot_mapping.len()
+        self.query_start_loc.last().map_or(0, |&n| n as usize)
+    }
+
+    /// Group `group`'s slot of each token.
+    pub(super) fn group_slots(&self, group: usize) -> &[i64] {
+        let n = self.num_tokens();
+        &self.slot_mapping[group * n..][..n]
+    }
+
+    /// Group `group`'s block table of each row (`[num_seqs, block_table_width]`).
+    pub(super) fn group_tables(&self, group: usize) -> &[i32] {
+        let n = self.context_lens.len() * self.block_table_width;
+        &self.block_tables[group * n..][..n]
     }
 }

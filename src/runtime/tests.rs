@@ -174,20 +174,36 @@ fn the_store_is_shaped_by_the_spec_and_the_pool() {
 }
 
 #[test]
-fn layers_of_several_shapes_are_refused_and_sliding_layers_share_the_group() {
+fn layers_of_several_shapes_are_refused_and_a_sliding_layer_gets_its_own_group() {
     let mut spec = KvSpec::uniform(2, HEADS, HEAD_DIM, KvDtype::F32);
     spec.layers[1].num_kv_heads = 2 * HEADS;
     let refused = KvRuntime::new(SchedulerConfig::new(16, BLOCK), Some(spec));
-    assert!(matches!(refused, Err(Error::InvalidArgument(m)) if m.contains("2 KV cache groups")));
-    // A sliding layer of the same shape joins the one group, which keeps every token.
+    assert!(matches!(refused, Err(Error::InvalidArgument(m)) if m.contains("pages of one size")));
+    // A sliding layer of the same shape is a group of its own, which keeps its window; the
+    // store's pages hold one layer each.
     let mut spec = KvSpec::uniform(2, HEADS, HEAD_DIM, KvDtype::F32);
     spec.layers[1].attention = AttentionKind::Sliding { window: 8 };
-    let rt = KvRuntime::new(SchedulerConfig::new(16, BLOCK), Some(spec.clone())).unwrap();
+    let mut config = SchedulerConfig::new(16, BLOCK);
+    // The sliding group's peak (its window and a 2048-token chunk) exceeds a sequence of the
+    // whole pool: it may hold as many blocks as the full group, so 64 tokens need 32 blocks.
+    assert!(KvRuntime::new(config.clone(), Some(spec.clone())).is_err());
+    config.max_model_len = 32;
+    let rt = KvRuntime::new(config, Some(spec.clone())).unwrap();
     let (kept, layout) = rt.kv_spec().unwrap();
     assert_eq!(kept, &spec, "the windows stay in the spec");
-    assert_eq!(layout.groups.len(), 1);
-    assert_eq!(layout.groups[0].layers, [0, 1]);
-    assert_eq!(layout.groups[0].layer.attention, AttentionKind::Full);
+    let groups: Vec<_> = layout
+        .groups
+        .iter()
+        .map(|g| (g.layers.clone(), g.layer.attention))
+        .collect();
+    assert_eq!(
+        groups,
+        [
+            (vec![0], AttentionKind::Full),
+            (vec![1], AttentionKind::Sliding { window: 8 })
+        ]
+    );
+    assert_eq!(rt.kv_layout().unwrap().unwrap().0.num_layers, 1);
 }
 
 #[test]
@@ -197,32 +213,41 @@ fn a_sliding_layer_attends_over_the_window_of_its_spec() {
     const SCALE: f32 = 1e-3;
     let mut spec = KvSpec::uniform(2, HEADS, HEAD_DIM, KvDtype::F32);
     spec.layers[1].attention = AttentionKind::Sliding { window };
-    let rt = KvRuntime::new(SchedulerConfig::new(16, BLOCK), Some(spec)).unwrap();
+    let mut config = SchedulerConfig::new(16, BLOCK);
+    config.max_model_len = 32;
+    let rt = KvRuntime::new(config, Some(spec)).unwrap();
     add(&rt, "a", prompt);
     let (output, step) = rt.begin_step().unwrap();
     let n = output.num_tokens();
     assert_eq!(n, prompt as usize, "the whole prompt in one step");
+    assert_eq!(output.num_kv_groups, 2);
     for layer in 0..2 {
         rt.write(&step, layer, &rows(n, 1.0), &rows(n, 50.0))
             .unwrap();
     }
     let query = rows(n, 0.5);
     let path = default_isa();
-    let batch = AttentionBatch {
-        block_tables: &output.block_tables,
-        max_blocks_per_seq: output.block_table_width,
-        context_lens: &output.context_lens,
-        query_start_loc: &output.query_start_loc,
-    };
-    let by_hand = |layer, window| {
+    // Layer g is group g's, at layer 0 of its pages, through its own tables.
+    let by_hand = |group: usize, window| {
+        let batch = AttentionBatch {
+            block_tables: step.group_tables(group),
+            max_blocks_per_seq: output.block_table_width,
+            context_lens: &output.context_lens,
+            query_start_loc: &output.query_start_loc,
+        };
         let store = lock(rt.store.as_ref().unwrap()).unwrap();
         let mut out = vec![0.0; query.len()];
         attention::paged_attention_with(
-            path, &store, layer, &query, HEADS, &batch, SCALE, window, &mut out,
+            path, &store, 0, &query, HEADS, &batch, SCALE, window, &mut out,
         )
         .unwrap();
         out
     };
+    assert_ne!(
+        step.group_tables(0),
+        step.group_tables(1),
+        "each group has blocks of its own"
+    );
     let (full, windowed) = (by_hand(0, None), by_hand(1, Some(window)));
     assert_ne!(
         full, windowed,

@@ -62,11 +62,12 @@ pub use request::{FinishReason, SamplingParams};
 
 use crate::error::{ensure, Error, Result};
 use crate::ids::{SeqId, TokenId};
+use crate::kv::coordinator::{capacity_tokens, group_blocks, KvCoordinator};
 use crate::kv::spec::AttentionKind;
 use crate::memory::block_manager::{BlockManager, TierPolicy, DEFAULT_MIN_LOAD_BLOCKS};
 use crate::memory::events::{KvEvent, Medium};
 use crate::memory::eviction::EvictionPolicy;
-use crate::memory::prefix_cache::{extend_block_hashes, root_hash, BlockHash};
+use crate::memory::prefix_cache::{root_hash, BlockHash};
 use crate::tier::{KvTier, TierLink};
 use queue::{QueueKey, WaitingQueue};
 use request::{Request, SeqStatus, Sequence};
@@ -252,6 +253,14 @@ fn headroom_blocks(
         + pending_forks as usize * (1 + growth.div_ceil(block_size))
 }
 
+/// Prompt tokens one sequence may compute in a step with `budget` tokens left.
+fn chunk_limit(config: &SchedulerConfig, budget: usize) -> usize {
+    match config.long_prefill_token_threshold {
+        0 => budget,
+        cap => cap.min(budget),
+    }
+}
+
 /// Per-request options besides the prompt and the sampling limits.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct RequestOptions {
@@ -288,9 +297,8 @@ pub struct Scheduler {
     /// Process-unique, from `NEXT_SCHEDULER` (see `StepId`).
     id: u64,
     config: SchedulerConfig,
-    /// The sliding window of the K/V kept (`Scheduler::keeping`); None keeps every token.
-    window: Option<usize>,
-    blocks: BlockManager,
+    /// Each sequence's block tables, one per KV cache group (`Scheduler::keeping`).
+    blocks: KvCoordinator,
     requests: Slab<Request>,
     request_ids: HashMap<Arc<str>, Handle>,
     seqs: Slab<Sequence>,
@@ -316,22 +324,32 @@ pub struct Scheduler {
 }
 
 impl Scheduler {
-    /// A scheduler keeping every token's K/V (`keeping(config, AttentionKind::Full)`).
+    /// A scheduler keeping every token's K/V in one group (`keeping(config, vec![Full])`).
     pub fn new(config: SchedulerConfig) -> Result<Self> {
-        Self::keeping(config, AttentionKind::Full)
+        Self::keeping(config, vec![AttentionKind::Full])
     }
 
-    /// A scheduler keeping what `kept` says of each sequence: every token (`Full`), or the last
-    /// `window` tokens (`Sliding`): before a running sequence computes its next tokens, the
-    /// blocks wholly before its first new token's window go back to the pool (to the prefix cache
-    /// when hashed). What a layout derived from the model's spec keeps (`KvCacheConfig`).
-    pub fn keeping(config: SchedulerConfig, kept: AttentionKind) -> Result<Self> {
+    /// A scheduler giving each sequence a block table in each KV cache group `kept[g]`, over one
+    /// pool (`KvCoordinator`): a `Full` group keeps every token, a `Sliding` one the last
+    /// `window` tokens (before a running sequence computes its next tokens, its blocks wholly
+    /// before its first new token's window go back to the pool, to the prefix cache when hashed).
+    /// What a layout derived from the model's spec keeps (`KvCacheConfig`). Fails with
+    /// `InvalidArgument` for no group, a zero window, or a `max_model_len` whose blocks in all
+    /// groups exceed the pool (`capacity_tokens`), and as `SchedulerConfig` is checked.
+    pub fn keeping(config: SchedulerConfig, kept: Vec<AttentionKind>) -> Result<Self> {
         config.validate()?;
-        if let AttentionKind::Sliding { window } = kept {
-            ensure(window > 0, || {
-                "a sliding window must hold at least one token".into()
-            })?;
-        }
+        let chunk = chunk_limit(&config, config.max_num_batched_tokens);
+        let capacity = capacity_tokens(&kept, config.num_blocks, config.block_size, chunk);
+        ensure(config.max_model_len <= capacity, || {
+            format!(
+                "max_model_len {} exceeds what {} blocks of {} tokens hold in the {} KV cache \
+                 groups ({capacity} tokens): such a sequence could never finish",
+                config.max_model_len,
+                config.num_blocks,
+                config.block_size,
+                kept.len()
+            )
+        })?;
         let mut blocks = BlockManager::with_eviction_policy(
             config.num_blocks,
             config.block_size,
@@ -345,10 +363,10 @@ impl Scheduler {
         if config.emit_kv_events {
             blocks.record_kv_events()?;
         }
+        let blocks = KvCoordinator::new(blocks, kept)?;
         Ok(Scheduler {
             id: NEXT_SCHEDULER.fetch_add(1, Ordering::Relaxed),
             config,
-            window: kept.window(),
             blocks,
             requests: Slab::default(),
             request_ids: HashMap::new(),
@@ -376,12 +394,17 @@ impl Scheduler {
 
     /// The block manager scheduled over (read-only).
     pub fn block_manager(&self) -> &BlockManager {
+        self.blocks.manager()
+    }
+
+    /// Each sequence's block tables, one per KV cache group (read-only).
+    pub fn kv_coordinator(&self) -> &KvCoordinator {
         &self.blocks
     }
 
     /// What a tier needs of the block pool: build the tier from it, then `attach_tier`.
     pub fn tier_link(&self) -> TierLink {
-        self.blocks.tier_link()
+        self.blocks.manager().tier_link()
     }
 
     /// Offloads evicted blocks to `tier` and loads prefix hits from it from now on. Fails,
@@ -393,27 +416,27 @@ impl Scheduler {
 
     /// Blocks until the tier has finished every queued job; the next `schedule` sees its loads.
     pub fn flush_tier(&mut self) {
-        self.blocks.flush_tier();
+        self.blocks.manager_mut().flush_tier();
     }
 
     /// Stops using the tier and returns it (drop it to close its files): finishes its queued
     /// jobs, moves the sequences whose loads ended to the running list, then detaches it. None
     /// without a tier. Cached RAM blocks stay; evictions drop them from now on.
     pub fn detach_tier(&mut self) -> Option<Box<dyn KvTier>> {
-        self.blocks.flush_tier();
+        self.blocks.manager_mut().flush_tier();
         self.complete_loads();
-        self.blocks.detach_tier()
+        self.blocks.manager_mut().detach_tier()
     }
 
     /// The KV events since the last call (RAM ones, then the tier's), empty unless
     /// `SchedulerConfig::emit_kv_events`.
     pub fn take_kv_events(&mut self) -> Vec<KvEvent> {
-        self.blocks.take_kv_events()
+        self.blocks.manager_mut().take_kv_events()
     }
 
     /// The blocks findable now, by medium: replaying every event from the start gives this set.
     pub fn kv_blocks(&self) -> Vec<(BlockHash, Medium)> {
-        self.blocks.kv_blocks()
+        self.blocks.manager().kv_blocks()
     }
 
     /// Queues a request. Rejects (changing nothing) a duplicate id, an empty prompt, a prompt
@@ -574,7 +597,7 @@ impl Scheduler {
         stats.num_scheduled_tokens = self.output.input_ids.len();
         stats.num_running = self.running.len();
         stats.num_waiting = self.waiting.len();
-        stats.kv_usage = self.blocks.stats().usage;
+        stats.kv_usage = self.blocks.manager().stats().usage;
         self.totals.preemptions += preempted as u64;
         self.totals.scheduled_tokens += stats.num_scheduled_tokens as u64;
         self.totals.prefill_tokens += stats.num_prefill_tokens as u64;
@@ -728,7 +751,7 @@ impl Scheduler {
 
     /// Totals and current occupancy.
     pub fn stats(&self) -> SchedulerStats {
-        let blocks = self.blocks.stats();
+        let blocks = self.blocks.manager().stats();
         let t = &self.totals;
         SchedulerStats {
             steps: self.step,
@@ -759,7 +782,7 @@ impl Scheduler {
             loads_dropped: blocks.loads_dropped,
             offloads_issued: blocks.offloads_issued,
             evictions_without_offload: blocks.evictions_without_offload,
-            tier: self.blocks.tier_counters(),
+            tier: self.blocks.manager().tier_counters(),
         }
     }
 
@@ -791,7 +814,8 @@ impl Scheduler {
                 .get(handle)
                 .ok_or("stale handle in the running list")?;
             if seq.status != SeqStatus::Running
-                || self.blocks.table(seq.block_seq).map(|t| t.num_tokens()) != Ok(seq.num_computed)
+                || self.blocks.table(seq.block_seq, 0).map(|t| t.num_tokens())
+                    != Ok(seq.num_computed)
             {
                 return Err(format!(
                     "running sequence {} has a table that does not match it",
@@ -807,7 +831,8 @@ impl Scheduler {
                 .ok_or("stale handle in the loading list")?;
             if seq.status != SeqStatus::Loading
                 || !self.blocks.is_loading(seq.block_seq)
-                || self.blocks.table(seq.block_seq).map(|t| t.num_tokens()) != Ok(seq.num_computed)
+                || self.blocks.table(seq.block_seq, 0).map(|t| t.num_tokens())
+                    != Ok(seq.num_computed)
             {
                 return Err(format!(
                     "loading sequence {} has a table or loads that do not match it",
@@ -852,10 +877,33 @@ impl Scheduler {
 
     /// Prompt tokens one sequence may compute in this step.
     fn chunk_cap(&self, budget: usize) -> usize {
-        match self.config.long_prefill_token_threshold {
-            0 => budget,
-            cap => cap.min(budget),
-        }
+        chunk_limit(&self.config, budget)
+    }
+
+    /// Blocks `seq`'s tables may still need in all groups under an admission headroom of
+    /// `lookahead` tokens, its tables holding `num_computed` tokens (`headroom_blocks` per group;
+    /// a sliding group never needs more than its peak, `group_blocks`).
+    fn headroom(&self, seq: &Sequence, num_computed: usize, lookahead: usize) -> usize {
+        let bs = self.config.block_size;
+        let chunk = self.chunk_cap(self.config.max_num_batched_tokens);
+        let full = headroom_blocks(
+            bs,
+            seq.tokens.len(),
+            num_computed,
+            seq.pending_forks,
+            lookahead,
+            self.max_growth(seq),
+        );
+        let end = seq.tokens.len() + lookahead.min(self.max_growth(seq));
+        self.blocks
+            .groups()
+            .iter()
+            .map(|&kept| match kept {
+                AttentionKind::Full => full,
+                sliding => full
+                    .min(group_blocks(sliding, end, chunk, bs) * (1 + seq.pending_forks as usize)),
+            })
+            .sum()
     }
 
     /// Gives every running sequence, in order, its next tokens while the budget lasts, preempting
@@ -866,36 +914,37 @@ impl Scheduler {
         while cursor < self.running.len() && *budget > 0 {
             let handle = self.running[cursor];
             let start = self.seqs[handle].num_computed;
-            if let Some(window) = self.window {
-                // The previous step has run (`update` came first): no query reads these again.
-                let seq = &self.seqs[handle];
-                self.blocks
-                    .release_before(seq.block_seq, (start + 1).saturating_sub(window))
-                    .expect("a running sequence has a table and is not loading");
-            }
+            // The previous step has run (`update` came first): no query reads these again.
+            self.blocks
+                .release_behind(self.seqs[handle].block_seq, start)
+                .expect("a running sequence has tables and is not loading");
             let len = self.seqs[handle]
                 .num_uncomputed()
                 .min(self.chunk_cap(*budget));
-            let copy = loop {
+            let mut copies = Vec::new(); // allocates only for a copy-on-write
+            let scheduled = loop {
                 let seq = &self.seqs[handle];
-                match self
-                    .blocks
-                    .append(seq.block_seq, &seq.tokens[start..start + len])
-                {
-                    Ok(copy) => break Some(copy),
+                match self.blocks.append(
+                    seq.block_seq,
+                    &seq.tokens[start..start + len],
+                    &mut copies,
+                ) {
+                    Ok(()) => break true,
                     Err(Error::OutOfBlocks { .. }) => {
                         let victim = self.running.pop().expect("the cursor is in the list");
                         self.preempt(victim);
                         preempted += 1;
                         if victim == handle {
-                            break None;
+                            break false;
                         }
                     }
                     Err(other) => unreachable!("append to a running sequence: {other}"),
                 }
             };
-            let Some(copy) = copy else { break };
-            if let Some(op) = copy {
+            if !scheduled {
+                break;
+            }
+            for op in copies {
                 self.output
                     .copy_ops
                     .extend([i64::from(op.src), i64::from(op.dst)]);
@@ -968,14 +1017,7 @@ impl Scheduler {
         if let (Some(lookahead), true) = (lookahead, self.waiting.len() > 0) {
             for &h in self.running.iter().chain(&self.loading) {
                 let seq = &self.seqs[h];
-                reserved += headroom_blocks(
-                    block_size,
-                    seq.tokens.len(),
-                    seq.num_computed,
-                    seq.pending_forks,
-                    lookahead,
-                    self.max_growth(seq),
-                );
+                reserved += self.headroom(seq, seq.num_computed, lookahead);
             }
         }
         while *budget > 0 {
@@ -992,39 +1034,23 @@ impl Scheduler {
             let num_tokens = seq.tokens.len();
             if self.config.enable_prefix_caching {
                 let cacheable = &seq.tokens[..num_tokens - 1];
-                extend_block_hashes(
-                    request.hash_root,
-                    &mut seq.prefix_hashes,
-                    cacheable,
-                    block_size,
-                );
+                (self.blocks).extend_hashes(request.hash_root, &mut seq.prefix_hashes, cacheable);
             }
             let found =
-                self.blocks
-                    .match_prefix_hashes(request.hash_root, &seq.prefix_hashes, num_tokens);
-            let cached = found.num_cached_tokens(block_size);
-            // With tier hits, only the hit blocks are admitted (and loaded); the sequence computes
-            // nothing this step.
-            let loads = found.tier_hashes.len();
+                (self.blocks).match_prefix(request.hash_root, &seq.prefix_hashes, num_tokens);
+            let cached = found[0].num_cached_tokens(block_size);
+            // With tier hits (one group only), only the hit blocks are admitted (and loaded); the
+            // sequence computes nothing this step.
+            let loads = found[0].tier_hashes.len();
             let len = if loads > 0 {
                 0
             } else {
                 (num_tokens - cached).min(cap)
             };
-            let admitted = found.num_hit_tokens(block_size) + len;
+            let admitted = found[0].num_hit_tokens(block_size) + len;
             let needed = self.blocks.blocks_to_admit(&found, admitted);
-            let pending_forks = seq.pending_forks;
-            let max_growth = (self.config.max_model_len.saturating_sub(num_tokens))
-                .min(request.params.max_tokens.saturating_sub(seq.num_output));
             let own_headroom = lookahead.map_or(0, |lookahead| {
-                headroom_blocks(
-                    block_size,
-                    num_tokens,
-                    admitted,
-                    pending_forks,
-                    lookahead,
-                    max_growth,
-                )
+                self.headroom(&self.seqs[handle], admitted, lookahead)
             });
             // An empty batch admits the head whenever its first chunk fits.
             let headroom = if self.running.is_empty() && self.loading.is_empty() {
@@ -1032,12 +1058,20 @@ impl Scheduler {
             } else {
                 reserved + own_headroom
             };
-            if needed + headroom > self.blocks.num_available_blocks() {
+            if needed + headroom > self.blocks.manager().num_available_blocks() {
                 break;
             }
+            let seq = &mut self.seqs[handle];
+            let request = &self.requests[seq.request];
             self.blocks
                 .admit(seq.block_seq, &seq.tokens[..admitted], found)
                 .expect("capacity checked");
+            if loads == 0 {
+                // A sliding group's hits before the first new token's window go straight back.
+                self.blocks
+                    .release_behind(seq.block_seq, cached)
+                    .expect("admitted just now, not loading");
+            }
             let stats = &mut self.output.stats;
             stats.num_admitted += 1;
             stats.prefix_queried_tokens += num_tokens as u64;
@@ -1097,31 +1131,41 @@ impl Scheduler {
             .map(|r| (r.start + r.len).div_ceil(block_size))
             .max()
             .unwrap_or(0);
-        let num_tokens = self.rows.iter().map(|r| r.len).sum();
+        let num_tokens: usize = self.rows.iter().map(|r| r.len).sum();
+        let num_groups = self.blocks.num_groups();
         let out = &mut self.output;
-        out.reserve(self.rows.len(), num_tokens);
+        out.reserve(self.rows.len(), num_tokens * num_groups);
         out.block_table_width = width;
-        out.block_tables.resize(self.rows.len() * width, -1);
+        out.num_kv_groups = num_groups;
+        out.block_tables
+            .resize(num_groups * self.rows.len() * width, -1);
+        // Each group's slots and tables, group-major (`StepOutput`).
+        for group in 0..num_groups {
+            for (i, row) in self.rows.iter().enumerate() {
+                let table = self
+                    .blocks
+                    .table(self.seqs[row.seq].block_seq, group)
+                    .expect("scheduled sequences have tables");
+                let end = row.start + row.len;
+                table.extend_slots(row.start, end, block_size, &mut out.slot_mapping);
+                let at = (group * self.rows.len() + i) * width;
+                let table_row = &mut out.block_tables[at..][..table.blocks().len()];
+                for (cell, entry) in table_row.iter_mut().zip(table.entries()) {
+                    *cell = entry;
+                }
+            }
+        }
         out.query_start_loc.push(0);
-        for (i, row) in self.rows.iter().enumerate() {
+        for row in &self.rows {
             let seq = &self.seqs[row.seq];
             let request = &self.requests[seq.request];
-            let table = self
-                .blocks
-                .table(seq.block_seq)
-                .expect("scheduled sequences have tables");
             let end = row.start + row.len;
             let first_token = out.input_ids.len();
             out.input_ids
                 .extend(seq.tokens[row.start..end].iter().map(|&t| i64::from(t)));
             out.positions.extend(row.start as i64..end as i64);
-            table.extend_slots(row.start, end, block_size, &mut out.slot_mapping);
             out.query_start_loc.push(out.input_ids.len() as i32);
             out.context_lens.push(end as i32);
-            let table_row = &mut out.block_tables[i * width..][..table.blocks().len()];
-            for (cell, entry) in table_row.iter_mut().zip(table.entries()) {
-                *cell = entry;
-            }
             out.request_ids.push(request.id.clone());
             out.seq_indices.push(seq.index);
             if end == seq.tokens.len() {

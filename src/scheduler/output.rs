@@ -46,11 +46,16 @@ pub struct StepOutput {
     pub id: StepId,
     pub input_ids: Vec<i64>,
     pub positions: Vec<i64>,
+    /// Each KV cache group's slot of each token, group-major: `[num_kv_groups, num_tokens]`.
     pub slot_mapping: Vec<i64>,
     pub query_start_loc: Vec<i32>,
     pub context_lens: Vec<i32>,
+    /// Each group's block table of each row, group-major: `[num_kv_groups, num_seqs,
+    /// block_table_width]`, padded (and a window's released blocks shown) with -1.
     pub block_tables: Vec<i32>,
     pub block_table_width: usize,
+    /// KV cache groups the slot mapping and block tables cover (`crate::kv::coordinator`).
+    pub num_kv_groups: usize,
     /// Flattened `(src, dst)` pairs.
     pub copy_ops: Vec<i64>,
     pub logits_indices: Vec<i64>,
@@ -137,6 +142,7 @@ impl StepOutput {
         self.context_lens.clear();
         self.block_tables.clear();
         self.block_table_width = 0;
+        self.num_kv_groups = 0;
         self.copy_ops.clear();
         self.logits_indices.clear();
         self.request_ids.clear();

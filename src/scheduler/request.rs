@@ -7,8 +7,9 @@
 //! - `num_computed <= tokens.len()`: the leading tokens that have a KV slot (cached, computed, or
 //!   scheduled in the step not yet updated). Between `update` and the next `schedule` a running
 //!   sequence has `num_computed < tokens.len()`;
-//! - `prefix_hashes` are the chained hashes of the leading full blocks of `tokens`, a prefix of
-//!   the full list (extended lazily, only when prefix caching is on);
+//! - `prefix_hashes[g]` are the chained hashes of the leading full blocks of `tokens` in KV cache
+//!   group `g` (`crate::kv::coordinator::group_root`), each a prefix of the full list (extended
+//!   lazily, only when prefix caching is on);
 //! - `pending_forks > 0` only before the prompt's prefill completes (only sequence 0 exists then).
 
 use std::sync::Arc;
@@ -104,7 +105,7 @@ pub(crate) struct Sequence {
     pub tokens: Vec<TokenId>,
     pub num_computed: usize,
     pub num_output: usize,
-    pub prefix_hashes: Vec<BlockHash>,
+    pub prefix_hashes: Vec<Vec<BlockHash>>,
     pub status: SeqStatus,
     /// Position in the waiting queue whenever it waits (the request's key, this sample's index).
     pub queue_key: QueueKey,

@@ -170,7 +170,7 @@ fn a_sliding_window_holds_a_bounded_number_of_blocks_however_long_the_sequence()
     let mut cfg = config(32, 4);
     cfg.max_num_batched_tokens = 5;
     cfg.max_model_len = 128;
-    let mut s = Scheduler::keeping(cfg, AttentionKind::Sliding { window: 6 }).unwrap();
+    let mut s = Scheduler::keeping(cfg, vec![AttentionKind::Sliding { window: 6 }]).unwrap();
     add(&mut s, "long", (0..23).collect(), 100);
     let mut peak_table_width = 0;
     while s.has_unfinished() {
@@ -707,16 +707,23 @@ proptest! {
         max_num_seqs in 3..8usize,
         priority in any::<bool>(),
         slru in any::<bool>(),
-        window in proptest::option::of(1..12usize),
+        windows in proptest::collection::vec(proptest::option::of(1..12usize), 1..4),
     ) {
         let mut cfg = config(num_blocks, 4);
         cfg.max_num_batched_tokens = budget;
         cfg.long_prefill_token_threshold = threshold;
         cfg.max_num_seqs = max_num_seqs;
-        cfg.max_model_len = 64;
         cfg.policy = if priority { Policy::Priority { aging_steps: 3 } } else { Policy::Fcfs };
         cfg.eviction_policy = if slru { EvictionPolicy::Slru } else { EvictionPolicy::Lru };
-        let kept = window.map_or(AttentionKind::Full, |window| AttentionKind::Sliding { window });
+        // KV cache groups, each keeping every token or a window (a hybrid model's layout).
+        let kept: Vec<AttentionKind> = windows
+            .iter()
+            .map(|w| w.map_or(AttentionKind::Full, |window| AttentionKind::Sliding { window }))
+            .collect();
+        let chunk = chunk_limit(&cfg, budget);
+        cfg.max_model_len = capacity_tokens(&kept, num_blocks, 4, chunk).min(64);
+        prop_assume!(cfg.max_model_len >= 2);
+        let max_model_len = cfg.max_model_len;
         let mut s = Scheduler::keeping(cfg, kept).unwrap();
         let mut outcome: HashMap<String, &str> = HashMap::new();
         for t in 0..4000usize {
@@ -730,7 +737,10 @@ proptest! {
                     let options = RequestOptions { priority: spec.priority, ..Default::default() };
                     match s.add_request(&id, prompt, params, options) {
                         Ok(()) => { outcome.insert(id.clone(), "pending"); }
-                        Err(_) => { prop_assert!(spec.n > max_num_seqs); outcome.insert(id.clone(), "rejected"); }
+                        Err(_) => {
+                            prop_assert!(spec.n > max_num_seqs || spec.prompt_len >= max_model_len);
+                            outcome.insert(id.clone(), "rejected");
+                        }
                     }
                 }
                 if spec.abort_at == Some(t) && s.contains(&id) {

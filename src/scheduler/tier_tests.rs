@@ -612,7 +612,7 @@ fn an_aborted_loading_sequence_keeps_its_blocks_until_the_loads_end() {
         "the loaded blocks are cached"
     );
     s.flush_tier();
-    s.blocks.check_free_list().unwrap();
+    s.blocks.manager_mut().check_free_list().unwrap();
 }
 
 #[test]
@@ -946,7 +946,10 @@ fn run_workload(w: &Workload) -> std::result::Result<SchedulerStats, TestCaseErr
     s.flush_tier();
     tier_step(&mut s, &world, &roots, &mut known);
     s.flush_tier();
-    s.blocks.check_free_list().map_err(TestCaseError::fail)?;
+    s.blocks
+        .manager_mut()
+        .check_free_list()
+        .map_err(TestCaseError::fail)?;
     let stats = s.stats();
     let blocks = s.block_manager().stats();
     let w = world.lock().unwrap();

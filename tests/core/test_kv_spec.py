@@ -1,8 +1,9 @@
 """A model's K/V declared layer by layer (``LayerSpec``, ``KvSpec``) and the KV cache groups a
-scheduler derives from it (``Scheduler.kv_groups``): layers of one shape share a group, which keeps
-every token, sliding-window layers included (their steps' attention applies the spec's window); a
-layout the runtime cannot keep yet (layers of several shapes) is refused, typed, before anything
-is allocated."""
+scheduler derives from it (``Scheduler.kv_groups``): layers of one attention kind share groups of
+as many layers as the rarest kind has, each sequence has a block table per group (a step's arrays
+per group), a sliding group keeps only its window and a step's attention applies each layer's
+window from the spec; a layout the runtime cannot keep (layers of several shapes) is refused,
+typed, before anything is allocated."""
 
 from __future__ import annotations
 
@@ -46,39 +47,55 @@ def test_the_llama_model_declares_one_full_group() -> None:
     assert group.layers == list(range(c.num_layers))
 
 
-def test_sliding_layers_share_the_group_of_their_shape_which_keeps_every_token() -> None:
+def test_each_attention_kind_has_groups_of_its_own_and_a_step_has_arrays_per_group() -> None:
     spec = KvSpec([LayerSpec(2, 8, window=4), LayerSpec(2, 8), LayerSpec(2, 8, window=4)])
-    s = Scheduler(num_blocks=8, block_size=4, kv_spec=spec)
-    [group] = s.kv_groups
-    assert (group.layer, group.layers) == (LayerSpec(2, 8), [0, 1, 2])
-    assert s.kv_spec == spec and [layer.window for layer in spec.layers] == [4, None, 4]
+    s = Scheduler(num_blocks=32, block_size=4, max_num_batched_tokens=8, kv_spec=spec)
+    # The rarest kind (full) has one layer: groups of one layer each, in layer order.
+    assert [(g.layer, g.layers) for g in s.kv_groups] == [
+        (LayerSpec(2, 8, window=4), [0]), (LayerSpec(2, 8), [1]), (LayerSpec(2, 8, window=4), [2])]
+    assert s.kv_spec == spec
+    # The default max_model_len is what the three groups hold together: the full group's blocks
+    # plus two sliding groups of at most ceil((4 - 1 + 8) / 4) + 1 = 4 blocks each.
+    assert spec.capacity_tokens(32, 4, 8) == s.max_model_len == (32 - 2 * 4) * 4
+    assert KvSpec.uniform(2, 2, 8).capacity_tokens(32, 4, 8) == 32 * 4
+    s.add_request("r", list(range(10)), max_tokens=8)
+    step = s.schedule()
+    assert step.num_kv_groups == 3
+    assert step.slot_mapping.shape == (3, 8) and step.block_tables.shape == (3, 1, 2)
+    tables = step.block_tables[:, 0, :]
+    assert len({int(b) for b in tables.ravel()}) == 6, "every group has blocks of its own"
+    assert np.array_equal(step.slot_mapping // 4, np.repeat(tables, 4, axis=1))
+    s.update(step, [])
+    while s.has_unfinished():
+        step = s.schedule()
+        sliding = step.block_tables[0, 0]
+        held = int((sliding >= 0).sum())
+        assert held <= 4 and np.all(sliding[: len(sliding) - held] == -1), sliding
+        assert np.all(step.block_tables[1, 0] >= 0), "the full group holds every block"
+        s.update(step, [1] * len(step.logits_indices))
+    assert s.stats()["window_released_blocks"] > 0
 
 
-def test_a_steps_attention_applies_the_window_of_its_spec_as_a_cache_step_of_the_same_windows() -> None:
+def test_a_steps_attention_applies_the_window_of_its_spec() -> None:
     heads, dim, window, prompt = 2, 8, 3, 10
     spec = KvSpec([LayerSpec(heads, dim), LayerSpec(heads, dim, window=window)], "float32")
-    s = Scheduler(num_blocks=8, block_size=4, kv_spec=spec)
+    s = Scheduler(num_blocks=16, block_size=4, kv_spec=spec)
     s.add_request("r", list(range(prompt)), max_tokens=2)
     step = s.schedule()
     rng = np.random.default_rng(1)
     keys, values, query = (rng.standard_normal((prompt, heads, dim)).astype(np.float32) for _ in range(3))
-    cache = KVCache(2, 8, 4, heads, dim)
-    by_hand = CacheStep(step, cache, windows=[layer.window for layer in spec.layers])
     for layer in range(2):
         step.write(layer, keys, values)
-        by_hand.write(layer, keys, values)
     # The dense reference: query p attends to keys p - window < k <= p of the sliding layer.
-    scores = np.einsum("thd,khd->htk", query.astype(np.float64), keys.astype(np.float64)) / np.sqrt(dim)
     positions = np.arange(prompt)
-    visible = (positions[None, :] <= positions[:, None]) & (positions[None, :] > positions[:, None] - window)
-    scores[:, ~visible] = -np.inf
-    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
-    expected = np.einsum("htk,khd->thd", weights / weights.sum(axis=-1, keepdims=True), values.astype(np.float64))
-    windowed = step.attention(1, query)
-    assert np.abs(windowed - expected).max() <= 1e-5
-    assert np.array_equal(by_hand.attention(1, query), windowed)
-    assert np.array_equal(by_hand.attention(0, query), step.attention(0, query))
-    assert not np.allclose(step.attention(0, query), windowed)
+    causal = positions[None, :] <= positions[:, None]
+    for layer, visible in [(0, causal), (1, causal & (positions[None, :] > positions[:, None] - window))]:
+        scores = np.einsum("thd,khd->htk", query.astype(np.float64), keys.astype(np.float64)) / np.sqrt(dim)
+        scores[:, ~visible] = -np.inf
+        weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+        expected = np.einsum("htk,khd->thd", weights / weights.sum(axis=-1, keepdims=True), values.astype(np.float64))
+        assert np.abs(step.attention(layer, query) - expected).max() <= 1e-5, layer
+    assert not np.allclose(step.attention(0, query), step.attention(1, query))
     s.update(step, [1])
 
 
@@ -89,7 +106,7 @@ def test_a_cache_step_takes_one_positive_window_or_none_per_layer(windows: objec
 
 
 @pytest.mark.parametrize(("layers", "message"), [
-    ([LayerSpec(2, 8), LayerSpec(4, 8)], "2 KV cache groups"),
+    ([LayerSpec(2, 8), LayerSpec(4, 8)], "pages of one size"),
     ([LayerSpec(2, 8, window=0)], "at least one token"),
     ([LayerSpec(0, 8)], "positive"),
     ([], "at least one layer"),

@@ -75,8 +75,13 @@ def test_the_golden_file_covers_what_parity_needs(gemma3):
         assert prompt["prompt_token_ids"][0] == model.config.bos_token_id
 
 
+# Gemma 3's layout is six KV cache groups of 3 layers (one full, five sliding): a page holds 3
+# layers, so 1536 pages are the bytes of 256 blocks of all 18 layers.
+PAGES_OF_256_BLOCKS = 256 * 6
+
+
 def test_a_batch_of_every_prompt_matches_transformers(gemma3):
-    tokens, finish, _ = run(gemma3, EngineConfig(num_blocks=256, block_size=16), list(PROMPTS))
+    tokens, finish, _ = run(gemma3, EngineConfig(num_blocks=PAGES_OF_256_BLOCKS, block_size=16), list(PROMPTS))
     assert_golden(tokens, finish)
 
 
@@ -84,7 +89,7 @@ def test_the_long_prompt_in_chunks_across_the_window_then_as_a_prefix_hit_matche
     model, tokenizer = gemma3
     prompt = PROMPTS[LONG]["prompt_token_ids"]
     # 200-token chunks: the window's edge (512 behind each query) falls inside most chunks.
-    engine = Engine(model, tokenizer, EngineConfig(num_blocks=256, block_size=16, max_num_batched_tokens=200))
+    engine = Engine(model, tokenizer, EngineConfig(num_blocks=PAGES_OF_256_BLOCKS, block_size=16, max_num_batched_tokens=200))
     try:
         first = engine.submit(prompt, greedy()).result(timeout=600)
         after_first = engine.stats()
@@ -93,6 +98,9 @@ def test_the_long_prompt_in_chunks_across_the_window_then_as_a_prefix_hit_matche
     finally:
         engine.shutdown(timeout=60)
     assert after_first["prefix_hit_tokens"] == 0
+    # The sliding groups released the blocks behind their windows as the prompt went by, into the
+    # prefix cache, from where the second run hits every full block before its last token.
+    assert after_first["window_released_blocks"] >= 5 * (len(prompt) - 512 - 200) // 16
     assert after_second["prefix_hit_tokens"] >= (len(prompt) // 16 - 1) * 16
     for output in (first, second):
         assert_golden({LONG: output.outputs[0].token_ids}, {LONG: output.outputs[0].finish_reason})
@@ -100,7 +108,7 @@ def test_the_long_prompt_in_chunks_across_the_window_then_as_a_prefix_hit_matche
 
 def test_preempted_and_recomputed_sequences_match_transformers(gemma3):
     short = [name for name in PROMPTS if name != LONG]
-    config = EngineConfig(num_blocks=8, block_size=16, admission_lookahead_tokens=None, enable_prefix_caching=False)
+    config = EngineConfig(num_blocks=8 * 6, block_size=16, admission_lookahead_tokens=None, enable_prefix_caching=False)
     tokens, finish, stats = run(gemma3, config, short)
     assert stats["preemptions"] > 0
     assert_golden(tokens, finish)

@@ -135,7 +135,11 @@ class EngineCore:
         self.clock = clock
         max_model_len = config.max_model_len
         if max_model_len is None:
-            max_model_len = min(runner.max_model_len, config.num_blocks * config.block_size)
+            spec = runner.kv_spec
+            held = config.num_blocks * config.block_size  # one full-attention group: the whole cache
+            if spec is not None:  # several groups (sliding windows): what fits in all of them
+                held = spec.capacity_tokens(config.num_blocks, config.block_size, config.max_num_batched_tokens)
+            max_model_len = min(runner.max_model_len, held)
         options = config.scheduler_options() | {"max_model_len": max_model_len}
         self.scheduler = Scheduler(**options, eos_token_ids=list(eos_token_ids), kv_spec=runner.kv_spec)  # type: ignore[arg-type]
         self.max_model_len: int = self.scheduler.max_model_len  # as the scheduler validated it

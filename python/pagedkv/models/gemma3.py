@@ -87,6 +87,13 @@ class Gemma3Config:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)  # type: ignore[arg-type]
 
+    def kv_spec(self, dtype: str | None = None) -> KvSpec:
+        """Each layer's K/V: ``num_kv_heads`` heads of ``head_dim`` (one of 256 for the 270M model),
+        local layers over the last ``sliding_window`` tokens, global ones over all."""
+        layers = [LayerSpec(self.num_kv_heads, self.head_dim, self.sliding_window if self.is_sliding(i) else None)
+                  for i in range(self.num_layers)]
+        return KvSpec(layers) if dtype is None else KvSpec(layers, dtype)
+
 
 # Field of a packed layer's parts -> Hugging Face tensor name inside ``model.layers.{i}.``
 GEMMA3_LAYER_TENSORS = {
@@ -191,12 +198,9 @@ class Gemma3Model(PagedDecoder):
         return self._embed.nbytes + sum(a.nbytes for a in norms) + sum(w.nbytes for w in linears)
 
     def kv_spec(self, dtype: str | None = None) -> KvSpec:
-        """Each layer's K/V: one K/V head of 256 (for the 270M model), local layers over the last
-        ``sliding_window`` tokens, global ones over all."""
-        c = self.config
-        layers = [LayerSpec(c.num_kv_heads, c.head_dim, c.sliding_window if c.is_sliding(i) else None)
-                  for i in range(c.num_layers)]
-        return KvSpec(layers) if dtype is None else KvSpec(layers, dtype)
+        """The config's (:meth:`Gemma3Config.kv_spec`): its layout is six KV cache groups of 3
+        layers, one full and five sliding (``Scheduler.kv_groups``)."""
+        return self.config.kv_spec(dtype)
 
     def _forward(self, step: ModelStep, rows: np.ndarray) -> np.ndarray:
         c = self.config

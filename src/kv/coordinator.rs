@@ -1,0 +1,443 @@
+//! [`KvCoordinator`]: the block tables of each sequence in every KV cache group, over one
+//! [`BlockManager`] (one pool, one prefix cache, one free list): what a hybrid model (Gemma 3's
+//! full and sliding-window layers) needs so that its sliding layers keep only their window while
+//! the memory they free serves any group.
+//!
+//! Every page has one size (a block of `block_size` tokens for as many layers as the widest
+//! group), so a page moves between groups by going back to the pool: no group has a fixed share.
+//! A sequence of the scheduler (`seq`) owns one table per group, table `seq * G + g` of the
+//! block manager (`member`); with one group that is `seq` itself, so a one-group coordinator
+//! behaves exactly as the block manager it wraps.
+//!
+//! Invariants (`check_invariants`, besides the block manager's):
+//! - a sequence has a table in every group or in none, all holding the same tokens;
+//! - group `g`'s tables chain their block hashes from the request's root mixed with `g`
+//!   (`group_root`; group 0's is the root itself): a block is found only by its own group's
+//!   prefix lookups, and one prefix map serves all groups;
+//! - a sliding group's tables hold no block wholly before the window of the next token to
+//!   compute (`release_behind`, called before every step's appends), so a sequence holds at most
+//!   [`sliding_peak_blocks`] blocks there however long it grows;
+//! - an operation over several groups checks capacity for all of them first: it changes every
+//!   group's tables or none;
+//! - a disk tier needs one group (a hybrid sequence's loads would span groups: not built).
+
+use crate::error::{ensure, Error, Result};
+use crate::ids::{CopyOp, SeqId, TokenId};
+use crate::kv::spec::AttentionKind;
+use crate::memory::block_manager::{BlockManager, LoadsEnded, PrefixMatch};
+use crate::memory::block_table::BlockTable;
+use crate::memory::prefix_cache::{chain_hash, extend_block_hashes, BlockHash};
+use crate::tier::KvTier;
+
+/// Most blocks a sequence holds in a group keeping `window` tokens while it computes chunks of
+/// up to `chunk` tokens: the blocks over the first chunk token's window and the chunk, plus one
+/// for a window not aligned to blocks.
+pub fn sliding_peak_blocks(window: usize, chunk: usize, block_size: usize) -> usize {
+    (window - 1 + chunk).div_ceil(block_size) + 1
+}
+
+/// Blocks a sequence of `num_tokens` tokens holds at most in a group keeping `kept`, computing
+/// chunks of up to `chunk` tokens.
+pub fn group_blocks(kept: AttentionKind, num_tokens: usize, chunk: usize, bs: usize) -> usize {
+    let all = num_tokens.div_ceil(bs);
+    match kept {
+        AttentionKind::Full => all,
+        AttentionKind::Sliding { window } => all.min(sliding_peak_blocks(window, chunk, bs)),
+    }
+}
+
+/// The longest sequence whose blocks in all of `groups` fit `num_blocks` blocks, computing chunks
+/// of up to `chunk` tokens (with one full group: `num_blocks * block_size`).
+pub fn capacity_tokens(
+    groups: &[AttentionKind],
+    num_blocks: usize,
+    block_size: usize,
+    chunk: usize,
+) -> usize {
+    let fits = |len: usize| {
+        groups
+            .iter()
+            .map(|&g| group_blocks(g, len, chunk, block_size))
+            .sum::<usize>()
+            <= num_blocks
+    };
+    // Blocks needed grow with the length: bisect over 0..=num_blocks * block_size.
+    let (mut low, mut high) = (0usize, num_blocks.saturating_mul(block_size));
+    while low < high {
+        let mid = low + (high - low).div_ceil(2);
+        if fits(mid) {
+            low = mid;
+        } else {
+            high = mid - 1;
+        }
+    }
+    low
+}
+
+/// The chain root of group `group`'s tables for a request whose root is `root` (module
+/// invariants): the root itself for group 0, else the hash of a pseudo-block naming the group.
+pub fn group_root(root: BlockHash, group: usize) -> BlockHash {
+    match group {
+        0 => root,
+        g => chain_hash(root, &[TokenId::MAX, g as TokenId]),
+    }
+}
+
+/// The tables of every sequence in every group over one block manager (module doc).
+pub struct KvCoordinator {
+    manager: BlockManager,
+    /// What each group keeps of a sequence.
+    groups: Vec<AttentionKind>,
+}
+
+impl KvCoordinator {
+    /// Groups keeping `groups[g]` over `manager`, which must hold no sequence yet.
+    /// `InvalidArgument` without groups or with a zero window.
+    pub fn new(manager: BlockManager, groups: Vec<AttentionKind>) -> Result<Self> {
+        ensure(!groups.is_empty(), || "a KV cache needs a group".into())?;
+        ensure(
+            !groups.contains(&AttentionKind::Sliding { window: 0 }),
+            || "a sliding window must hold at least one token".into(),
+        )?;
+        ensure(manager.num_sequences() == 0, || {
+            "a coordinator starts over an empty block manager".into()
+        })?;
+        Ok(KvCoordinator { manager, groups })
+    }
+
+    /// The block manager (read-only: every change goes through the coordinator).
+    pub fn manager(&self) -> &BlockManager {
+        &self.manager
+    }
+
+    /// What each group keeps of a sequence.
+    pub fn groups(&self) -> &[AttentionKind] {
+        &self.groups
+    }
+
+    pub fn num_groups(&self) -> usize {
+        self.groups.len()
+    }
+
+    /// The block manager's id of `seq`'s table in group `group`.
+    pub fn member(&self, seq: SeqId, group: usize) -> SeqId {
+        seq * self.groups.len() as SeqId + group as SeqId
+    }
+
+    /// Sequences with tables.
+    pub fn num_sequences(&self) -> usize {
+        self.manager.num_sequences() / self.groups.len()
+    }
+
+    pub fn contains(&self, seq: SeqId) -> bool {
+        self.manager.contains(self.member(seq, 0))
+    }
+
+    pub fn is_loading(&self, seq: SeqId) -> bool {
+        self.manager.is_loading(self.member(seq, 0))
+    }
+
+    /// `seq`'s table in group `group`.
+    pub fn table(&self, seq: SeqId, group: usize) -> Result<&BlockTable> {
+        self.manager.table(self.member(seq, group))
+    }
+
+    /// Extends each group's block hashes of a prompt (`hashes[g]`, chained from
+    /// `group_root(root, g)`) over its full blocks in `tokens`.
+    pub fn extend_hashes(
+        &self,
+        root: BlockHash,
+        hashes: &mut Vec<Vec<BlockHash>>,
+        tokens: &[TokenId],
+    ) {
+        hashes.resize_with(self.groups.len(), Vec::new);
+        let bs = self.manager.block_size();
+        for (g, group_hashes) in hashes.iter_mut().enumerate() {
+            extend_block_hashes(group_root(root, g), group_hashes, tokens, bs);
+        }
+    }
+
+    /// The longest prefix of a prompt of `num_tokens` tokens every group can serve from the cache,
+    /// one match per group (`hashes` as from `extend_hashes`). Changes nothing.
+    pub fn match_prefix(
+        &self,
+        root: BlockHash,
+        hashes: &[Vec<BlockHash>],
+        num_tokens: usize,
+    ) -> Vec<PrefixMatch> {
+        let mut found: Vec<PrefixMatch> = (0..self.groups.len())
+            .map(|g| {
+                let group_hashes = hashes.get(g).map_or(&[][..], Vec::as_slice);
+                self.manager
+                    .match_prefix_hashes(group_root(root, g), group_hashes, num_tokens)
+            })
+            .collect();
+        if found.len() > 1 {
+            let common = found.iter().map(|f| f.blocks.len()).min().unwrap_or(0);
+            for f in &mut found {
+                f.blocks.truncate(common);
+                f.hashes.truncate(common);
+                f.tier_hashes.clear(); // no tier with several groups (module invariants)
+            }
+        }
+        found
+    }
+
+    /// Available blocks that admitting `num_tokens` tokens over `found` would use up, in all
+    /// groups together.
+    pub fn blocks_to_admit(&self, found: &[PrefixMatch], num_tokens: usize) -> usize {
+        found
+            .iter()
+            .map(|f| self.manager.blocks_to_admit(f, num_tokens))
+            .sum()
+    }
+
+    /// Creates `seq`'s tables holding `tokens` over `found` (from `match_prefix`), in every group
+    /// or none (`BlockManager::admit_tables`). Returns the tokens served from the cache.
+    pub fn admit(
+        &mut self,
+        seq: SeqId,
+        tokens: &[TokenId],
+        found: Vec<PrefixMatch>,
+    ) -> Result<usize> {
+        let members: Vec<SeqId> = (0..self.groups.len())
+            .map(|g| self.member(seq, g))
+            .collect();
+        self.manager.admit_tables(&members, tokens, found)
+    }
+
+    /// Releases, in every sliding group, `seq`'s blocks wholly before the window of a query at
+    /// position `next` (the first token it computes next). Returns how many were released.
+    pub fn release_behind(&mut self, seq: SeqId, next: usize) -> Result<usize> {
+        let mut released = 0;
+        for g in 0..self.groups.len() {
+            if let AttentionKind::Sliding { window } = self.groups[g] {
+                let member = self.member(seq, g);
+                released += self
+                    .manager
+                    .release_before(member, (next + 1).saturating_sub(window))?;
+            }
+        }
+        Ok(released)
+    }
+
+    /// Gives `tokens` slots at the end of `seq` in every group (or, `OutOfBlocks`, in none),
+    /// pushing each copy-on-write copy to `copies`.
+    pub fn append(
+        &mut self,
+        seq: SeqId,
+        tokens: &[TokenId],
+        copies: &mut Vec<CopyOp>,
+    ) -> Result<()> {
+        let mut needed = 0;
+        for g in 0..self.groups.len() {
+            needed += self
+                .manager
+                .blocks_needed_to_append(self.member(seq, g), tokens.len())?;
+        }
+        let available = self.manager.num_available_blocks();
+        if needed > available {
+            return Err(Error::OutOfBlocks { needed, available });
+        }
+        for g in 0..self.groups.len() {
+            let copy = self
+                .manager
+                .append(self.member(seq, g), tokens)
+                .expect("capacity checked for every group");
+            copies.extend(copy);
+        }
+        Ok(())
+    }
+
+    /// Makes `child` share every table of `parent`.
+    pub fn fork(&mut self, parent: SeqId, child: SeqId) -> Result<()> {
+        ensure(!self.contains(child), || {
+            format!("sequence {child} has tables already")
+        })?;
+        for g in 0..self.groups.len() {
+            self.manager
+                .fork(self.member(parent, g), self.member(child, g))?;
+        }
+        Ok(())
+    }
+
+    /// Drops `seq`'s tables in every group.
+    pub fn free(&mut self, seq: SeqId) -> Result<()> {
+        if !self.contains(seq) {
+            return Err(Error::UnknownSequence(seq.to_string()));
+        }
+        for g in 0..self.groups.len() {
+            self.manager.free(self.member(seq, g))?;
+        }
+        Ok(())
+    }
+
+    /// Attaches a disk tier: `InvalidArgument` for more than one group (module invariants), else
+    /// as `BlockManager::attach_tier`.
+    pub fn attach_tier(&mut self, tier: Box<dyn KvTier>) -> Result<()> {
+        ensure(self.groups.len() == 1, || {
+            format!(
+                "a disk tier keeps one KV cache group; this model's layout has {}",
+                self.groups.len()
+            )
+        })?;
+        self.manager.attach_tier(tier)
+    }
+
+    /// The block manager's, for the calls that pass through unchanged (the tier, events, stats).
+    pub fn manager_mut(&mut self) -> &mut BlockManager {
+        &mut self.manager
+    }
+
+    /// Loads that ended (`BlockManager::poll_tier`), naming the scheduler's sequences (a tier
+    /// serves one group, whose tables are the sequences' own ids).
+    pub fn poll_tier(&mut self) -> Vec<LoadsEnded> {
+        self.manager.poll_tier()
+    }
+
+    /// The module invariants, then the block manager's.
+    pub fn check_invariants(&self) -> std::result::Result<(), String> {
+        self.manager.check_invariants()?;
+        let g = self.groups.len() as SeqId;
+        for seq in self.manager.sequences() {
+            let owner = seq / g;
+            let first = self.manager.table(owner * g).map_err(|_| {
+                format!("table {seq} belongs to sequence {owner}, which has no group-0 table")
+            })?;
+            let table = self.manager.table(seq).expect("listed");
+            if table.tokens() != first.tokens() {
+                return Err(format!(
+                    "sequence {owner}: its groups hold different tokens"
+                ));
+            }
+            if let AttentionKind::Sliding { window } = self.groups[(seq % g) as usize] {
+                // The next token to compute is at position num_tokens: its window must be held.
+                let first_needed = (table.num_tokens() + 1).saturating_sub(window);
+                if table.num_released() * self.manager.block_size() > first_needed {
+                    return Err(format!(
+                        "sequence {owner}: group {} released a block inside its window",
+                        seq % g
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const FULL: AttentionKind = AttentionKind::Full;
+    const LOCAL: AttentionKind = AttentionKind::Sliding { window: 6 };
+
+    fn coordinator(num_blocks: usize, groups: Vec<AttentionKind>) -> KvCoordinator {
+        KvCoordinator::new(BlockManager::new(num_blocks, 4, true).unwrap(), groups).unwrap()
+    }
+
+    fn admit(c: &mut KvCoordinator, seq: SeqId, tokens: &[TokenId]) -> usize {
+        let mut hashes = Vec::new();
+        c.extend_hashes(0, &mut hashes, &tokens[..tokens.len() - 1]);
+        let found = c.match_prefix(0, &hashes, tokens.len());
+        c.admit(seq, tokens, found).unwrap()
+    }
+
+    #[test]
+    fn capacity_counts_every_group_and_a_window_caps_its_own() {
+        // One full group: the whole pool.
+        assert_eq!(capacity_tokens(&[FULL], 16, 4, 8), 64);
+        // Two full groups share it.
+        assert_eq!(capacity_tokens(&[FULL, FULL], 16, 4, 8), 32);
+        // A window of 6 with chunks of 8: at most ceil(13 / 4) + 1 = 5 blocks, the rest for the
+        // full group.
+        assert_eq!(sliding_peak_blocks(6, 8, 4), 5);
+        assert_eq!(capacity_tokens(&[FULL, LOCAL], 16, 4, 8), 11 * 4);
+        // Windows alone hold any length; the config still bounds it by the pool's tokens.
+        assert_eq!(capacity_tokens(&[LOCAL, LOCAL], 16, 4, 8), 16 * 4);
+        assert_eq!(group_root(7, 0), 7);
+        assert_ne!(group_root(7, 1), group_root(7, 2));
+    }
+
+    #[test]
+    fn groups_hold_their_own_blocks_hit_their_own_prefixes_and_release_only_behind_the_window() {
+        let mut c = coordinator(32, vec![FULL, LOCAL]);
+        let prompt: Vec<TokenId> = (0..17).collect();
+        assert_eq!(admit(&mut c, 1, &prompt), 0);
+        let (full, local) = (c.table(1, 0).unwrap(), c.table(1, 1).unwrap());
+        assert_eq!((full.num_tokens(), local.num_tokens()), (17, 17));
+        assert!(full.blocks().iter().all(|b| !local.blocks().contains(b)));
+        // The next token (17) reads 12..=17: blocks 0..3 of the sliding group go.
+        assert_eq!(c.release_behind(1, 17).unwrap(), 3);
+        assert_eq!(c.table(1, 1).unwrap().num_released(), 3);
+        assert_eq!(c.table(1, 0).unwrap().num_released(), 0);
+        c.check_invariants().unwrap();
+        // The same prompt hits all four full blocks in both groups (released ones stay cached).
+        assert_eq!(admit(&mut c, 2, &prompt), 16);
+        c.fork(2, 3).unwrap();
+        c.free(1).unwrap();
+        c.free(2).unwrap();
+        c.free(3).unwrap();
+        c.check_invariants().unwrap();
+        assert_eq!(c.manager().stats().used_blocks, 0);
+        assert!(matches!(c.free(3), Err(Error::UnknownSequence(_))));
+    }
+
+    #[test]
+    fn an_append_short_of_blocks_in_any_group_changes_no_group() {
+        let mut c = coordinator(4, vec![FULL, FULL]);
+        admit(&mut c, 1, &[1, 2, 3, 4, 5]); // 2 blocks in each group: the pool is full
+        let before: Vec<Vec<_>> = (0..2)
+            .map(|g| c.table(1, g).unwrap().blocks().to_vec())
+            .collect();
+        let mut copies = Vec::new();
+        let refused = c.append(1, &[6, 7, 8, 9], &mut copies);
+        assert!(matches!(
+            refused,
+            Err(Error::OutOfBlocks {
+                needed: 2,
+                available: 0
+            })
+        ));
+        for (g, blocks) in before.iter().enumerate() {
+            assert_eq!(c.table(1, g).unwrap().blocks(), &blocks[..]);
+            assert_eq!(c.table(1, g).unwrap().num_tokens(), 5);
+        }
+        assert!(copies.is_empty());
+        c.check_invariants().unwrap();
+        assert!(matches!(
+            c.attach_tier(Box::new(NoTier)),
+            Err(Error::InvalidArgument(m)) if m.contains("one KV cache group")
+        ));
+    }
+
+    /// A tier that is never used: `attach_tier` refuses before touching it.
+    struct NoTier;
+
+    impl KvTier for NoTier {
+        fn contains(&self, _: BlockHash) -> bool {
+            unreachable!()
+        }
+        fn offload(&mut self, _: crate::tier::OffloadJob) {
+            unreachable!()
+        }
+        fn load(&mut self, _: crate::tier::LoadJob) {
+            unreachable!()
+        }
+        fn completed_loads(&mut self) -> Vec<crate::tier::LoadDone> {
+            unreachable!()
+        }
+        fn flush(&mut self) {
+            unreachable!()
+        }
+        fn counters(&self) -> crate::tier::TierCounters {
+            unreachable!()
+        }
+        fn stored_hashes(&self) -> Vec<BlockHash> {
+            unreachable!()
+        }
+        fn drain_events(&mut self, _: &mut Vec<crate::memory::events::KvEvent>) {
+            unreachable!()
+        }
+    }
+}

@@ -1,0 +1,26 @@
+"""``python -m lab bench kv-groups --json`` on Gemma 3 270M's layout: the hybrid cache holds a
+long sequence in less than a third of the uniform cache's bytes (never below the full layers'
+share, 3 of 18), fits more sequences in the same budget, and hits the prefix cache as often."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lab.__main__ import main
+
+
+def test_bench_kv_groups_json(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "kv-groups", "--contexts", "512,8192", "--budget-mib", "256", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert [len(g["layers"]) for g in report["layout"]] == [3] * 6
+    assert [g["window"] for g in report["layout"]].count(None) == 1
+    short, long = report["bytes_per_sequence"]
+    # Within one window the sliding groups keep everything: the layouts hold the same tokens.
+    assert short["hybrid_bytes"] <= short["uniform_bytes"]
+    assert 3 / 18 < long["ratio"] < 1 / 3
+    fits = report["concurrency"]
+    assert fits["hybrid"]["peak_running"] > 2 * fits["uniform"]["peak_running"] > 0
+    for rates in report["prefix_hit_rate"].values():
+        assert rates["hybrid"] == rates["uniform"] > 0
