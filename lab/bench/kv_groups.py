@@ -131,12 +131,13 @@ def concurrency(spec: KvSpec, args: argparse.Namespace) -> dict[str, float | int
     return {"num_blocks": cache.num_blocks, "page_bytes": cache.page_bytes, "peak_running": peak, "steps": steps}
 
 
-def prefix_hits(spec: KvSpec, shared: int, args: argparse.Namespace) -> float:
-    """Prefix-hit rate of 32 requests sharing a ``shared``-token system prompt, 4 at a time."""
-    s = cache_for(spec, args.budget_mib << 20, args, max_num_seqs=4).scheduler
+def prefix_hits(spec: KvSpec, shared: int, budget_mib: int, args: argparse.Namespace) -> float:
+    """Prefix-hit rate of 32 requests sharing a ``shared``-token system prompt then 1,024 tokens
+    of their own, 4 at a time, in ``budget_mib`` MiB (a small budget evicts between them)."""
+    s = cache_for(spec, budget_mib << 20, args, max_num_seqs=4).scheduler
     system = [(i * 31) % 30000 + 3 for i in range(shared)]
     for r in range(32):
-        s.add_request(f"r{r}", system + [(r * 13 + i) % 30000 + 3 for i in range(64)], max_tokens=16)
+        s.add_request(f"r{r}", system + [(r * 13 + i) % 30000 + 3 for i in range(1024)], max_tokens=16)
     while s.has_unfinished():
         step(s)
     return float(s.stats()["prefix_hit_rate"])
@@ -156,8 +157,9 @@ def run(args: argparse.Namespace) -> int:
                             "met": None if target is None else ratio <= target})
     fits = {name: concurrency(spec, args) for name, spec in layouts.items()}
     concurrency_ratio = fits["hybrid"]["peak_running"] / max(1, fits["uniform"]["peak_running"])
-    hits = {f"shared_{shared}": {name: round(prefix_hits(spec, shared, args), 4) for name, spec in layouts.items()}
-            for shared in (256, 2048)}
+    hits = {f"shared_{shared}_in_{budget}_mib": {name: round(prefix_hits(spec, shared, budget, args), 4)
+                                                 for name, spec in layouts.items()}
+            for shared in (256, 2048) for budget in (args.budget_mib, 64)}
     report = {
         "command": "python -m lab bench kv-groups " + " ".join(
             f"--{k.replace('_', '-')} {','.join(map(str, v)) if isinstance(v, tuple) else v}"

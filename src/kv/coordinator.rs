@@ -16,7 +16,8 @@
 //!   prefix lookups, and one prefix map serves all groups;
 //! - a sliding group's tables hold no block wholly before the window of the next token to
 //!   compute (`release_behind`, called before every step's appends), so a sequence holds at most
-//!   [`sliding_peak_blocks`] blocks there however long it grows;
+//!   [`sliding_peak_blocks`] blocks there however long it grows; a prefix hit needs in a sliding
+//!   group only the blocks of that window (`match_prefix`), the others are admitted released;
 //! - an operation over several groups checks capacity for all of them first: it changes every
 //!   group's tables or none;
 //! - a disk tier needs one group (a hybrid sequence's loads would span groups: not built).
@@ -25,7 +26,7 @@ use crate::error::{ensure, Error, Result};
 use crate::ids::{CopyOp, SeqId, TokenId};
 use crate::kv::spec::AttentionKind;
 use crate::memory::block_manager::{BlockManager, LoadsEnded, PrefixMatch};
-use crate::memory::block_table::BlockTable;
+use crate::memory::block_table::{BlockTable, RELEASED};
 use crate::memory::prefix_cache::{chain_hash, extend_block_hashes, BlockHash};
 use crate::tier::KvTier;
 
@@ -159,28 +160,87 @@ impl KvCoordinator {
 
     /// The longest prefix of a prompt of `num_tokens` tokens every group can serve from the cache,
     /// one match per group (`hashes` as from `extend_hashes`). Changes nothing.
+    ///
+    /// A full group serves a prefix when it holds all its blocks; a sliding group when it holds
+    /// the blocks its next query reads (the window before the prefix's end): its match opens with
+    /// [`RELEASED`] entries for the others, which may have been evicted. With one group, this is
+    /// the block manager's match (tier hits included).
     pub fn match_prefix(
         &self,
         root: BlockHash,
         hashes: &[Vec<BlockHash>],
         num_tokens: usize,
     ) -> Vec<PrefixMatch> {
-        let mut found: Vec<PrefixMatch> = (0..self.groups.len())
-            .map(|g| {
-                let group_hashes = hashes.get(g).map_or(&[][..], Vec::as_slice);
-                self.manager
-                    .match_prefix_hashes(group_root(root, g), group_hashes, num_tokens)
-            })
-            .collect();
-        if found.len() > 1 {
-            let common = found.iter().map(|f| f.blocks.len()).min().unwrap_or(0);
-            for f in &mut found {
-                f.blocks.truncate(common);
-                f.hashes.truncate(common);
-                f.tier_hashes.clear(); // no tier with several groups (module invariants)
+        let hashes_of = |g: usize| hashes.get(g).map_or(&[][..], Vec::as_slice);
+        if self.groups.len() == 1 {
+            return vec![self
+                .manager
+                .match_prefix_hashes(root, hashes_of(0), num_tokens)];
+        }
+        let bs = self.manager.block_size();
+        let cacheable = if self.manager.prefix_caching_enabled() && num_tokens > 0 {
+            (num_tokens - 1) / bs
+        } else {
+            0
+        };
+        // Each full group's run of cached blocks from the start bounds the prefix.
+        let hashed = (0..self.groups.len()).map(|g| hashes_of(g).len()).min();
+        let mut longest = cacheable.min(hashed.unwrap_or(0));
+        for (g, &kept) in self.groups.iter().enumerate() {
+            if kept == AttentionKind::Full {
+                let run = hashes_of(g)[..cacheable.min(hashes_of(g).len())]
+                    .iter()
+                    .take_while(|&&h| self.manager.cached_block(h).is_some())
+                    .count();
+                longest = longest.min(run);
             }
         }
-        found
+        // The longest prefix whose window every sliding group holds.
+        let mut blocks = longest;
+        while blocks > 0 && !self.windows_cached(hashes, blocks) {
+            blocks -= 1;
+        }
+        (0..self.groups.len())
+            .map(|g| {
+                let first = self.first_needed_block(g, blocks);
+                let group_hashes = &hashes_of(g)[..blocks];
+                PrefixMatch {
+                    root: group_root(root, g),
+                    hashes: group_hashes.to_vec(),
+                    blocks: (0..blocks)
+                        .map(|i| match i < first {
+                            true => RELEASED,
+                            false => self.manager.cached_block(group_hashes[i]).expect("checked"),
+                        })
+                        .collect(),
+                    tier_hashes: Vec::new(),
+                    num_queried_tokens: num_tokens,
+                }
+            })
+            .collect()
+    }
+
+    /// The first block group `group`'s next query reads after a prefix of `blocks` blocks (0
+    /// for a full group).
+    fn first_needed_block(&self, group: usize, blocks: usize) -> usize {
+        let bs = self.manager.block_size();
+        match self.groups[group] {
+            AttentionKind::Full => 0,
+            AttentionKind::Sliding { window } => {
+                ((blocks * bs + 1).saturating_sub(window) / bs).min(blocks)
+            }
+        }
+    }
+
+    /// Whether every sliding group holds the blocks its next query reads after `blocks` blocks.
+    fn windows_cached(&self, hashes: &[Vec<BlockHash>], blocks: usize) -> bool {
+        (0..self.groups.len()).all(|g| {
+            let first = self.first_needed_block(g, blocks);
+            self.groups[g] == AttentionKind::Full
+                || hashes.get(g).map_or(&[][..], Vec::as_slice)[first..blocks]
+                    .iter()
+                    .all(|&h| self.manager.cached_block(h).is_some())
+        })
     }
 
     /// Available blocks that admitting `num_tokens` tokens over `found` would use up, in all
@@ -381,6 +441,37 @@ mod tests {
         c.check_invariants().unwrap();
         assert_eq!(c.manager().stats().used_blocks, 0);
         assert!(matches!(c.free(3), Err(Error::UnknownSequence(_))));
+    }
+
+    #[test]
+    fn a_sliding_group_serves_a_prefix_from_its_window_alone() {
+        const WINDOW_4: AttentionKind = AttentionKind::Sliding { window: 4 };
+        // A holds 5 full blocks and, once its window moved, 2 sliding ones: 7 of 17.
+        let mut c = coordinator(17, vec![FULL, WINDOW_4]);
+        let prompt: Vec<TokenId> = (0..17).collect();
+        admit(&mut c, 1, &prompt);
+        assert_eq!(c.release_behind(1, 17).unwrap(), 3);
+        // B takes the 7 free blocks and evicts the 3 the window released, then leaves.
+        admit(&mut c, 2, &(100..120).collect::<Vec<_>>());
+        assert_eq!(c.manager().stats().free_blocks, 0);
+        c.free(2).unwrap();
+        // The prompt's next query (position 16) reads 13..=16: sliding block 3 only, which A holds.
+        let mut hashes = Vec::new();
+        c.extend_hashes(0, &mut hashes, &prompt[..16]);
+        // Its sliding blocks 0..3 are gone: a rule asking every group for every block finds 0.
+        assert!(hashes[1][..3]
+            .iter()
+            .all(|&h| c.manager().cached_block(h).is_none()));
+        let found = c.match_prefix(0, &hashes, 17);
+        assert_eq!(found[0].blocks, c.table(1, 0).unwrap().blocks()[..4]);
+        assert_eq!(found[1].blocks[..3], [RELEASED; 3]);
+        assert_eq!(found[1].blocks[3], c.table(1, 1).unwrap().blocks()[3]);
+        assert_eq!(c.admit(3, &prompt, found).unwrap(), 16);
+        assert_eq!(c.table(3, 1).unwrap().num_released(), 3);
+        c.check_invariants().unwrap();
+        c.free(1).unwrap();
+        c.free(3).unwrap();
+        c.check_invariants().unwrap();
     }
 
     #[test]

@@ -35,7 +35,9 @@ pub struct PrefixMatch {
     pub root: BlockHash,
     /// Hashes of the prompt's leading full blocks that are cached, one per block in `blocks`.
     pub hashes: Vec<BlockHash>,
-    /// The cached blocks, in order.
+    /// The cached blocks, in order; a sliding-window group's match may open with [`RELEASED`]
+    /// entries (blocks its next query will not read, which need not be cached:
+    /// `crate::kv::coordinator`), admitted as released.
     pub blocks: Vec<BlockId>,
     /// Hashes of the full blocks right after `blocks` that the tier holds (to be loaded), when
     /// there are at least `TierPolicy::min_load_blocks` of them; else empty.
@@ -517,7 +519,7 @@ impl BlockManager {
         let revived = found
             .blocks
             .iter()
-            .filter(|&&b| self.pool.is_evictable(b))
+            .filter(|&&b| b != RELEASED && self.pool.is_evictable(b))
             .count();
         num_tokens
             .div_ceil(self.block_size)
@@ -591,10 +593,12 @@ impl BlockManager {
             )?;
         }
         let stale = found.iter().any(|f| {
-            f.blocks
-                .iter()
-                .zip(&f.hashes)
-                .any(|(&b, &h)| self.pool.hash_of(b) != Some(h))
+            let released = f.blocks.iter().take_while(|&&b| b == RELEASED).count();
+            f.blocks.len() != f.hashes.len()
+                || f.blocks[released..]
+                    .iter()
+                    .zip(&f.hashes[released..])
+                    .any(|(&b, &h)| self.pool.hash_of(b) != Some(h))
         });
         ensure(!stale, || {
             "prefix match is stale: the cache changed since match_prefix".into()
@@ -606,7 +610,7 @@ impl BlockManager {
         self.ensure_available(needed)?;
 
         for f in &found {
-            for &block in &f.blocks {
+            for &block in f.blocks.iter().filter(|&&b| b != RELEASED) {
                 self.pool.retain_hit(block);
             }
         }
@@ -623,12 +627,13 @@ impl BlockManager {
     fn admit_table(&mut self, seq: SeqId, tokens: &[TokenId], found: PrefixMatch) {
         let bs = self.block_size;
         let cached = found.num_cached_tokens(bs);
+        let released = found.blocks.iter().take_while(|&&b| b == RELEASED).count();
         let mut table = BlockTable {
             blocks: found.blocks,
             tokens: tokens[..cached].to_vec(),
             hashes: found.hashes,
             root: found.root,
-            released: 0,
+            released,
         };
         if found.tier_hashes.is_empty() {
             grow(
