@@ -338,6 +338,10 @@ class Scheduler:
     def kv_spec(self) -> KvSpec | None:
         """The model's K/V spec it was made with; None without."""
     @property
+    def kv_group_blocks(self) -> list[int]:
+        """Blocks each KV cache group's tables hold now, in :attr:`kv_groups` order (one entry,
+        every block in use, without a KV spec)."""
+    @property
     def kv_groups(self) -> list[GroupSpec]:
         """The KV cache groups derived from its K/V spec (empty without one): each sequence has a
         block table per group, a step's ``slot_mapping`` and ``block_tables`` one per group."""

@@ -143,6 +143,23 @@ impl KvCoordinator {
         self.manager.table(self.member(seq, group))
     }
 
+    /// Blocks each group's tables hold now (a block shared by tables of one group counted once;
+    /// no block is in two groups: their hashes differ and forks stay in their group).
+    pub fn blocks_in_use(&self) -> Vec<usize> {
+        let g = self.groups.len() as SeqId;
+        let mut seen = vec![false; self.manager.num_blocks()];
+        let mut in_use = vec![0; self.groups.len()];
+        for seq in self.manager.sequences() {
+            let table = self.manager.table(seq).expect("listed");
+            for &block in table.held() {
+                if !std::mem::replace(&mut seen[block as usize], true) {
+                    in_use[(seq % g) as usize] += 1;
+                }
+            }
+        }
+        in_use
+    }
+
     /// Extends each group's block hashes of a prompt (`hashes[g]`, chained from
     /// `group_root(root, g)`) over its full blocks in `tokens`.
     pub fn extend_hashes(
@@ -428,7 +445,9 @@ mod tests {
         assert_eq!((full.num_tokens(), local.num_tokens()), (17, 17));
         assert!(full.blocks().iter().all(|b| !local.blocks().contains(b)));
         // The next token (17) reads 12..=17: blocks 0..3 of the sliding group go.
+        assert_eq!(c.blocks_in_use(), [5, 5]);
         assert_eq!(c.release_behind(1, 17).unwrap(), 3);
+        assert_eq!(c.blocks_in_use(), [5, 2]);
         assert_eq!(c.table(1, 1).unwrap().num_released(), 3);
         assert_eq!(c.table(1, 0).unwrap().num_released(), 0);
         c.check_invariants().unwrap();

@@ -427,6 +427,13 @@ impl PyScheduler {
         self.read(py, |s| s.block_manager().num_available_blocks())
     }
 
+    /// Blocks each KV cache group's tables hold now, in `kv_groups` order (one entry, every
+    /// block in use, without a KV spec).
+    #[getter]
+    fn kv_group_blocks(&self, py: Python<'_>) -> PyResult<Vec<usize>> {
+        self.read(py, |s| s.kv_coordinator().blocks_in_use())
+    }
+
     #[getter]
     fn block_size(&self, py: Python<'_>) -> PyResult<usize> {
         self.read(py, |s| s.config().block_size)

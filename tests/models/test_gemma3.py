@@ -122,10 +122,17 @@ def test_the_engine_decodes_batched_chunked_prompts_as_the_reference_does(tiny):
         params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
         handles = [engine.submit(prompt, params) for prompt in prompts]
         outputs = [handle.result(timeout=120).outputs[0].token_ids for handle in handles]
+        groups, stats, metrics = engine.core.kv_groups(), engine.stats(), engine.metrics.text()
     finally:
         engine.shutdown(timeout=60)
     for prompt, got in zip(prompts, outputs, strict=True):
         assert got == reference_greedy(prompt, 12)
+    # A hybrid cache: the two sliding layers' group released blocks behind its window; with every
+    # request done, no group holds a block, and each has its own usage series.
+    assert [(g.layers, g.attention, g.blocks_in_use) for g in groups] == [([0, 2], "sliding:5", 0), ([1, 3], "full", 0)]
+    assert stats["window_released_blocks"] > 0
+    for index, kind in enumerate(("sliding:5", "full")):
+        assert f'kv_cache_group_usage_perc{{attention="{kind}",group="{index}",model_name=' in metrics
 
 
 def test_a_model_of_only_sliding_layers_releases_the_blocks_behind_its_window():

@@ -270,6 +270,9 @@ def test_a_disconnected_stream_returns_its_blocks(server):
         assert next(lines).startswith("data: ")
         busy = server.health()
         assert busy["num_running"] == 1 and busy["blocks_in_use"] >= 7  # 101 prompt tokens and more
+        # The tiny model's layout is one full-attention group of its layers, holding every block.
+        [group] = busy["kv_groups"]
+        assert group["attention"] == "full" and group["blocks_in_use"] == busy["blocks_in_use"]
     server.wait_idle(timeout=2.0)
 
 

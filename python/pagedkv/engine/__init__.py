@@ -3,7 +3,8 @@
 - :mod:`~pagedkv.engine.config`: :class:`EngineConfig`, the limits an engine is built with;
 - :mod:`~pagedkv.engine.outputs`: what it reports (:class:`RequestOutput`, :class:`TokenEvent`, ...);
 - :mod:`~pagedkv.engine.runners`: what runs the model for a step (a paged model, or a simulated one);
-- :mod:`~pagedkv.engine.core`: :class:`EngineCore`, one synchronous step at a time;
+- :mod:`~pagedkv.engine.core`: :class:`EngineCore`, one synchronous step at a time (and
+  :class:`KvGroup`, what each KV cache group holds);
 - :mod:`~pagedkv.engine.handle`: :class:`RequestHandle`, a submitted request's stream and result;
 - :mod:`~pagedkv.engine.engine`: :class:`Engine`, the core on a worker thread.
 """
@@ -11,7 +12,7 @@
 from __future__ import annotations
 
 from pagedkv.engine.config import DEFAULT_KV_DISK_BYTES, EngineConfig
-from pagedkv.engine.core import EngineCore
+from pagedkv.engine.core import EngineCore, KvGroup
 from pagedkv.engine.engine import Engine, EngineClosedError, EngineOverloadedError
 from pagedkv.engine.handle import RequestHandle
 from pagedkv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenEvent, TokenLogprob
@@ -25,6 +26,7 @@ __all__ = [
     "EngineConfig",
     "EngineCore",
     "EngineOverloadedError",
+    "KvGroup",
     "ModelRunner",
     "PagedModelRunner",
     "RequestHandle",

@@ -91,6 +91,21 @@ _log = logging.getLogger(__name__)
 # model's block loads in ~0.05 ms, so a wait rarely costs more than this (spinning cost a core).
 _LOAD_WAIT_SECONDS = 0.0002
 
+@dataclass(frozen=True)
+class KvGroup:
+    """One KV cache group of the model's layout, now: its layers, its window (None: it keeps every
+    token) and the blocks its tables hold."""
+
+    layers: list[int]
+    window: int | None
+    blocks_in_use: int
+
+    @property
+    def attention(self) -> str:
+        """What it keeps: "full", or "sliding:<window>"."""
+        return "full" if self.window is None else f"sliding:{self.window}"
+
+
 @dataclass
 class _Request:
     params: SamplingParams
@@ -447,6 +462,16 @@ class EngineCore:
         """The scheduler's cumulative stats, current (they include every completed step), with
         the disk tier's (``disk_*``) when it has one."""
         return self.scheduler.stats()
+
+    def kv_groups(self) -> list[KvGroup]:
+        """The KV cache groups of the model's layout (``Scheduler.kv_groups``): what each keeps and
+        the blocks it holds now; empty for a runner without K/V."""
+        groups, blocks = self.scheduler.kv_groups, self.scheduler.kv_group_blocks
+        return [KvGroup(group.layers, group.layer.window, held) for group, held in zip(groups, blocks, strict=False)]
+
+    def kv_group_usage(self) -> list[float]:
+        """The fraction of the pool each KV cache group holds now, in group order."""
+        return [group.blocks_in_use / self.config.num_blocks for group in self.kv_groups()]
 
     def _record_kv_events(self) -> None:
         """Records the KV events the scheduler made since the last call (under the lock, so

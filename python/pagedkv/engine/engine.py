@@ -310,6 +310,7 @@ class _EngineState:
         self.core = core
         self.metrics = metrics
         self.metrics.follow(core.stats)  # the load gauges, read at each scrape
+        self.metrics.follow_groups([group.attention for group in core.kv_groups()], core.kv_group_usage)
         self.max_waiting = max_waiting
         self.cond = threading.Condition()
         self.handles: dict[str, RequestHandle] = {}  # submitted, not yet ended

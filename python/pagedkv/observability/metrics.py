@@ -10,7 +10,7 @@ benchmarks) never collide; :meth:`EngineMetrics.serve` exposes it at ``/metrics`
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -29,6 +29,7 @@ class EngineMetrics:
 
     def __init__(self, model_name: str = "pagedkv") -> None:
         self.registry = CollectorRegistry(auto_describe=True)
+        self.model_name = model_name
         labels = ["model_name"]
 
         def gauge(name: str, doc: str) -> Gauge:
@@ -94,6 +95,26 @@ class EngineMetrics:
         for gauge, key in ((self.num_requests_running, "num_running"), (self.num_requests_waiting, "num_waiting"),
                            (self.kv_cache_usage_perc, "kv_usage")):
             gauge.set_function(reading(key))
+
+    def follow_groups(self, attention: Sequence[str], usage: Callable[[], Sequence[float]]) -> None:
+        """Makes ``pagedkv:kv_cache_group_usage_perc{group, attention}`` read ``usage()`` (the
+        fraction of the pool each KV cache group holds, in group order) at each scrape: one series
+        per group, ``attention`` naming what it keeps ("full", "sliding:512"); NaN once the core
+        cannot answer."""
+        gauge = Gauge("pagedkv:kv_cache_group_usage_perc", "Fraction of KV blocks each KV cache group holds (0 to 1).",
+                      ["model_name", "group", "attention"], registry=self.registry)
+
+        def reading(index: int) -> Callable[[], float]:
+            def read() -> float:
+                try:
+                    return float(usage()[index])
+                except PagedKVError:
+                    return math.nan
+
+            return read
+
+        for index, kind in enumerate(attention):
+            gauge.labels(self.model_name, str(index), kind).set_function(reading(index))
 
     def record_scheduler(self, stats: Mapping[str, float]) -> None:
         """Updates the counters (and the disk tier's gauge) from ``Scheduler.stats()`` (cumulative

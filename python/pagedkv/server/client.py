@@ -78,6 +78,9 @@ class LocalEngine:
             "num_waiting": scheduler.num_waiting,
             "num_blocks": num_blocks,
             "blocks_in_use": num_blocks - scheduler.num_free_blocks,
+            # Per KV cache group (a hybrid model's full and sliding-window layers).
+            "kv_groups": [{"layers": g.layers, "attention": g.attention, "blocks_in_use": g.blocks_in_use}
+                          for g in self.engine.core.kv_groups()],
         }
 
     def metrics_text(self) -> str:
