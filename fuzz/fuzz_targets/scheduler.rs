@@ -1,17 +1,22 @@
 //! Fuzz target: a `Scheduler` driven by requests, aborts (in any state, mid-step included) and
-//! schedule/update steps with sampled tokens decoded from the input, under a random configuration.
+//! schedule/update steps with sampled tokens decoded from the input, under a random configuration:
+//! its KV cache groups too (one to three, each keeping every token or a sliding window).
 //!
 //! Beside the scheduler runs a model of what it promises: the live requests with each sample's
 //! tokens, and a simulated KV cache in which every slot holds a hash of the (salt, tokens) prefix
-//! whose K/V was last written there. Checked:
+//! and the KV cache group whose K/V was last written there. Checked:
 //! - every call either succeeds or returns the error class the model predicts, and a refused call
 //!   changes nothing observable; `check_invariants` holds after every call;
 //! - `update` accepts only the id of the step awaiting it: the previous step's id, another
 //!   scheduler's (with the same step number), or any id while no step is pending, is refused;
-//! - each step has the model-runner layout, schedules only live samples' next tokens at their
-//!   positions, writes no slot twice, and every position a row attends to (after applying the
-//!   copy-on-write ops, then the step's writes) holds that row's own prefix: no sequence ever
-//!   reads another's K/V or a stale block;
+//! - each step has the model-runner layout (one slot mapping and one block table per group),
+//!   schedules only live samples' next tokens at their positions, writes no slot twice (in any
+//!   group), and every position a row attends to in a group (after applying the copy-on-write ops,
+//!   then the step's writes) holds that row's own prefix in that group: no sequence ever reads
+//!   another's K/V, another group's or a stale block. A full group's table holds every block of
+//!   the context; a sliding group's (window `w`) may show -1 only for a prefix of blocks wholly
+//!   before `first + 1 - w` (`first` the row's first new position), which no query of the step
+//!   reads;
 //! - `update` yields one token per live sample in sample order, with the finish reason the
 //!   request's limits and the configuration's end-of-sequence tokens imply, and finishes a request
 //!   when its last sample ends;
@@ -25,10 +30,11 @@ use std::sync::Arc;
 
 use arbitrary::Arbitrary;
 use libfuzzer_sys::fuzz_target;
+use pagedkv::kv::coordinator::capacity_tokens;
 use pagedkv::scheduler::{
     FinishReason, Policy, RequestOptions, SamplingParams, SchedulerStats, StepId, StepOutput,
 };
-use pagedkv::{Error, Scheduler, SchedulerConfig};
+use pagedkv::{AttentionKind, Error, Scheduler, SchedulerConfig};
 
 /// Request ids drawn from `r0..r{IDS}`: ids collide, repeat after a request ends, and miss.
 const IDS: u8 = 10;
@@ -41,6 +47,8 @@ const HISTORY: usize = 16;
 const SALTS: [Option<&[u8]>; 3] = [None, Some(b"a"), Some(b"b")];
 /// Steps the final drain may take before the harness calls it a livelock.
 const DRAIN_STEPS: usize = 20_000;
+/// Longest sliding window drawn, in tokens.
+const MAX_WINDOW: u8 = 12;
 
 #[derive(Debug, Arbitrary)]
 struct Config {
@@ -55,6 +63,28 @@ struct Config {
     /// End-of-sequence tokens: none, one or several (maybe repeated).
     eos: [Option<u8>; 3],
     lookahead: Option<u8>,
+    /// The KV cache groups: `kept`, then each of `more_kept` present (one to three groups).
+    kept: Kept,
+    more_kept: [Option<Kept>; 2],
+}
+
+/// What a KV cache group keeps of a sequence (input bytes that run out give `Full`).
+#[derive(Debug, Clone, Copy, Arbitrary)]
+enum Kept {
+    Full,
+    /// A window of `1 + w % MAX_WINDOW` tokens.
+    Sliding(u8),
+}
+
+impl Kept {
+    fn kind(self) -> AttentionKind {
+        match self {
+            Kept::Full => AttentionKind::Full,
+            Kept::Sliding(w) => AttentionKind::Sliding {
+                window: 1 + usize::from(w % MAX_WINDOW),
+            },
+        }
+    }
 }
 
 #[derive(Debug, Arbitrary)]
@@ -169,13 +199,18 @@ fn kv_content(parent: u64, token: u32) -> u64 {
     z ^ (z >> 31)
 }
 
-fn prefix_contents(salt: usize, tokens: &[u32]) -> Vec<u64> {
+/// The K/V of each prefix of `tokens` under `salt` in KV cache group `group` (a group's layers
+/// have their own K/V: group 0's contents are the prefix hashes themselves).
+fn prefix_contents(salt: usize, tokens: &[u32], group: usize) -> Vec<u64> {
     let mut h = kv_content(0x5a17, salt as u32);
     tokens
         .iter()
         .map(|&t| {
             h = kv_content(h, t);
-            h
+            match group {
+                0 => h,
+                g => kv_content(h ^ 0x6a09_e667_f3bc_c908, g as u32),
+            }
         })
         .collect()
 }
@@ -214,6 +249,8 @@ struct Harness {
     /// An idle scheduler of the same configuration, whose step ids are foreign to `scheduler`.
     other: Scheduler,
     config: SchedulerConfig,
+    /// What each KV cache group keeps.
+    kept: Vec<AttentionKind>,
     /// Steps `scheduler` has built, and the id of the last one it updated.
     steps: u64,
     last_step: Option<StepId>,
@@ -224,7 +261,8 @@ struct Harness {
     finished: u64,
     aborted: u64,
     history: Vec<Vec<u32>>,
-    /// Simulated KV cache: the prefix hash last written to each slot.
+    /// Simulated KV cache: the (prefix, group) hash last written to each slot. One vector for
+    /// all groups: their tables hold different blocks of the one pool.
     kv: Vec<Option<u64>>,
     /// Tokens sampled in the final drain, which cycles through the alphabet.
     drained: u32,
@@ -378,20 +416,26 @@ impl Harness {
         );
     }
 
-    /// Checks a step's layout and simulates its K/V writes and reads.
+    /// Checks a step's layout and simulates its K/V writes and reads, in every KV cache group.
     fn check_step(&mut self, out: &StepOutput) {
         let bs = self.config.block_size;
         let rows = out.num_seqs();
         let t = out.num_tokens();
+        let groups = self.kept.len();
+        let width = out.block_table_width;
         assert!(
             t <= self.config.max_num_batched_tokens,
             "over the token budget"
         );
         assert_eq!(t, out.stats.num_scheduled_tokens);
-        assert_eq!((out.positions.len(), out.slot_mapping.len()), (t, t));
+        assert_eq!(out.num_kv_groups, groups, "KV cache groups of the step");
+        assert_eq!(
+            (out.positions.len(), out.slot_mapping.len()),
+            (t, groups * t)
+        );
         assert_eq!(out.query_start_loc.len(), rows + 1);
         assert_eq!((out.request_ids.len(), out.seq_indices.len()), (rows, rows));
-        assert_eq!(out.block_tables.len(), rows * out.block_table_width);
+        assert_eq!(out.block_tables.len(), groups * rows * width);
         assert_eq!(out.query_start_loc[0], 0);
         assert_eq!(out.query_start_loc[rows] as usize, t);
         assert_eq!(out.copy_ops.len() % 2, 0);
@@ -432,42 +476,71 @@ impl Harness {
             let context = out.context_lens[i] as usize;
             assert!(context <= tokens.len() && context <= self.config.max_model_len);
             let first = context - (end - start);
-            let table = &out.block_tables[i * out.block_table_width..][..out.block_table_width];
-            let held = context.div_ceil(bs);
-            assert!(table[..held]
-                .iter()
-                .all(|&b| (0..capacity as i32).contains(&b)));
-            assert!(
-                table[held..].iter().all(|&b| b == -1),
-                "row {i} is not padded with -1"
-            );
-            let distinct: HashSet<_> = table[..held].iter().collect();
-            assert_eq!(distinct.len(), held, "row {i} holds a block twice");
-            let contents = prefix_contents(request.salt, &tokens[..context]);
             for (j, position) in (start..end).zip(first..context) {
                 assert_eq!(out.positions[j], position as i64);
                 assert_eq!(out.input_ids[j], i64::from(tokens[position]));
-                let slot = i64::from(table[position / bs]) * bs as i64 + (position % bs) as i64;
-                assert_eq!(
-                    out.slot_mapping[j], slot,
-                    "slot of row {i} position {position}"
+            }
+            let held = context.div_ceil(bs);
+            for (g, &kept) in self.kept.iter().enumerate() {
+                // The first position a query of this row reads in this group.
+                let read_from = match kept {
+                    AttentionKind::Full => 0,
+                    AttentionKind::Sliding { window } => (first + 1).saturating_sub(window),
+                };
+                let table = &out.block_tables[(g * rows + i) * width..][..width];
+                assert!(
+                    held <= width,
+                    "row {i} group {g}: table narrower than its context"
+                );
+                // A window's released blocks: a prefix of -1 entries, each block wholly before
+                // `read_from` (none in a full group).
+                let released = table[..held].iter().take_while(|&&b| b == -1).count();
+                assert!(
+                    released * bs <= read_from,
+                    "row {i} group {g} ({kept:?}): {released} leading blocks released, but \
+                     position {read_from} (first {first}) is read"
                 );
                 assert!(
-                    written.insert(slot),
-                    "slot {slot} written twice in one step"
+                    table[released..held]
+                        .iter()
+                        .all(|&b| (0..capacity as i32).contains(&b)),
+                    "row {i} group {g}: a held entry is not a block: {table:?}"
                 );
-                self.kv[slot as usize] = Some(contents[position]);
-            }
-            for (position, &content) in contents.iter().enumerate() {
-                let slot = table[position / bs] as usize * bs + position % bs;
-                reads.push((i, position, slot, content));
+                assert!(
+                    table[held..].iter().all(|&b| b == -1),
+                    "row {i} group {g} is not padded with -1"
+                );
+                let distinct: HashSet<_> = table[released..held].iter().collect();
+                assert_eq!(
+                    distinct.len(),
+                    held - released,
+                    "row {i} group {g} holds a block twice"
+                );
+                let contents = prefix_contents(request.salt, &tokens[..context], g);
+                for (j, position) in (start..end).zip(first..context) {
+                    let slot = i64::from(table[position / bs]) * bs as i64 + (position % bs) as i64;
+                    assert_eq!(
+                        out.slot_mapping[g * t + j],
+                        slot,
+                        "slot of row {i} position {position} in group {g}"
+                    );
+                    assert!(
+                        written.insert(slot),
+                        "slot {slot} written twice in one step"
+                    );
+                    self.kv[slot as usize] = Some(contents[position]);
+                }
+                for (position, &content) in contents.iter().enumerate().skip(read_from) {
+                    let slot = table[position / bs] as usize * bs + position % bs;
+                    reads.push((i, g, position, slot, content));
+                }
             }
         }
-        for (i, position, slot, content) in reads {
+        for (i, g, position, slot, content) in reads {
             assert_eq!(
                 self.kv[slot],
                 Some(content),
-                "row {i} reads position {position} from slot {slot} holding other K/V"
+                "row {i} reads position {position} of group {g} from slot {slot} holding other K/V"
             );
         }
         let samples = out.num_samples();
@@ -668,15 +741,19 @@ impl Harness {
     }
 }
 
-fn config(c: &Config) -> SchedulerConfig {
+/// The configuration and the KV cache groups it keeps. `max_model_len` is within what the groups
+/// hold (`capacity_tokens`); when that is under 2 tokens, the pool grows until it is not.
+fn config(c: &Config) -> (SchedulerConfig, Vec<AttentionKind>) {
+    let kept: Vec<AttentionKind> = std::iter::once(c.kept)
+        .chain(c.more_kept.iter().flatten().copied())
+        .map(Kept::kind)
+        .collect();
     let mut config = SchedulerConfig::new(
         2 + usize::from(c.num_blocks % 31),
         1 + usize::from(c.block_size % 8),
     );
-    let capacity = config.num_blocks * config.block_size;
     config.max_num_seqs = 1 + usize::from(c.max_num_seqs % 8);
     config.max_num_batched_tokens = 1 + usize::from(c.max_num_batched_tokens % 64);
-    config.max_model_len = 2 + usize::from(c.max_model_len) % (capacity - 1);
     config.enable_prefix_caching = c.prefix_caching;
     if let Some(aging) = c.aging_steps {
         config.policy = Policy::Priority {
@@ -684,6 +761,20 @@ fn config(c: &Config) -> SchedulerConfig {
         };
     }
     config.long_prefill_token_threshold = usize::from(c.long_prefill_token_threshold % 17);
+    // The longest prefill chunk, as the scheduler caps it.
+    let chunk = match config.long_prefill_token_threshold {
+        0 => config.max_num_batched_tokens,
+        cap => cap.min(config.max_num_batched_tokens),
+    };
+    let capacity = loop {
+        let capacity = capacity_tokens(&kept, config.num_blocks, config.block_size, chunk);
+        if capacity >= 2 {
+            break capacity;
+        }
+        config.num_blocks += 1;
+    };
+    // With one full group: 2..=num_blocks * block_size, as before groups existed.
+    config.max_model_len = 2 + usize::from(c.max_model_len) % (capacity - 1);
     config.eos_token_ids = c
         .eos
         .iter()
@@ -691,14 +782,15 @@ fn config(c: &Config) -> SchedulerConfig {
         .map(|&t| u32::from(t % TOKEN_ALPHABET))
         .collect();
     config.admission_lookahead_tokens = c.lookahead.map(|l| usize::from(l % 48));
-    config
+    (config, kept)
 }
 
 fuzz_target!(|input: Input| {
-    let config = config(&input.config);
+    let (config, kept) = config(&input.config);
     let mut h = Harness {
-        scheduler: Scheduler::new(config.clone()).expect("a valid configuration"),
-        other: Scheduler::new(config.clone()).expect("a valid configuration"),
+        scheduler: Scheduler::keeping(config.clone(), kept.clone()).expect("a valid configuration"),
+        other: Scheduler::keeping(config.clone(), kept.clone()).expect("a valid configuration"),
+        kept,
         steps: 0,
         last_step: None,
         pending_samples: 0,

@@ -424,7 +424,7 @@ class KvSpec:
     group's layers, so one pool serves all groups. Layers of several K/V shapes are refused
     (InvalidArgumentError)."""
 
-    def __new__(cls, layers: Sequence[LayerSpec], dtype: str = ...) -> Self: ...
+    def __new__(cls, layers: Sequence[LayerSpec], dtype: str = ..., *, hybrid: bool = True) -> Self: ...
     @staticmethod
     def uniform(num_layers: int, num_kv_heads: int, head_dim: int, dtype: str = ...) -> KvSpec:
         """``num_layers`` alike layers of full attention."""
@@ -438,6 +438,11 @@ class KvSpec:
     @property
     def dtype(self) -> str:
         """Storage dtype name."""
+    @property
+    def hybrid(self) -> bool:
+        """Whether each attention kind gets KV cache groups of its own (False: every layer's K/V
+        kept whole in one group, sliding layers still attending over their window: the baseline
+        of ``bench kv-groups``)."""
     def capacity_tokens(self, num_blocks: int, block_size: int, max_num_batched_tokens: int) -> int:
         """The longest sequence a cache of ``num_blocks`` blocks of ``block_size`` tokens holds for
         this spec, computing up to ``max_num_batched_tokens`` tokens a step: ``num_blocks *

@@ -50,6 +50,11 @@ pub struct LayerSpec {
 pub struct KvSpec {
     pub layers: Vec<LayerSpec>,
     pub dtype: KvDtype,
+    /// Whether each attention kind gets KV cache groups of its own (the hybrid cache, the
+    /// default); false keeps every layer's K/V whole in one group, sliding layers included (their
+    /// attention still applies their window): a cache without hybrid groups, the baseline
+    /// `bench kv-groups` measures against.
+    pub hybrid: bool,
 }
 
 impl KvSpec {
@@ -68,6 +73,7 @@ impl KvSpec {
         KvSpec {
             layers: vec![layer; num_layers],
             dtype,
+            hybrid: true,
         }
     }
 }
@@ -119,9 +125,17 @@ impl KvCacheConfig {
                 )
             })?;
         }
-        // The layers of each attention kind, in order of their first layer.
+        // The layers of each attention kind, in order of their first layer (one kind, keeping
+        // every token, without hybrid groups).
         let mut kinds: Vec<(LayerSpec, Vec<usize>)> = Vec::new();
         for (index, layer) in spec.layers.iter().enumerate() {
+            let layer = match spec.hybrid {
+                true => layer,
+                false => &LayerSpec {
+                    attention: AttentionKind::Full,
+                    ..*layer
+                },
+            };
             match kinds.iter_mut().find(|(kind, _)| kind == layer) {
                 Some((_, layers)) => layers.push(index),
                 None => kinds.push((*layer, vec![index])),
@@ -201,6 +215,7 @@ mod tests {
                 .map(|i| layer(if i % 6 == 5 { full } else { local }))
                 .collect(),
             dtype: KvDtype::F16,
+            hybrid: true,
         };
         let config = KvCacheConfig::derive(&spec, 16).unwrap();
         assert_eq!(
@@ -219,6 +234,13 @@ mod tests {
         let places = config.layer_places();
         assert_eq!((places[5], places[6], places[17]), ((2, 0), (1, 2), (2, 2)));
         assert_eq!(config.kept().iter().filter(|&&k| k == full).count(), 1);
+        // Without hybrid groups: one group of every layer, keeping every token.
+        let whole = KvSpec {
+            hybrid: false,
+            ..spec
+        };
+        let config = KvCacheConfig::derive(&whole, 16).unwrap();
+        assert_eq!(groups(&config), [(full, (0..18).collect::<Vec<_>>())]);
     }
 
     #[test]
@@ -233,6 +255,7 @@ mod tests {
                 layer(local),
             ],
             dtype: KvDtype::F32,
+            hybrid: true,
         };
         let config = KvCacheConfig::derive(&spec, 4).unwrap();
         assert_eq!(
@@ -262,6 +285,7 @@ mod tests {
             KvSpec {
                 layers: vec![layer(AttentionKind::Sliding { window: 0 })],
                 dtype: KvDtype::F32,
+                hybrid: true,
             },
             mixed,
         ];

@@ -88,8 +88,11 @@ fn dtype_of(dtype: Param<'_>) -> PyResult<KvDtype> {
 #[pymethods]
 impl PyKvSpec {
     #[new]
-    #[pyo3(signature = (layers, dtype=Param::Absent), text_signature = "(layers, dtype=...)")]
-    fn new(layers: &Bound<'_, PyAny>, dtype: Param<'_>) -> PyResult<Self> {
+    #[pyo3(
+        signature = (layers, dtype=Param::Absent, *, hybrid=Param::Absent),
+        text_signature = "(layers, dtype=..., *, hybrid=True)"
+    )]
+    fn new(layers: &Bound<'_, PyAny>, dtype: Param<'_>, hybrid: Param<'_>) -> PyResult<Self> {
         let sequence = layers
             .cast::<PySequence>()
             .map_err(|_| invalid("layers must be a sequence of LayerSpec".into()))?;
@@ -106,6 +109,7 @@ impl PyKvSpec {
             inner: KvSpec {
                 layers,
                 dtype: dtype_of(dtype)?,
+                hybrid: hybrid.or("hybrid", true)?,
             },
         })
     }
@@ -152,6 +156,13 @@ impl PyKvSpec {
         self.inner.dtype.name()
     }
 
+    /// Whether each attention kind gets KV cache groups of its own (False: every layer kept
+    /// whole in one group).
+    #[getter]
+    fn hybrid(&self) -> bool {
+        self.inner.hybrid
+    }
+
     /// The longest sequence a cache of `num_blocks` blocks of `block_size` tokens holds for this
     /// spec, computing up to `max_num_batched_tokens` tokens a step: with one group of full
     /// attention, `num_blocks * block_size`; a sliding-window group holds only its window.
@@ -174,8 +185,12 @@ impl PyKvSpec {
 
     fn __repr__(&self) -> String {
         let layers: Vec<String> = self.layers().iter().map(PyLayerSpec::__repr__).collect();
+        let hybrid = match self.inner.hybrid {
+            true => "",
+            false => ", hybrid=False",
+        };
         format!(
-            "KvSpec([{}], dtype={:?})",
+            "KvSpec([{}], dtype={:?}{hybrid})",
             layers.join(", "),
             self.inner.dtype.name()
         )

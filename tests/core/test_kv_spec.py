@@ -53,7 +53,13 @@ def test_each_attention_kind_has_groups_of_its_own_and_a_step_has_arrays_per_gro
     # The rarest kind (full) has one layer: groups of one layer each, in layer order.
     assert [(g.layer, g.layers) for g in s.kv_groups] == [
         (LayerSpec(2, 8, window=4), [0]), (LayerSpec(2, 8), [1]), (LayerSpec(2, 8, window=4), [2])]
-    assert s.kv_spec == spec
+    assert s.kv_spec == spec and spec.hybrid
+    # Without hybrid groups: one group keeps every layer whole (the baseline).
+    whole = KvSpec(spec.layers, hybrid=False)
+    assert not whole.hybrid and whole != spec and repr(whole).endswith("hybrid=False)")
+    [group] = Scheduler(num_blocks=32, block_size=4, kv_spec=whole).kv_groups
+    assert (group.layer, group.layers) == (LayerSpec(2, 8), [0, 1, 2])
+    assert whole.capacity_tokens(32, 4, 8) == 32 * 4
     # The default max_model_len is what the three groups hold together: the full group's blocks
     # plus two sliding groups of at most ceil((4 - 1 + 8) / 4) + 1 = 4 blocks each.
     assert spec.capacity_tokens(32, 4, 8) == s.max_model_len == (32 - 2 * 4) * 4

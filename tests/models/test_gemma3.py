@@ -106,7 +106,8 @@ def test_the_window_matters(tiny):
                                prefill_logits(model, tokens)[:5], atol=1e-5)
 
 
-def test_the_engine_decodes_batched_chunked_prompts_as_the_reference_does(tiny):
+@pytest.mark.parametrize("hybrid", [True, False])
+def test_the_engine_decodes_batched_chunked_prompts_as_the_reference_does(tiny, hybrid):
     model, tensors = tiny
     rng = np.random.default_rng(2)
     prompts = [list(map(int, rng.integers(3, CONFIG.vocab_size, n))) for n in (3, 9, 17, 30)]
@@ -117,7 +118,8 @@ def test_the_engine_decodes_batched_chunked_prompts_as_the_reference_does(tiny):
             tokens.append(int(np.argmax(dense_logits(CONFIG, tensors, tokens)[-1])))
         return tokens[len(prompt):]
 
-    engine = Engine(model, ByteTokenizer(), EngineConfig(num_blocks=64, block_size=4, max_num_batched_tokens=7))
+    config = EngineConfig(num_blocks=64, block_size=4, max_num_batched_tokens=7, hybrid_kv_cache=hybrid)
+    engine = Engine(model, ByteTokenizer(), config)
     try:
         params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
         handles = [engine.submit(prompt, params) for prompt in prompts]
@@ -128,10 +130,12 @@ def test_the_engine_decodes_batched_chunked_prompts_as_the_reference_does(tiny):
     for prompt, got in zip(prompts, outputs, strict=True):
         assert got == reference_greedy(prompt, 12)
     # A hybrid cache: the two sliding layers' group released blocks behind its window; with every
-    # request done, no group holds a block, and each has its own usage series.
-    assert [(g.layers, g.attention, g.blocks_in_use) for g in groups] == [([0, 2], "sliding:5", 0), ([1, 3], "full", 0)]
-    assert stats["window_released_blocks"] > 0
-    for index, kind in enumerate(("sliding:5", "full")):
+    # request done, no group holds a block, and each has its own usage series. Without: one group
+    # keeps every layer's K/V whole (the sliding layers still attend over their window: same tokens).
+    expected = [([0, 2], "sliding:5"), ([1, 3], "full")] if hybrid else [([0, 1, 2, 3], "full")]
+    assert [(g.layers, g.attention, g.blocks_in_use) for g in groups] == [(*group, 0) for group in expected]
+    assert (stats["window_released_blocks"] > 0) == hybrid
+    for index, (_, kind) in enumerate(expected):
         assert f'kv_cache_group_usage_perc{{attention="{kind}",group="{index}",model_name=' in metrics
 
 

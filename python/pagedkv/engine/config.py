@@ -65,6 +65,10 @@ class EngineConfig:
     # Record KV events (BlockStored / BlockRemoved / AllBlocksCleared, per medium) for a router:
     # EngineCore.kv_events publishes them after every step. Off: nothing is recorded.
     emit_kv_events: bool = _SCHEDULER["emit_kv_events"]
+    # A model with sliding-window layers (Gemma 3) keeps their K/V in KV cache groups of their own,
+    # which release the blocks that left the window (KvSpec.hybrid). False keeps every layer's K/V
+    # whole in one group: the baseline `python -m lab bench kv-groups` measures against.
+    hybrid_kv_cache: bool = True
 
     def scheduler_options(self) -> dict[str, object]:
         """The scheduler's options as configured, by the scheduler's names: every option

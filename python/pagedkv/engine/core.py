@@ -66,7 +66,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pagedkv._core import Scheduler, SchedulerOutput
+from pagedkv._core import KvSpec, Scheduler, SchedulerOutput
 from pagedkv.callbacks import call_guarded
 from pagedkv.engine.config import EngineConfig
 from pagedkv.engine.output_processor import append_token
@@ -148,15 +148,19 @@ class EngineCore:
         self.tokenizer = tokenizer
         self.config = config
         self.clock = clock
+        if not isinstance(config.hybrid_kv_cache, bool):
+            raise InvalidArgumentError(f"hybrid_kv_cache must be a bool, got {config.hybrid_kv_cache!r}")
+        spec = runner.kv_spec
+        if spec is not None and not config.hybrid_kv_cache:
+            spec = KvSpec(spec.layers, spec.dtype, hybrid=False)
         max_model_len = config.max_model_len
         if max_model_len is None:
-            spec = runner.kv_spec
             held = config.num_blocks * config.block_size  # one full-attention group: the whole cache
             if spec is not None:  # several groups (sliding windows): what fits in all of them
                 held = spec.capacity_tokens(config.num_blocks, config.block_size, config.max_num_batched_tokens)
             max_model_len = min(runner.max_model_len, held)
         options = config.scheduler_options() | {"max_model_len": max_model_len}
-        self.scheduler = Scheduler(**options, eos_token_ids=list(eos_token_ids), kv_spec=runner.kv_spec)  # type: ignore[arg-type]
+        self.scheduler = Scheduler(**options, eos_token_ids=list(eos_token_ids), kv_spec=spec)  # type: ignore[arg-type]
         self.max_model_len: int = self.scheduler.max_model_len  # as the scheduler validated it
         if self.max_model_len > runner.max_model_len:
             raise InvalidArgumentError(f"max_model_len {self.max_model_len} exceeds the model's {runner.max_model_len} positions")
