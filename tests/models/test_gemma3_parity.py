@@ -13,22 +13,17 @@ recomputed. Teacher-forced, float32 weights' logits pick transformers' tokens at
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from pagedkv.engine import Engine, EngineConfig
 from pagedkv.loaders import load_model
 from pagedkv.models import DEFAULT_WEIGHT_DTYPE
-from pagedkv.sampling import SamplingParams
+from support.golden import Golden
 from support.prefill import prefill_logits
 
-GOLDEN = json.loads((Path(__file__).parent.parent / "data" / "gemma3_golden.json").read_text())
-PROMPTS: dict[str, dict] = GOLDEN["prompts"]
-LONG = GOLDEN["long_prompt"]
-FINISH = {"eos": "stop", "length": "length"}
+GOLDEN = Golden("gemma3_golden.json")
+PROMPTS, LONG = GOLDEN.prompts, GOLDEN.long
 
 
 @pytest.fixture(scope="module")
@@ -37,38 +32,12 @@ def gemma3():
     return load_model("gemma3-270m", weight_dtype=DEFAULT_WEIGHT_DTYPE)
 
 
-def greedy() -> SamplingParams:
-    return SamplingParams(max_tokens=GOLDEN["max_new_tokens"], temperature=0.0, stop_token_ids=tuple(GOLDEN["eos_token_ids"]))
-
-
-def run(gemma3, config: EngineConfig, names: list[str]) -> tuple[dict[str, list[int]], dict[str, str], dict[str, float]]:
-    model, tokenizer = gemma3
-    engine = Engine(model, tokenizer, config)
-    try:
-        handles = {name: engine.submit(PROMPTS[name]["prompt_token_ids"], greedy()) for name in names}
-        outputs = {name: handle.result(timeout=600) for name, handle in handles.items()}
-        stats = engine.stats()
-    finally:
-        engine.shutdown(timeout=60)
-    return ({name: out.outputs[0].token_ids for name, out in outputs.items()},
-            {name: out.outputs[0].finish_reason for name, out in outputs.items()}, stats)
-
-
-def assert_golden(tokens: dict[str, list[int]], finish: dict[str, str]) -> None:
-    for name, got in tokens.items():
-        expected = PROMPTS[name]["expected_token_ids"]
-        diverged = next((i for i, (a, b) in enumerate(zip(got, expected, strict=False)) if a != b), None)
-        margin = None if diverged is None else PROMPTS[name]["top1_margins"][diverged]
-        assert got == expected, f"{name}: first difference at new token {diverged} (transformers' top-1 margin there {margin})"
-        assert finish[name] == FINISH[PROMPTS[name]["finish_reason"]], name
-
-
 def test_the_golden_file_covers_what_parity_needs(gemma3):
     model, tokenizer = gemma3
     window = model.config.sliding_window
-    assert GOLDEN["text_config"]["sliding_window"] == window == 512
+    assert GOLDEN.data["text_config"]["sliding_window"] == window == 512
     assert len(PROMPTS[LONG]["prompt_token_ids"]) >= 4 * window
-    assert list(model.config.eos_token_ids) == GOLDEN["eos_token_ids"]
+    assert list(model.config.eos_token_ids) == GOLDEN.data["eos_token_ids"]
     # The two tokenizers, both built from the GGUF metadata, agree, BOS included.
     for name, prompt in PROMPTS.items():
         assert tokenizer.encode(prompt["text"]) == prompt["prompt_token_ids"], name
@@ -81,8 +50,8 @@ PAGES_OF_256_BLOCKS = 256 * 6
 
 
 def test_a_batch_of_every_prompt_matches_transformers(gemma3):
-    tokens, finish, _ = run(gemma3, EngineConfig(num_blocks=PAGES_OF_256_BLOCKS, block_size=16), list(PROMPTS))
-    assert_golden(tokens, finish)
+    tokens, finish, _ = GOLDEN.run(gemma3, EngineConfig(num_blocks=PAGES_OF_256_BLOCKS, block_size=16), list(PROMPTS))
+    GOLDEN.check(tokens, finish)
 
 
 def test_the_long_prompt_in_chunks_across_the_window_then_as_a_prefix_hit_matches_transformers(gemma3):
@@ -91,9 +60,9 @@ def test_the_long_prompt_in_chunks_across_the_window_then_as_a_prefix_hit_matche
     # 200-token chunks: the window's edge (512 behind each query) falls inside most chunks.
     engine = Engine(model, tokenizer, EngineConfig(num_blocks=PAGES_OF_256_BLOCKS, block_size=16, max_num_batched_tokens=200))
     try:
-        first = engine.submit(prompt, greedy()).result(timeout=600)
+        first = engine.submit(prompt, GOLDEN.greedy()).result(timeout=600)
         after_first = engine.stats()
-        second = engine.submit(prompt, greedy()).result(timeout=600)
+        second = engine.submit(prompt, GOLDEN.greedy()).result(timeout=600)
         after_second = engine.stats()
     finally:
         engine.shutdown(timeout=60)
@@ -103,15 +72,15 @@ def test_the_long_prompt_in_chunks_across_the_window_then_as_a_prefix_hit_matche
     assert after_first["window_released_blocks"] >= 5 * (len(prompt) - 512 - 200) // 16
     assert after_second["prefix_hit_tokens"] >= (len(prompt) // 16 - 1) * 16
     for output in (first, second):
-        assert_golden({LONG: output.outputs[0].token_ids}, {LONG: output.outputs[0].finish_reason})
+        GOLDEN.check({LONG: output.outputs[0].token_ids}, {LONG: output.outputs[0].finish_reason})
 
 
 def test_preempted_and_recomputed_sequences_match_transformers(gemma3):
     short = [name for name in PROMPTS if name != LONG]
     config = EngineConfig(num_blocks=8 * 6, block_size=16, admission_lookahead_tokens=None, enable_prefix_caching=False)
-    tokens, finish, stats = run(gemma3, config, short)
+    tokens, finish, stats = GOLDEN.run(gemma3, config, short)
     assert stats["preemptions"] > 0
-    assert_golden(tokens, finish)
+    GOLDEN.check(tokens, finish)
 
 
 def test_teacher_forced_float32_logits_pick_transformers_tokens():

@@ -16,23 +16,17 @@ hit; and a pool too small for the batch, so sequences are preempted and recomput
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import numpy as np
 import pytest
 
 from pagedkv.engine import Engine, EngineConfig
 from pagedkv.loaders import load_model
 from pagedkv.models import DEFAULT_WEIGHT_DTYPE
-from pagedkv.sampling import SamplingParams
+from support.golden import Golden
 from support.prefill import prefill_logits
 
-GOLDEN = json.loads((Path(__file__).parent.parent / "data" / "smollm2_golden.json").read_text())
-PROMPTS: dict[str, dict] = GOLDEN["prompts"]
-LONG = GOLDEN["long_prompt"]
-# transformers ends at eos with the eos token kept, pagedkv says "stop"; else both run to the limit.
-FINISH = {"eos": "stop", "length": "length"}
+GOLDEN = Golden("smollm2_golden.json")
+PROMPTS, LONG = GOLDEN.prompts, GOLDEN.long
 
 
 @pytest.fixture(scope="module")
@@ -41,39 +35,12 @@ def smollm2():
     return load_model("smollm2-135m", weight_dtype=DEFAULT_WEIGHT_DTYPE)
 
 
-def greedy() -> SamplingParams:
-    return SamplingParams(max_tokens=GOLDEN["max_new_tokens"], temperature=0.0, stop_token_ids=tuple(GOLDEN["eos_token_ids"]))
-
-
-def run(smollm2, config: EngineConfig, names: list[str]) -> tuple[dict[str, list[int]], dict[str, str], dict[str, float]]:
-    """Every named prompt submitted at once; their new tokens, finish reasons and the engine's stats."""
-    model, tokenizer = smollm2
-    engine = Engine(model, tokenizer, config)
-    try:
-        handles = {name: engine.submit(PROMPTS[name]["prompt_token_ids"], greedy()) for name in names}
-        outputs = {name: handle.result(timeout=300) for name, handle in handles.items()}
-        stats = engine.stats()
-    finally:
-        engine.shutdown(timeout=60)
-    tokens = {name: out.outputs[0].token_ids for name, out in outputs.items()}
-    return tokens, {name: out.outputs[0].finish_reason for name, out in outputs.items()}, stats
-
-
-def assert_golden(tokens: dict[str, list[int]], finish: dict[str, str]) -> None:
-    for name, got in tokens.items():
-        expected = PROMPTS[name]["expected_token_ids"]
-        diverged = next((i for i, (a, b) in enumerate(zip(got, expected, strict=False)) if a != b), None)
-        margin = None if diverged is None else PROMPTS[name]["top1_margins"][diverged]
-        assert got == expected, f"{name}: first difference at new token {diverged} (transformers' top-1 margin there {margin})"
-        assert finish[name] == FINISH[PROMPTS[name]["finish_reason"]], name
-
-
 def test_the_golden_file_covers_what_parity_needs(smollm2):
     model, tokenizer = smollm2
     assert len(PROMPTS) >= 8 and {p["kind"] for p in PROMPTS.values()} == {"text", "chat"}
     assert len(PROMPTS[LONG]["prompt_token_ids"]) >= 500
     assert any(p["finish_reason"] == "eos" for p in PROMPTS.values())  # stopping at eos is exercised
-    assert list(model.config.eos_token_ids) == GOLDEN["eos_token_ids"]
+    assert list(model.config.eos_token_ids) == GOLDEN.data["eos_token_ids"]
     # The two tokenizers, both built from the GGUF metadata, agree on the text prompts.
     for name, prompt in PROMPTS.items():
         if prompt["kind"] == "text":
@@ -81,8 +48,8 @@ def test_the_golden_file_covers_what_parity_needs(smollm2):
 
 
 def test_a_batch_of_every_prompt_matches_transformers(smollm2):
-    tokens, finish, _ = run(smollm2, EngineConfig(num_blocks=256, block_size=16), list(PROMPTS))
-    assert_golden(tokens, finish)
+    tokens, finish, _ = GOLDEN.run(smollm2, EngineConfig(num_blocks=256, block_size=16), list(PROMPTS))
+    GOLDEN.check(tokens, finish)
 
 
 def test_the_long_prompt_in_small_chunks_then_as_a_prefix_hit_matches_transformers(smollm2):
@@ -90,9 +57,9 @@ def test_the_long_prompt_in_small_chunks_then_as_a_prefix_hit_matches_transforme
     prompt = PROMPTS[LONG]["prompt_token_ids"]
     engine = Engine(model, tokenizer, EngineConfig(num_blocks=128, block_size=16, max_num_batched_tokens=96))
     try:
-        first = engine.submit(prompt, greedy()).result(timeout=300)
+        first = engine.submit(prompt, GOLDEN.greedy()).result(timeout=300)
         after_first = engine.stats()
-        second = engine.submit(prompt, greedy()).result(timeout=300)
+        second = engine.submit(prompt, GOLDEN.greedy()).result(timeout=300)
         after_second = engine.stats()
     finally:
         engine.shutdown(timeout=60)
@@ -100,7 +67,7 @@ def test_the_long_prompt_in_small_chunks_then_as_a_prefix_hit_matches_transforme
     # Every full block of the prompt but the last comes from the cache the second time.
     assert after_second["prefix_hit_tokens"] >= (len(prompt) // 16 - 1) * 16
     for output in (first, second):
-        assert_golden({LONG: output.outputs[0].token_ids}, {LONG: output.outputs[0].finish_reason})
+        GOLDEN.check({LONG: output.outputs[0].token_ids}, {LONG: output.outputs[0].finish_reason})
 
 
 def test_preempted_and_recomputed_sequences_match_transformers(smollm2):
@@ -108,9 +75,9 @@ def test_preempted_and_recomputed_sequences_match_transformers(smollm2):
     # 24 blocks of 16 tokens hold the prompts but not their 32 new tokens each: with admission
     # lookahead off, the batch fills the pool and growth preempts the latest sequences.
     config = EngineConfig(num_blocks=24, block_size=16, admission_lookahead_tokens=None, enable_prefix_caching=False)
-    tokens, finish, stats = run(smollm2, config, short)
+    tokens, finish, stats = GOLDEN.run(smollm2, config, short)
     assert stats["preemptions"] > 0
-    assert_golden(tokens, finish)
+    GOLDEN.check(tokens, finish)
 
 
 # weight dtype -> (bound on |logits - float32 logits|, fewest tokens equal to transformers',
