@@ -34,7 +34,7 @@ use crate::tier::KvTier;
 /// up to `chunk` tokens: the blocks over the first chunk token's window and the chunk, plus one
 /// for a window not aligned to blocks.
 pub fn sliding_peak_blocks(window: usize, chunk: usize, block_size: usize) -> usize {
-    (window - 1 + chunk).div_ceil(block_size) + 1
+    (window - 1).saturating_add(chunk).div_ceil(block_size) + 1
 }
 
 /// Blocks a sequence of `num_tokens` tokens holds at most in a group keeping `kept`, computing
@@ -59,7 +59,7 @@ pub fn capacity_tokens(
         groups
             .iter()
             .map(|&g| group_blocks(g, len, chunk, block_size))
-            .sum::<usize>()
+            .fold(0, usize::saturating_add)
             <= num_blocks
     };
     // Blocks needed grow with the length: bisect over 0..=num_blocks * block_size.

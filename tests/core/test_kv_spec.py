@@ -120,3 +120,14 @@ def test_a_cache_step_takes_one_positive_window_or_none_per_layer(windows: objec
 def test_layouts_the_runtime_cannot_keep_are_refused(layers: list[LayerSpec], message: str) -> None:
     with pytest.raises(InvalidArgumentError, match=message):
         Scheduler(num_blocks=8, kv_spec=KvSpec(layers))
+
+
+def test_bad_hybrid_flags_and_capacity_arguments_are_typed_errors() -> None:
+    spec = KvSpec([LayerSpec(2, 8, window=4), LayerSpec(2, 8)])
+    with pytest.raises(InvalidArgumentError, match="hybrid"):
+        KvSpec(spec.layers, hybrid="yes")  # type: ignore[arg-type]
+    for bad in ((-1, 4, 8), (8, 0, 8), (8, 4, 1.5)):
+        with pytest.raises(InvalidArgumentError):
+            spec.capacity_tokens(*bad)  # type: ignore[arg-type]
+    # Sizes at the edge of a machine word saturate instead of wrapping.
+    assert spec.capacity_tokens(2**63 - 1, 1, 2**63 - 1) <= 2**63 - 1

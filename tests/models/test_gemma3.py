@@ -179,3 +179,10 @@ def test_a_misshapen_or_missing_tensor_is_refused():
     tensors["model.norm.weight"] = np.ones(7, np.float32)
     with pytest.raises(InvalidArgumentError, match="model.norm.weight has shape"):
         Gemma3Model(CONFIG, tensors.items())
+
+
+@pytest.mark.parametrize("hybrid", ["no", 1, None])
+def test_hybrid_kv_cache_must_be_a_bool(tiny, hybrid):
+    model, _ = tiny
+    with pytest.raises(InvalidArgumentError, match="hybrid_kv_cache"):
+        Engine(model, ByteTokenizer(), EngineConfig(num_blocks=64, block_size=4, hybrid_kv_cache=hybrid))
