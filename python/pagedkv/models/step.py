@@ -33,7 +33,10 @@ class StepArrays(Protocol):
 
     - ``input_ids`` int ``[num_tokens]``: the tokens to run (prefill chunks and decode tokens).
     - ``positions`` int64 ``[num_tokens]``: each token's position in its sequence.
-    - ``slot_mapping`` int64 ``[num_tokens]``: the KV cache slot each token's K/V is written to.
+    - ``slot_mapping`` int64 ``[num_tokens]``: the KV cache slot each token's K/V is written to
+      (a scheduler's step over several KV cache groups has one row per group, ``[G, num_tokens]``,
+      and ``block_tables`` ``[G, num_seqs, width]``: its own ``write``/``attention`` pick each
+      layer's group; a :class:`CacheStep` addresses one cache, so it takes one group's arrays).
     - ``query_start_loc`` int32 ``[num_seqs + 1]``: prefix sums of tokens per sequence.
     - ``context_lens`` int32 ``[num_seqs]``: tokens in the cache for each sequence, this step's included.
     - ``block_tables`` int32 ``[num_seqs, width]``: physical blocks of each sequence, padded with -1.
