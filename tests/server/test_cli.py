@@ -169,7 +169,8 @@ def test_bench_all_runs_every_benchmark_with_its_defaults(monkeypatch: pytest.Mo
         if name != "all":
             monkeypatch.setattr(importlib.import_module(module_name), "run", recorder(name))
     assert lab_main(["bench", "all", "--quick"]) == 0
-    assert list(calls) == ["blocks", "attention", "linear", "scheduler", "serve", "model", "sampling", "http", "tiers", "cluster"]
+    assert list(calls) == ["blocks", "attention", "linear", "scheduler", "serve", "model", "sampling", "http", "tiers",
+                          "kv-groups", "cluster"]
     assert calls["attention"].quick and calls["linear"].quick and calls["serve"].quick  # type: ignore[attr-defined]
     assert calls["tiers"].quick and calls["cluster"].quick  # type: ignore[attr-defined]
     assert calls["blocks"].repeats == 5 and calls["scheduler"].step_ms == 20.0  # type: ignore[attr-defined]
