@@ -65,6 +65,7 @@ use crate::ids::{SeqId, TokenId};
 use crate::kv::coordinator::{capacity_tokens, group_blocks, KvCoordinator};
 use crate::kv::spec::AttentionKind;
 use crate::memory::block_manager::{BlockManager, TierPolicy, DEFAULT_MIN_LOAD_BLOCKS};
+use crate::memory::block_table::BlockTable;
 use crate::memory::events::{KvEvent, Medium};
 use crate::memory::eviction::EvictionPolicy;
 use crate::memory::prefix_cache::{root_hash, BlockHash};
@@ -251,6 +252,21 @@ fn headroom_blocks(
     let growth = lookahead.min(max_growth);
     (num_tokens + growth).div_ceil(block_size) - num_computed.div_ceil(block_size)
         + pending_forks as usize * (1 + growth.div_ceil(block_size))
+}
+
+/// Appends `row`'s slots in `table` to the step's slot mapping and writes `table` into its block
+/// tables at `at`.
+fn fill_row(out: &mut StepOutput, table: &BlockTable, row: &Row, at: usize, block_size: usize) {
+    table.extend_slots(
+        row.start,
+        row.start + row.len,
+        block_size,
+        &mut out.slot_mapping,
+    );
+    let cells = &mut out.block_tables[at..][..table.blocks().len()];
+    for (cell, entry) in cells.iter_mut().zip(table.entries()) {
+        *cell = entry;
+    }
 }
 
 /// Prompt tokens one sequence may compute in a step with `budget` tokens left.
@@ -885,18 +901,22 @@ impl Scheduler {
     /// a sliding group never needs more than its peak, `group_blocks`).
     fn headroom(&self, seq: &Sequence, num_computed: usize, lookahead: usize) -> usize {
         let bs = self.config.block_size;
-        let chunk = self.chunk_cap(self.config.max_num_batched_tokens);
+        let max_growth = self.max_growth(seq);
         let full = headroom_blocks(
             bs,
             seq.tokens.len(),
             num_computed,
             seq.pending_forks,
             lookahead,
-            self.max_growth(seq),
+            max_growth,
         );
-        let end = seq.tokens.len() + lookahead.min(self.max_growth(seq));
-        self.blocks
-            .groups()
+        let groups = self.blocks.groups();
+        if let [AttentionKind::Full] = groups {
+            return full; // every model but a hybrid one: once per running sequence and step
+        }
+        let chunk = self.chunk_cap(self.config.max_num_batched_tokens);
+        let end = seq.tokens.len() + lookahead.min(max_growth);
+        groups
             .iter()
             .map(|&kept| match kept {
                 AttentionKind::Full => full,
@@ -1139,24 +1159,8 @@ impl Scheduler {
         out.num_kv_groups = num_groups;
         out.block_tables
             .resize(num_groups * self.rows.len() * width, -1);
-        // Each group's slots and tables, group-major (`StepOutput`).
-        for group in 0..num_groups {
-            for (i, row) in self.rows.iter().enumerate() {
-                let table = self
-                    .blocks
-                    .table(self.seqs[row.seq].block_seq, group)
-                    .expect("scheduled sequences have tables");
-                let end = row.start + row.len;
-                table.extend_slots(row.start, end, block_size, &mut out.slot_mapping);
-                let at = (group * self.rows.len() + i) * width;
-                let table_row = &mut out.block_tables[at..][..table.blocks().len()];
-                for (cell, entry) in table_row.iter_mut().zip(table.entries()) {
-                    *cell = entry;
-                }
-            }
-        }
         out.query_start_loc.push(0);
-        for row in &self.rows {
+        for (i, row) in self.rows.iter().enumerate() {
             let seq = &self.seqs[row.seq];
             let request = &self.requests[seq.request];
             let end = row.start + row.len;
@@ -1174,6 +1178,24 @@ impl Scheduler {
                 out.sample_request_ids.push(request.id.clone());
                 out.sample_seq_indices.push(seq.index);
                 self.samples.push(row.seq);
+            }
+            // Group 0's slots and table in this pass (the only group of most models).
+            let table =
+                (self.blocks.table(seq.block_seq, 0)).expect("scheduled sequences have tables");
+            fill_row(out, table, row, i * width, block_size);
+        }
+        // The other groups' after it, group-major (`StepOutput`).
+        for group in 1..num_groups {
+            for (i, row) in self.rows.iter().enumerate() {
+                let table = (self.blocks.table(self.seqs[row.seq].block_seq, group))
+                    .expect("scheduled sequences have tables");
+                fill_row(
+                    out,
+                    table,
+                    row,
+                    (group * self.rows.len() + i) * width,
+                    block_size,
+                );
             }
         }
         // Forks last: they change the running list and the slab, which the loop above reads.
