@@ -145,9 +145,11 @@ mod tests {
     fn the_probes_measure_something() {
         let sweeps = measure_read_bandwidth(1 << 22, 2).unwrap();
         assert_eq!(sweeps.len(), 2);
-        assert!(sweeps.iter().all(|&gbps| gbps > 0.1 && gbps.is_finite()));
+        // Positive and finite, whatever the machine's speed or load (a 0.1 GB/s floor failed once
+        // while two builds shared the 2 cores).
+        assert!(sweeps.iter().all(|&gbps| gbps > 0.0 && gbps.is_finite()));
         let peak = measure_fma_peak().unwrap();
-        assert!(peak > 0.1 && peak.is_finite());
+        assert!(peak > 0.0 && peak.is_finite());
         assert!(ReadProbe::new(MIN_PROBE_BYTES - 1).is_err());
     }
 }
