@@ -197,6 +197,39 @@ def throughput(args: argparse.Namespace) -> dict[str, object]:
             "met": ratio >= 2.0, "greedy_tokens_equal": tokens["hybrid"] == tokens["uniform"]}
 
 
+def fragmentation(spec: KvSpec, block_size: int, args: argparse.Namespace) -> dict[str, float]:
+    """Internal fragmentation of each kind of group at ``block_size``: slots its held blocks
+    allocate but the step's queries do not read, over those they read ("full": every cached token;
+    "sliding": each row's window back from its first new token), summed over the steps of the
+    Azure conversation trace's first 64 requests (lengths x 4, distinct prompts, no prefix
+    caching) in which every running sequence was scheduled; and the mean block-table width."""
+    from pagedkv.traces import load_trace
+
+    s = Scheduler(num_blocks=1 << 16, block_size=block_size, kv_spec=spec, enable_prefix_caching=False,
+                  max_num_batched_tokens=args.max_num_batched_tokens)
+    for r, request in enumerate(load_trace(limit=64)):
+        prompt = [(r * 7919 + i) % 30000 + 3 for i in range(4 * request.prompt_tokens)]
+        s.add_request(f"r{r}", prompt, max_tokens=max(1, 4 * request.output_tokens))
+    windows = [g.layer.window for g in s.kv_groups]
+    held = {"full": 0, "sliding": 0}
+    read = {"full": 0, "sliding": 0}
+    widths = []
+    while s.has_unfinished():
+        out = s.schedule()
+        if len(out.context_lens) == s.num_running and len(out.context_lens):
+            ctx = out.context_lens.astype(int)
+            new = (out.query_start_loc[1:] - out.query_start_loc[:-1]).astype(int)
+            blocks = s.kv_group_blocks
+            for window, group_blocks in zip(windows, blocks, strict=True):
+                kind = "full" if window is None else "sliding"
+                held[kind] += group_blocks * block_size
+                read[kind] += int(ctx.sum() if window is None else (ctx - (ctx - new + 1 - window).clip(0)).sum())
+            widths.append(out.block_tables.shape[-1])
+        s.update(out, [1] * len(out.logits_indices))
+    return {f"{kind}_fragmentation": round(held[kind] / read[kind] - 1, 4) for kind in held if read[kind]} | {
+        "mean_table_width": round(sum(widths) / max(1, len(widths)), 1)}
+
+
 def run(args: argparse.Namespace) -> int:
     hybrid = gemma3_config().kv_spec(args.kv_dtype)
     layouts = {"hybrid": hybrid, "uniform": uniform(hybrid)}
@@ -225,6 +258,9 @@ def run(args: argparse.Namespace) -> int:
                         "ratio": round(concurrency_ratio, 2), "target": TARGET_CONCURRENCY_RATIO,
                         "met": concurrency_ratio >= TARGET_CONCURRENCY_RATIO},
         "prefix_hit_rate": hits,
+        # Per block size: what the hybrid layout wastes in each kind of group, and its tables' width
+        # (the kernel's side of the trade: `bench attention`'s paged_shuffled rows by block size).
+        "fragmentation_by_block_size": {str(bs): fragmentation(hybrid, bs, args) for bs in (8, 16, 32, 64)},
     }
     if args.throughput:
         report["throughput"] = throughput(args)
@@ -246,6 +282,9 @@ def run(args: argparse.Namespace) -> int:
           f"{c['ratio']}x (goal {TARGET_CONCURRENCY_RATIO}x)")
     for name, rates in hits.items():
         print(f"  prefix-hit rate, {name}: hybrid {rates['hybrid']:.3f}, uniform {rates['uniform']:.3f}")
+    for bs, row in report["fragmentation_by_block_size"].items():
+        print(f"  blocks of {bs:>2}: fragmentation full {row.get('full_fragmentation')}, sliding "
+              f"{row.get('sliding_fragmentation')}; mean table width {row['mean_table_width']}")
     if "throughput" in report:
         t = report["throughput"]
         print(f"  serving {t['requests']} x {t['prompt_tokens']}-token prompts, {t['output_tokens']} tokens each, in "

@@ -24,3 +24,9 @@ def test_bench_kv_groups_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert fits["hybrid"]["peak_running"] > 2 * fits["uniform"]["peak_running"] > 0
     for rates in report["prefix_hit_rate"].values():
         assert rates["hybrid"] == rates["uniform"] > 0
+    # Larger blocks waste more of the window (a sliding group's edge blocks) and narrow the tables.
+    rows = [report["fragmentation_by_block_size"][bs] for bs in ("8", "16", "32", "64")]
+    for small, large in zip(rows, rows[1:], strict=False):
+        assert 0 <= small["sliding_fragmentation"] < large["sliding_fragmentation"]
+        assert small["mean_table_width"] > large["mean_table_width"]
+    assert all(row["full_fragmentation"] < row["sliding_fragmentation"] for row in rows)
