@@ -106,7 +106,8 @@ impl KvCoordinator {
         Ok(KvCoordinator { manager, groups })
     }
 
-    /// The block manager (read-only: every change goes through the coordinator).
+    /// The block manager (read-only; `manager_mut` for the calls that pass through unchanged:
+    /// every change to tables goes through the coordinator).
     pub fn manager(&self) -> &BlockManager {
         &self.manager
     }

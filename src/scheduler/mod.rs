@@ -1,4 +1,7 @@
-//! Continuous batching: which tokens of which requests run at each step, over a [`BlockManager`].
+//! Continuous batching: which tokens of which requests run at each step, over a [`BlockManager`]
+//! through a [`KvCoordinator`]: each sequence holds a block table per KV cache group (one for most
+//! models; a hybrid model's sliding groups release the blocks behind their window before each
+//! step's appends), and every capacity check counts all groups.
 //!
 //! A step (`schedule`) first keeps the running sequences going, in running order (one decode
 //! token, or the next prompt chunk capped by `long_prefill_token_threshold`), then admits waiting
