@@ -182,7 +182,7 @@ def comma_list(item: Callable[[str], T]) -> Callable[[str], tuple[T, ...]]:
 def add_engine_arguments(parser: argparse.ArgumentParser, *, default_model: str = "smollm2-135m") -> None:
     """The flags of every command that runs an engine (``demo``, ``serve``): ``--model``,
     ``--num-blocks``, ``--max-num-seqs``, ``--max-num-batched-tokens``, ``--kv-dtype``, ``--weight-dtype``,
-    ``--eviction-policy``, ``--kv-disk-path``, ``--kv-disk-bytes``, ``--seed``
+    ``--eviction-policy``, ``--kv-disk-path``, ``--kv-disk-bytes``, ``--no-hybrid-kv-cache``, ``--seed``
     (read back by :func:`engine_kwargs`) and ``--otlp-traces-endpoint`` (for
     :func:`pagedkv.observability.tracing.configure`)."""
     parser.add_argument(
@@ -223,6 +223,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, default_model: str 
         default=None,
         help=f"capacity of the disk tier, e.g. 4G (default {DEFAULT_KV_DISK_BYTES >> 30}G; needs --kv-disk-path)",
     )
+    parser.add_argument(
+        "--no-hybrid-kv-cache",
+        dest="hybrid_kv_cache",
+        action="store_false",
+        help="keep every layer's K/V whole in one group (a sliding-window model's local layers then keep every token)",
+    )
     parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument(
         "--otlp-traces-endpoint",
@@ -244,6 +250,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "eviction_policy": args.eviction_policy,
         "kv_disk_path": args.kv_disk_path,
         "kv_disk_bytes": args.kv_disk_bytes,
+        "hybrid_kv_cache": args.hybrid_kv_cache,
     }
 
 

@@ -186,3 +186,16 @@ def test_hybrid_kv_cache_must_be_a_bool(tiny, hybrid):
     model, _ = tiny
     with pytest.raises(InvalidArgumentError, match="hybrid_kv_cache"):
         Engine(model, ByteTokenizer(), EngineConfig(num_blocks=64, block_size=4, hybrid_kv_cache=hybrid))
+
+
+def test_the_command_line_turns_the_hybrid_cache_off():
+    import argparse
+
+    from pagedkv.cli import add_engine_arguments, engine_kwargs
+
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    assert engine_kwargs(parser.parse_args([]))["hybrid_kv_cache"] is True
+    assert engine_kwargs(parser.parse_args(["--no-hybrid-kv-cache"]))["hybrid_kv_cache"] is False
+    assert EngineConfig(**{k: v for k, v in engine_kwargs(parser.parse_args(["--no-hybrid-kv-cache"])).items()
+                           if k not in ("seed", "weight_dtype")}).hybrid_kv_cache is False
