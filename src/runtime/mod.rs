@@ -275,6 +275,11 @@ impl KvRuntime {
         ensure(!scheduler.block_manager().has_tier(), || {
             "a disk tier is attached already".into()
         })?;
+        // Refused before the tier's files are touched (`KvCoordinator::attach_tier` says why).
+        let groups = scheduler.kv_coordinator().num_groups();
+        ensure(groups == 1, || {
+            format!("a disk tier keeps one KV cache group; this model's layout has {groups}")
+        })?;
         let config = DiskTierConfig {
             identity,
             capacity_bytes,

@@ -199,3 +199,12 @@ def test_the_command_line_turns_the_hybrid_cache_off():
     assert engine_kwargs(parser.parse_args(["--no-hybrid-kv-cache"]))["hybrid_kv_cache"] is False
     assert EngineConfig(**{k: v for k, v in engine_kwargs(parser.parse_args(["--no-hybrid-kv-cache"])).items()
                            if k not in ("seed", "weight_dtype")}).hybrid_kv_cache is False
+
+
+def test_a_disk_tier_for_a_hybrid_cache_is_refused_before_its_files_are_made(tiny, tmp_path):
+    model, _ = tiny
+    directory = tmp_path / "tier"
+    with pytest.raises(InvalidArgumentError, match="one KV cache group"):
+        Engine(model, ByteTokenizer(), EngineConfig(num_blocks=64, block_size=4, kv_disk_path=directory),
+               weights_digest="0" * 64)
+    assert not directory.exists()
