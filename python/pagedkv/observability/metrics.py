@@ -83,18 +83,9 @@ class EngineMetrics:
         keys) at each scrape: current whatever changed since the last step (requests aborted while
         the engine idles), never the last step's values; NaN once it cannot answer (a failed core)."""
 
-        def reading(key: str) -> Callable[[], float]:
-            def read() -> float:
-                try:
-                    return float(stats()[key])
-                except PagedKVError:
-                    return math.nan
-
-            return read
-
         for gauge, key in ((self.num_requests_running, "num_running"), (self.num_requests_waiting, "num_waiting"),
                            (self.kv_cache_usage_perc, "kv_usage")):
-            gauge.set_function(reading(key))
+            gauge.set_function(_reading(stats, key))
 
     def follow_groups(self, attention: Sequence[str], usage: Callable[[], Sequence[float]]) -> None:
         """Makes ``pagedkv:kv_cache_group_usage_perc{group, attention}`` read ``usage()`` (the
@@ -104,17 +95,8 @@ class EngineMetrics:
         gauge = Gauge("pagedkv:kv_cache_group_usage_perc", "Fraction of KV blocks each KV cache group holds (0 to 1).",
                       ["model_name", "group", "attention"], registry=self.registry)
 
-        def reading(index: int) -> Callable[[], float]:
-            def read() -> float:
-                try:
-                    return float(usage()[index])
-                except PagedKVError:
-                    return math.nan
-
-            return read
-
         for index, kind in enumerate(attention):
-            gauge.labels(self.model_name, str(index), kind).set_function(reading(index))
+            gauge.labels(self.model_name, str(index), kind).set_function(_reading(usage, index))
 
     def record_scheduler(self, stats: Mapping[str, float]) -> None:
         """Updates the counters (and the disk tier's gauge) from ``Scheduler.stats()`` (cumulative
@@ -159,3 +141,16 @@ class EngineMetrics:
     def text(self) -> str:
         """The exposition text, as ``/metrics`` serves it."""
         return generate_latest(self.registry).decode()
+
+
+def _reading(source: Callable[[], Mapping[str, float]] | Callable[[], Sequence[float]], key: str | int) -> Callable[[], float]:
+    """A gauge's reading of ``source()[key]`` at scrape time, NaN once the core cannot answer (a
+    failed core raises a :class:`PagedKVError`)."""
+
+    def read() -> float:
+        try:
+            return float(source()[key])  # type: ignore[index]
+        except PagedKVError:
+            return math.nan
+
+    return read
