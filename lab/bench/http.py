@@ -284,8 +284,15 @@ def server_process(name: str, command: list[str], port: int, env: dict[str, str]
 def pagedkv_command(args: argparse.Namespace, port: int) -> list[str]:
     """``python -m pagedkv serve`` with the engine options of ``args``."""
     options = engine_kwargs(args) | {"otlp_traces_endpoint": args.otlp_traces_endpoint}
+    flags = []
+    for key, value in options.items():
+        flag = key.replace("_", "-")
+        if isinstance(value, bool):  # a switch, on by default: only its --no- form is a flag
+            flags += [] if value else [f"--no-{flag}"]
+        elif value is not None:
+            flags += [f"--{flag}", str(value)]
     return [sys.executable, "-m", "pagedkv", "serve", "--model", str(args.model), "--host", "127.0.0.1", "--port", str(port),
-            *(f for key, value in options.items() if value is not None for f in (f"--{key.replace('_', '-')}", str(value)))]
+            *flags]
 
 
 def llama_server_command(args: argparse.Namespace, port: int, slot_tokens: int) -> list[str]:
