@@ -97,6 +97,18 @@ class PagedDecoder:
             raise InvalidArgumentError(f"position {int(positions.max())} is past max_position_embeddings {limit}")
         return input_ids, positions
 
+    def _split_qkv(self, qkv: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """A fused projection's rows ``[num_tokens, (heads + 2 kv_heads) * head_dim]`` as q
+        ``[num_tokens, heads, head_dim]`` and k, v ``[num_tokens, kv_heads, head_dim]`` (v made
+        contiguous: the cache copies it row by row)."""
+        c = self.config
+        q_dim, kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        num_tokens = qkv.shape[0]
+        q = qkv[:, :q_dim].reshape(num_tokens, c.num_heads, c.head_dim)
+        k = qkv[:, q_dim : q_dim + kv_dim].reshape(num_tokens, c.num_kv_heads, c.head_dim)
+        v = np.ascontiguousarray(qkv[:, q_dim + kv_dim :]).reshape(num_tokens, c.num_kv_heads, c.head_dim)
+        return q, k, v
+
     def _blas_limit(self) -> contextlib.AbstractContextManager[object]:
         if self._blas is None:
             return contextlib.nullcontext()

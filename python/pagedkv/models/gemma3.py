@@ -147,7 +147,7 @@ class Gemma3Model(PagedDecoder):
         :class:`InvalidArgumentError` when a tensor is missing, unknown or misshapen."""
         super().__init__(config, blas_threads, weight_dtype)
         c = config
-        self._q_dim, self._kv_dim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        self._q_dim = c.num_heads * c.head_dim
         self._scale = float(c.query_pre_attn_scalar) ** -0.5
         self._embed_scale = np.float32(math.sqrt(c.hidden_size))
         self._global_frequencies = inverse_frequencies(c.rope_theta, c.head_dim) / c.rope_scaling_factor
@@ -212,10 +212,7 @@ class Gemma3Model(PagedDecoder):
         hidden = self._embed[input_ids] * self._embed_scale
         for index, layer in enumerate(self._layers):
             x = rms_norm(hidden, layer.input_layernorm, c.rms_norm_eps)
-            qkv = layer.qkv(x)
-            q = qkv[:, : self._q_dim].reshape(num_tokens, c.num_heads, c.head_dim)
-            k = qkv[:, self._q_dim : self._q_dim + self._kv_dim].reshape(num_tokens, c.num_kv_heads, c.head_dim)
-            v = np.ascontiguousarray(qkv[:, self._q_dim + self._kv_dim :]).reshape(num_tokens, c.num_kv_heads, c.head_dim)
+            q, k, v = self._split_qkv(layer.qkv(x))
             cos, sin = rotations[c.is_sliding(index)]
             q = apply_rope(rms_norm(q, layer.q_norm, c.rms_norm_eps), cos, sin)
             k = apply_rope(rms_norm(k, layer.k_norm, c.rms_norm_eps), cos, sin)

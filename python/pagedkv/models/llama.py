@@ -90,7 +90,6 @@ class LlamaModel(PagedDecoder):
         PagedDecoder.__init__(self, config, blas_threads, weight_dtype)
         c = config
         self._q_dim = c.num_heads * c.head_dim
-        self._kv_dim = c.num_kv_heads * c.head_dim
         self._scale = float(c.head_dim) ** -0.5
         self._rope_frequencies = rope_frequencies(c)
 
@@ -151,10 +150,7 @@ class LlamaModel(PagedDecoder):
         hidden = self._embed[input_ids]
         for index, layer in enumerate(self._layers):
             x = rms_norm(hidden, layer.input_norm, c.rms_norm_eps)
-            qkv = layer.qkv(x)
-            q = qkv[:, : self._q_dim].reshape(num_tokens, c.num_heads, c.head_dim)
-            k = qkv[:, self._q_dim : self._q_dim + self._kv_dim].reshape(num_tokens, c.num_kv_heads, c.head_dim)
-            v = np.ascontiguousarray(qkv[:, self._q_dim + self._kv_dim :]).reshape(num_tokens, c.num_kv_heads, c.head_dim)
+            q, k, v = self._split_qkv(layer.qkv(x))
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
             step.write(index, k, v)
             attn = step.attention(index, q, scale=self._scale)
