@@ -1,6 +1,7 @@
 //! Fuzz target: a `Scheduler` driven by requests, aborts (in any state, mid-step included) and
 //! schedule/update steps with sampled tokens decoded from the input, under a random configuration:
-//! its KV cache groups too (one to three, each keeping every token or a sliding window).
+//! its KV cache groups too (one to three, each keeping every token or a sliding window, each in
+//! blocks of its own size carved from the pages).
 //!
 //! Beside the scheduler runs a model of what it promises: the live requests with each sample's
 //! tokens, and a simulated KV cache in which every slot holds a hash of the (salt, tokens) prefix
@@ -34,7 +35,7 @@ use pagedkv::kv::coordinator::capacity_tokens;
 use pagedkv::scheduler::{
     FinishReason, Policy, RequestOptions, SamplingParams, SchedulerStats, StepId, StepOutput,
 };
-use pagedkv::{AttentionKind, Error, Scheduler, SchedulerConfig};
+use pagedkv::{AttentionKind, Error, GroupKeeping, Scheduler, SchedulerConfig};
 
 /// Request ids drawn from `r0..r{IDS}`: ids collide, repeat after a request ends, and miss.
 const IDS: u8 = 10;
@@ -250,7 +251,7 @@ struct Harness {
     other: Scheduler,
     config: SchedulerConfig,
     /// What each KV cache group keeps.
-    kept: Vec<AttentionKind>,
+    kept: Vec<GroupKeeping>,
     /// Steps `scheduler` has built, and the id of the last one it updated.
     steps: u64,
     last_step: Option<StepId>,
@@ -418,7 +419,10 @@ impl Harness {
 
     /// Checks a step's layout and simulates its K/V writes and reads, in every KV cache group.
     fn check_step(&mut self, out: &StepOutput) {
-        let bs = self.config.block_size;
+        // A page of `page` tokens; a group's blocks may carve it into smaller ones. The simulated
+        // cache is indexed by (page, row of the group's block in it): a page is in one group's
+        // tables at a time, so no two groups' slots meet.
+        let page = self.config.block_size;
         let rows = out.num_seqs();
         let t = out.num_tokens();
         let groups = self.kept.len();
@@ -446,8 +450,8 @@ impl Harness {
                 src < capacity && dst < capacity && src != dst,
                 "copy op {op:?}"
             );
-            for offset in 0..bs {
-                self.kv[dst * bs + offset] = self.kv[src * bs + offset];
+            for offset in 0..page {
+                self.kv[dst * page + offset] = self.kv[src * page + offset];
             }
         }
         let mut row_of = HashMap::new();
@@ -480,10 +484,11 @@ impl Harness {
                 assert_eq!(out.positions[j], position as i64);
                 assert_eq!(out.input_ids[j], i64::from(tokens[position]));
             }
-            let held = context.div_ceil(bs);
             for (g, &kept) in self.kept.iter().enumerate() {
+                let bs = kept.block_size;
+                let held = context.div_ceil(bs);
                 // The first position a query of this row reads in this group.
-                let read_from = match kept {
+                let read_from = match kept.attention {
                     AttentionKind::Full => 0,
                     AttentionKind::Sliding { window } => (first + 1).saturating_sub(window),
                 };
@@ -524,15 +529,16 @@ impl Harness {
                         slot,
                         "slot of row {i} position {position} in group {g}"
                     );
+                    let cell = table[position / bs] as usize * page + position % bs;
                     assert!(
-                        written.insert(slot),
-                        "slot {slot} written twice in one step"
+                        written.insert(cell),
+                        "slot {slot} of group {g} written twice in one step"
                     );
-                    self.kv[slot as usize] = Some(contents[position]);
+                    self.kv[cell] = Some(contents[position]);
                 }
                 for (position, &content) in contents.iter().enumerate().skip(read_from) {
-                    let slot = table[position / bs] as usize * bs + position % bs;
-                    reads.push((i, g, position, slot, content));
+                    let cell = table[position / bs] as usize * page + position % bs;
+                    reads.push((i, g, position, cell, content));
                 }
             }
         }
@@ -743,15 +749,20 @@ impl Harness {
 
 /// The configuration and the KV cache groups it keeps. `max_model_len` is within what the groups
 /// hold (`capacity_tokens`); when that is under 2 tokens, the pool grows until it is not.
-fn config(c: &Config) -> (SchedulerConfig, Vec<AttentionKind>) {
-    let kept: Vec<AttentionKind> = std::iter::once(c.kept)
+fn config(c: &Config) -> (SchedulerConfig, Vec<GroupKeeping>) {
+    let page = 1 + usize::from(c.block_size % 8);
+    // Each group's blocks: a divisor of the page's tokens (a group carving its pages), picked by
+    // the block-size byte's high bits (the low three give the page), the page itself first.
+    let divisors: Vec<usize> = (1..=page).rev().filter(|d| page % d == 0).collect();
+    let kept: Vec<GroupKeeping> = std::iter::once(c.kept)
         .chain(c.more_kept.iter().flatten().copied())
-        .map(Kept::kind)
+        .enumerate()
+        .map(|(g, kept)| GroupKeeping {
+            attention: kept.kind(),
+            block_size: divisors[usize::from(c.block_size >> (3 + 2 * g)) % 4 % divisors.len()],
+        })
         .collect();
-    let mut config = SchedulerConfig::new(
-        2 + usize::from(c.num_blocks % 31),
-        1 + usize::from(c.block_size % 8),
-    );
+    let mut config = SchedulerConfig::new(2 + usize::from(c.num_blocks % 31), page);
     config.max_num_seqs = 1 + usize::from(c.max_num_seqs % 8);
     config.max_num_batched_tokens = 1 + usize::from(c.max_num_batched_tokens % 64);
     config.enable_prefix_caching = c.prefix_caching;
@@ -767,7 +778,7 @@ fn config(c: &Config) -> (SchedulerConfig, Vec<AttentionKind>) {
         cap => cap.min(config.max_num_batched_tokens),
     };
     let capacity = loop {
-        let capacity = capacity_tokens(&kept, config.num_blocks, config.block_size, chunk);
+        let capacity = capacity_tokens(&kept, config.num_blocks, chunk);
         if capacity >= 2 {
             break capacity;
         }

@@ -3,8 +3,10 @@
 //! full and sliding-window layers) needs so that its sliding layers keep only their window while
 //! the memory they free serves any group.
 //!
-//! Every page has one size (a block of `block_size` tokens for as many layers as the widest
-//! group), so a page moves between groups by going back to the pool: no group has a fixed share.
+//! Every page has one size in bytes (`crate::kv::spec`: a group's blocks may hold fewer tokens of
+//! more layers), so a page moves between groups by going back to the pool: no group has a fixed
+//! share. A table counts tokens in its group's blocks; a prefix, an admission and a window are
+//! in tokens, common to all groups.
 //! A sequence of the scheduler (`seq`) owns one table per group, table `seq * G + g` of the
 //! block manager (`member`); with one group that is `seq` itself, so a one-group coordinator
 //! behaves exactly as the block manager it wraps.
@@ -24,7 +26,7 @@
 
 use crate::error::{ensure, Error, Result};
 use crate::ids::{CopyOp, SeqId, TokenId};
-use crate::kv::spec::AttentionKind;
+use crate::kv::spec::{AttentionKind, GroupKeeping};
 use crate::memory::block_manager::{BlockManager, LoadsEnded, PrefixMatch};
 use crate::memory::block_table::{BlockTable, RELEASED};
 use crate::memory::prefix_cache::{chain_hash, extend_block_hashes, BlockHash};
@@ -39,31 +41,28 @@ pub fn sliding_peak_blocks(window: usize, chunk: usize, block_size: usize) -> us
 
 /// Blocks a sequence of `num_tokens` tokens holds at most in a group keeping `kept`, computing
 /// chunks of up to `chunk` tokens.
-pub fn group_blocks(kept: AttentionKind, num_tokens: usize, chunk: usize, bs: usize) -> usize {
+pub fn group_blocks(kept: GroupKeeping, num_tokens: usize, chunk: usize) -> usize {
+    let bs = kept.block_size;
     let all = num_tokens.div_ceil(bs);
-    match kept {
+    match kept.attention {
         AttentionKind::Full => all,
         AttentionKind::Sliding { window } => all.min(sliding_peak_blocks(window, chunk, bs)),
     }
 }
 
-/// The longest sequence whose blocks in all of `groups` fit `num_blocks` blocks, computing chunks
-/// of up to `chunk` tokens (with one full group: `num_blocks * block_size`).
-pub fn capacity_tokens(
-    groups: &[AttentionKind],
-    num_blocks: usize,
-    block_size: usize,
-    chunk: usize,
-) -> usize {
+/// The longest sequence whose blocks in all of `groups` fit `num_blocks` blocks (pages),
+/// computing chunks of up to `chunk` tokens (with one full group: `num_blocks * block_size`).
+pub fn capacity_tokens(groups: &[GroupKeeping], num_blocks: usize, chunk: usize) -> usize {
     let fits = |len: usize| {
         groups
             .iter()
-            .map(|&g| group_blocks(g, len, chunk, block_size))
+            .map(|&g| group_blocks(g, len, chunk))
             .fold(0, usize::saturating_add)
             <= num_blocks
     };
-    // Blocks needed grow with the length: bisect over 0..=num_blocks * block_size.
-    let (mut low, mut high) = (0usize, num_blocks.saturating_mul(block_size));
+    // Blocks needed grow with the length: bisect over 0..=num_blocks * the largest block.
+    let largest = groups.iter().map(|g| g.block_size).max().unwrap_or(0);
+    let (mut low, mut high) = (0usize, num_blocks.saturating_mul(largest));
     while low < high {
         let mid = low + (high - low).div_ceil(2);
         if fits(mid) {
@@ -73,6 +72,15 @@ pub fn capacity_tokens(
         }
     }
     low
+}
+
+/// Least common multiple (of block sizes, all positive).
+fn lcm(a: usize, b: usize) -> usize {
+    let (mut x, mut y) = (a, b);
+    while y != 0 {
+        (x, y) = (y, x % y);
+    }
+    a / x * b
 }
 
 /// The chain root of group `group`'s tables for a request whose root is `root` (module
@@ -87,18 +95,28 @@ pub fn group_root(root: BlockHash, group: usize) -> BlockHash {
 /// The tables of every sequence in every group over one block manager (module doc).
 pub struct KvCoordinator {
     manager: BlockManager,
-    /// What each group keeps of a sequence.
-    groups: Vec<AttentionKind>,
+    /// What each group keeps of a sequence, in blocks of how many tokens.
+    groups: Vec<GroupKeeping>,
 }
 
 impl KvCoordinator {
     /// Groups keeping `groups[g]` over `manager`, which must hold no sequence yet.
-    /// `InvalidArgument` without groups or with a zero window.
-    pub fn new(manager: BlockManager, groups: Vec<AttentionKind>) -> Result<Self> {
+    /// `InvalidArgument` without groups, with a zero window, or with a group's blocks larger
+    /// than the manager's (its pages) or not dividing them.
+    pub fn new(manager: BlockManager, groups: Vec<GroupKeeping>) -> Result<Self> {
         ensure(!groups.is_empty(), || "a KV cache needs a group".into())?;
         ensure(
-            !groups.contains(&AttentionKind::Sliding { window: 0 }),
+            groups
+                .iter()
+                .all(|g| g.attention != AttentionKind::Sliding { window: 0 }),
             || "a sliding window must hold at least one token".into(),
+        )?;
+        let page = manager.block_size();
+        ensure(
+            groups
+                .iter()
+                .all(|g| g.block_size > 0 && page.is_multiple_of(g.block_size)),
+            || format!("a group's blocks must divide the pages' {page} tokens"),
         )?;
         ensure(manager.num_sequences() == 0, || {
             "a coordinator starts over an empty block manager".into()
@@ -113,7 +131,7 @@ impl KvCoordinator {
     }
 
     /// What each group keeps of a sequence.
-    pub fn groups(&self) -> &[AttentionKind] {
+    pub fn groups(&self) -> &[GroupKeeping] {
         &self.groups
     }
 
@@ -170,8 +188,8 @@ impl KvCoordinator {
         tokens: &[TokenId],
     ) {
         hashes.resize_with(self.groups.len(), Vec::new);
-        let bs = self.manager.block_size();
         for (g, group_hashes) in hashes.iter_mut().enumerate() {
+            let bs = self.groups[g].block_size;
             extend_block_hashes(group_root(root, g), group_hashes, tokens, bs);
         }
     }
@@ -190,42 +208,50 @@ impl KvCoordinator {
         num_tokens: usize,
     ) -> Vec<PrefixMatch> {
         let hashes_of = |g: usize| hashes.get(g).map_or(&[][..], Vec::as_slice);
-        if self.groups.len() == 1 {
+        if self.is_plain() {
             return vec![self
                 .manager
                 .match_prefix_hashes(root, hashes_of(0), num_tokens)];
         }
-        let bs = self.manager.block_size();
+        // A prefix ends on a block boundary of every group: in steps of `unit` tokens.
+        let unit = self.groups.iter().fold(1, |l, g| lcm(l, g.block_size));
         let cacheable = if self.manager.prefix_caching_enabled() && num_tokens > 0 {
-            (num_tokens - 1) / bs
+            (num_tokens - 1) / unit * unit
         } else {
             0
         };
-        // Each full group's run of cached blocks from the start bounds the prefix.
-        let hashed = (0..self.groups.len()).map(|g| hashes_of(g).len()).min();
-        let mut longest = cacheable.min(hashed.unwrap_or(0));
-        for (g, &kept) in self.groups.iter().enumerate() {
-            if kept == AttentionKind::Full {
-                let run = hashes_of(g)[..cacheable.min(hashes_of(g).len())]
-                    .iter()
-                    .take_while(|&&h| self.manager.cached_block(h).is_some())
-                    .count();
-                longest = longest.min(run);
-            }
+        let mut longest = cacheable;
+        for (g, kept) in self.groups.iter().enumerate() {
+            let bs = kept.block_size;
+            let hashed = hashes_of(g).len() * bs;
+            // Each full group's run of cached blocks from the start bounds the prefix.
+            let cached = match kept.attention {
+                AttentionKind::Full => {
+                    let limit = (cacheable / bs).min(hashes_of(g).len());
+                    hashes_of(g)[..limit]
+                        .iter()
+                        .take_while(|&&h| self.manager.cached_block(h).is_some())
+                        .count()
+                        * bs
+                }
+                AttentionKind::Sliding { .. } => hashed,
+            };
+            longest = longest.min(hashed).min(cached);
         }
         // The longest prefix whose window every sliding group holds.
-        let mut blocks = longest;
-        while blocks > 0 && !self.windows_cached(hashes, blocks) {
-            blocks -= 1;
+        let mut tokens = longest / unit * unit;
+        while tokens > 0 && !self.windows_cached(hashes, tokens) {
+            tokens -= unit;
         }
         (0..self.groups.len())
             .map(|g| {
-                let first = self.first_needed_block(g, blocks);
-                let group_hashes = &hashes_of(g)[..blocks];
+                let bs = self.groups[g].block_size;
+                let first = self.first_needed_block(g, tokens);
+                let group_hashes = &hashes_of(g)[..tokens / bs];
                 PrefixMatch {
                     root: group_root(root, g),
                     hashes: group_hashes.to_vec(),
-                    blocks: (0..blocks)
+                    blocks: (0..group_hashes.len())
                         .map(|i| match i < first {
                             true => RELEASED,
                             false => self.manager.cached_block(group_hashes[i]).expect("checked"),
@@ -233,28 +259,36 @@ impl KvCoordinator {
                         .collect(),
                     tier_hashes: Vec::new(),
                     num_queried_tokens: num_tokens,
+                    block_size: bs,
                 }
             })
             .collect()
     }
 
-    /// The first block group `group`'s next query reads after a prefix of `blocks` blocks (0
+    /// One full group in blocks of the pages' size: the block manager's own case (its prefix
+    /// match, tier hits included, and its appends).
+    fn is_plain(&self) -> bool {
+        matches!(self.groups[..], [g] if g == GroupKeeping::full(self.manager.block_size()))
+    }
+
+    /// The first block group `group`'s next query reads after a prefix of `tokens` tokens (0
     /// for a full group).
-    fn first_needed_block(&self, group: usize, blocks: usize) -> usize {
-        let bs = self.manager.block_size();
-        match self.groups[group] {
+    fn first_needed_block(&self, group: usize, tokens: usize) -> usize {
+        let bs = self.groups[group].block_size;
+        match self.groups[group].attention {
             AttentionKind::Full => 0,
             AttentionKind::Sliding { window } => {
-                ((blocks * bs + 1).saturating_sub(window) / bs).min(blocks)
+                ((tokens + 1).saturating_sub(window) / bs).min(tokens / bs)
             }
         }
     }
 
-    /// Whether every sliding group holds the blocks its next query reads after `blocks` blocks.
-    fn windows_cached(&self, hashes: &[Vec<BlockHash>], blocks: usize) -> bool {
+    /// Whether every sliding group holds the blocks its next query reads after `tokens` tokens.
+    fn windows_cached(&self, hashes: &[Vec<BlockHash>], tokens: usize) -> bool {
         (0..self.groups.len()).all(|g| {
-            let first = self.first_needed_block(g, blocks);
-            self.groups[g] == AttentionKind::Full
+            let first = self.first_needed_block(g, tokens);
+            let blocks = tokens / self.groups[g].block_size;
+            self.groups[g].attention == AttentionKind::Full
                 || hashes.get(g).map_or(&[][..], Vec::as_slice)[first..blocks]
                     .iter()
                     .all(|&h| self.manager.cached_block(h).is_some())
@@ -287,12 +321,12 @@ impl KvCoordinator {
     /// Releases, in every sliding group, `seq`'s blocks wholly before the window of a query at
     /// position `next` (the first token it computes next). Returns how many were released.
     pub fn release_behind(&mut self, seq: SeqId, next: usize) -> Result<usize> {
-        if let [AttentionKind::Full] = self.groups[..] {
+        if self.groups.len() == 1 && self.groups[0].attention == AttentionKind::Full {
             return Ok(0); // nothing to release, and called for every running sequence each step
         }
         let mut released = 0;
         for g in 0..self.groups.len() {
-            if let AttentionKind::Sliding { window } = self.groups[g] {
+            if let AttentionKind::Sliding { window } = self.groups[g].attention {
                 let member = self.member(seq, g);
                 released += self
                     .manager
@@ -311,7 +345,7 @@ impl KvCoordinator {
         copies: &mut Vec<CopyOp>,
     ) -> Result<()> {
         if let [_] = self.groups[..] {
-            // One group: the block manager's append is all or none by itself (and a step's
+            // One table: the block manager's append is all or none by itself (and a step's
             // appends are the scheduler's hot path: `bench scheduler` measured the second
             // lookup of a two-phase check at +5% per step).
             copies.extend(self.manager.append(self.member(seq, 0), tokens)?);
@@ -360,10 +394,10 @@ impl KvCoordinator {
         Ok(())
     }
 
-    /// Attaches a disk tier: `InvalidArgument` for more than one group (module invariants), else
-    /// as `BlockManager::attach_tier`.
+    /// Attaches a disk tier: `InvalidArgument` for more than one group or carved pages (module
+    /// invariants), else as `BlockManager::attach_tier`.
     pub fn attach_tier(&mut self, tier: Box<dyn KvTier>) -> Result<()> {
-        ensure(self.groups.len() == 1, || {
+        ensure(self.is_plain(), || {
             format!(
                 "a disk tier keeps one KV cache group; this model's layout has {}",
                 self.groups.len()
@@ -398,10 +432,19 @@ impl KvCoordinator {
                     "sequence {owner}: its groups hold different tokens"
                 ));
             }
-            if let AttentionKind::Sliding { window } = self.groups[(seq % g) as usize] {
+            let kept = self.groups[(seq % g) as usize];
+            if table.block_size() != kept.block_size {
+                return Err(format!(
+                    "sequence {owner}: group {}'s table counts {} tokens a block, the group {}",
+                    seq % g,
+                    table.block_size(),
+                    kept.block_size
+                ));
+            }
+            if let AttentionKind::Sliding { window } = kept.attention {
                 // The next token to compute is at position num_tokens: its window must be held.
                 let first_needed = (table.num_tokens() + 1).saturating_sub(window);
-                if table.num_released() * self.manager.block_size() > first_needed {
+                if table.num_released() * kept.block_size > first_needed {
                     return Err(format!(
                         "sequence {owner}: group {} released a block inside its window",
                         seq % g
@@ -417,10 +460,16 @@ impl KvCoordinator {
 mod tests {
     use super::*;
 
-    const FULL: AttentionKind = AttentionKind::Full;
-    const LOCAL: AttentionKind = AttentionKind::Sliding { window: 6 };
+    const FULL: GroupKeeping = GroupKeeping {
+        attention: AttentionKind::Full,
+        block_size: 4,
+    };
+    const LOCAL: GroupKeeping = GroupKeeping {
+        attention: AttentionKind::Sliding { window: 6 },
+        block_size: 4,
+    };
 
-    fn coordinator(num_blocks: usize, groups: Vec<AttentionKind>) -> KvCoordinator {
+    fn coordinator(num_blocks: usize, groups: Vec<GroupKeeping>) -> KvCoordinator {
         KvCoordinator::new(BlockManager::new(num_blocks, 4, true).unwrap(), groups).unwrap()
     }
 
@@ -434,15 +483,21 @@ mod tests {
     #[test]
     fn capacity_counts_every_group_and_a_window_caps_its_own() {
         // One full group: the whole pool.
-        assert_eq!(capacity_tokens(&[FULL], 16, 4, 8), 64);
+        assert_eq!(capacity_tokens(&[FULL], 16, 8), 64);
         // Two full groups share it.
-        assert_eq!(capacity_tokens(&[FULL, FULL], 16, 4, 8), 32);
+        assert_eq!(capacity_tokens(&[FULL, FULL], 16, 8), 32);
         // A window of 6 with chunks of 8: at most ceil(13 / 4) + 1 = 5 blocks, the rest for the
         // full group.
         assert_eq!(sliding_peak_blocks(6, 8, 4), 5);
-        assert_eq!(capacity_tokens(&[FULL, LOCAL], 16, 4, 8), 11 * 4);
+        assert_eq!(capacity_tokens(&[FULL, LOCAL], 16, 8), 11 * 4);
         // Windows alone hold any length; the config still bounds it by the pool's tokens.
-        assert_eq!(capacity_tokens(&[LOCAL, LOCAL], 16, 4, 8), 16 * 4);
+        assert_eq!(capacity_tokens(&[LOCAL, LOCAL], 16, 8), 16 * 4);
+        // Blocks of 2 in the sliding group: ceil(13 / 2) + 1 = 8 of them, 8 left for the full.
+        let carved = GroupKeeping {
+            block_size: 2,
+            ..LOCAL
+        };
+        assert_eq!(capacity_tokens(&[FULL, carved], 16, 8), 8 * 4);
         assert_eq!(group_root(7, 0), 7);
         assert_ne!(group_root(7, 1), group_root(7, 2));
     }
@@ -475,7 +530,10 @@ mod tests {
 
     #[test]
     fn a_sliding_group_serves_a_prefix_from_its_window_alone() {
-        const WINDOW_4: AttentionKind = AttentionKind::Sliding { window: 4 };
+        const WINDOW_4: GroupKeeping = GroupKeeping {
+            attention: AttentionKind::Sliding { window: 4 },
+            block_size: 4,
+        };
         // A holds 5 full blocks and, once its window moved, 2 sliding ones: 7 of 17.
         let mut c = coordinator(17, vec![FULL, WINDOW_4]);
         let prompt: Vec<TokenId> = (0..17).collect();

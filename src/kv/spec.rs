@@ -1,6 +1,16 @@
 //! What a model declares of its K/V, layer by layer ([`KvSpec`]), and the KV cache layout the
 //! runtime derives from it ([`KvCacheConfig`]): the layers split into groups, one block table per
-//! sequence and group (`crate::kv::coordinator`), every group's pages one size.
+//! sequence and group (`crate::kv::coordinator`), every page one size in bytes.
+//!
+//! A page holds `block_size` tokens of `page_layers` layers. A group may carve each of its pages
+//! into `parts` blocks of `block_size / parts` tokens, each part holding its own layers: `parts`
+//! times the layers at `1 / parts` the tokens per block — its own page size in tokens, at the
+//! same bytes. So groups size their blocks differently (the roadmap's dynamic page sizing) while
+//! every page stays interchangeable: memory moves between groups by a page going back to the one
+//! pool, with no split fixed at start-up and no slab or buddy bookkeeping. Sliding groups carve
+//! (`sliding_block_size`): their tables waste up to a block at each end of the window, so smaller
+//! blocks halve that waste, while a full group's one partial block per sequence is already
+//! negligible (measured figures at `DEFAULT_SLIDING_BLOCK_SIZE`).
 //!
 //! Invariants of a derived [`KvCacheConfig`]:
 //! - every layer of the spec is in exactly one group, each group's layers in increasing order,
@@ -8,10 +18,12 @@
 //! - a group's layers are alike in KV heads, head size and attention kind (`Full`, or `Sliding`
 //!   with one window), which its `layer` states: a sliding group's tables release the blocks
 //!   behind its window;
-//! - every group holds `page_layers` layers but the last of a kind, which may hold fewer (its
-//!   pages are padded): `page_layers` is the fewest layers of any kind, so each kind splits into
-//!   whole groups of the same page size (Gemma 3: 3 full layers and 15 sliding ones make one full
-//!   group and five sliding groups of 3 layers) — one page size, so a page serves any group;
+//! - every group holds `parts × page_layers` layers in blocks of `block_size / parts` tokens,
+//!   but the last of a kind, which may hold fewer (its pages are padded): `page_layers` is the
+//!   fewest layers of any kind, so each kind splits into whole groups (Gemma 3, blocks of 16 and
+//!   sliding blocks of 8: 3 full layers make one group, its 15 sliding ones two groups of 6 layers
+//!   in blocks of 8 and one of 3 in blocks of 16 — the last takes the fewest parts that hold its
+//!   layers); `parts` divides `block_size`;
 //! - all layers have one K/V shape (pages of one size; several shapes are refused);
 //! - every size is positive and a window holds at least one token.
 
@@ -55,6 +67,9 @@ pub struct KvSpec {
     /// attention still applies their window): a cache without hybrid groups, the baseline
     /// `bench kv-groups` measures against.
     pub hybrid: bool,
+    /// Tokens per block of sliding-window groups (a divisor of the cache's block size; module
+    /// doc); `None`: [`default_sliding_block_size`].
+    pub sliding_block_size: Option<usize>,
 }
 
 impl KvSpec {
@@ -74,6 +89,7 @@ impl KvSpec {
             layers: vec![layer; num_layers],
             dtype,
             hybrid: true,
+            sliding_block_size: None,
         }
     }
 }
@@ -89,22 +105,75 @@ pub struct GroupSpec {
     pub block_size: usize,
 }
 
+/// What a KV cache group keeps of each sequence, and in blocks of how many tokens: all the
+/// coordinator and the scheduler know of a group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GroupKeeping {
+    pub attention: AttentionKind,
+    pub block_size: usize,
+}
+
+impl GroupKeeping {
+    /// A group of full attention in blocks of `block_size` tokens.
+    pub fn full(block_size: usize) -> Self {
+        GroupKeeping {
+            attention: AttentionKind::Full,
+            block_size,
+        }
+    }
+}
+
+/// Where a layer's K/V lies: its group, the store layer holding it (one of a page's
+/// `page_layers`) and its part of each page there (module doc).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LayerPlace {
+    pub group: usize,
+    pub page_layer: usize,
+    pub part: usize,
+}
+
 /// The KV cache layout of a model: its groups (module invariants).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct KvCacheConfig {
     pub groups: Vec<GroupSpec>,
     pub dtype: KvDtype,
+    /// Tokens a page holds of each of its layers.
+    pub block_size: usize,
+    /// Layers of a page (the store's layers).
+    pub page_layers: usize,
+}
+
+/// Tokens per block of sliding-window groups when a spec does not say, for pages of
+/// `block_size` tokens: half of them when that divides evenly (see `DEFAULT_SLIDING_BLOCK_SIZE`
+/// in the module's measurement note), else `block_size`.
+pub fn default_sliding_block_size(block_size: usize) -> usize {
+    match block_size % 2 {
+        0 => block_size / 2,
+        _ => block_size,
+    }
 }
 
 impl KvCacheConfig {
-    /// The groups of `spec` in blocks of `block_size` tokens (module invariants).
-    /// `InvalidArgument` for a spec without layers, a zero size or window, or layers of several
-    /// K/V shapes.
+    /// The groups of `spec` in pages of `block_size` tokens (module invariants).
+    /// `InvalidArgument` for a spec without layers, a zero size or window, layers of several
+    /// K/V shapes, or a sliding block size that does not divide `block_size`.
     pub fn derive(spec: &KvSpec, block_size: usize) -> Result<Self> {
         ensure(!spec.layers.is_empty(), || {
             "a KV spec needs at least one layer".into()
         })?;
         ensure(block_size > 0, || "block_size must be positive".into())?;
+        let sliding_block_size = spec
+            .sliding_block_size
+            .unwrap_or_else(|| default_sliding_block_size(block_size));
+        ensure(
+            sliding_block_size > 0 && block_size.is_multiple_of(sliding_block_size),
+            || {
+                format!(
+                    "sliding_block_size {sliding_block_size} must divide block_size {block_size} \
+                     (a page is carved into equal blocks)"
+                )
+            },
+        )?;
         let shape = |l: &LayerSpec| (l.num_kv_heads, l.head_dim);
         for (index, layer) in spec.layers.iter().enumerate() {
             ensure(layer.num_kv_heads > 0 && layer.head_dim > 0, || {
@@ -142,44 +211,67 @@ impl KvCacheConfig {
             }
         }
         let page_layers = kinds.iter().map(|(_, l)| l.len()).min().expect("a layer");
-        let mut groups: Vec<GroupSpec> = kinds
-            .iter()
-            .flat_map(|(layer, layers)| {
-                layers.chunks(page_layers).map(|chunk| GroupSpec {
+        let mut groups: Vec<GroupSpec> = Vec::new();
+        for (layer, layers) in &kinds {
+            let parts = match layer.attention {
+                AttentionKind::Full => 1,
+                AttentionKind::Sliding { .. } => block_size / sliding_block_size,
+            };
+            for chunk in layers.chunks(page_layers * parts) {
+                // The last group of a kind takes the fewest parts that hold its layers.
+                let parts = (chunk.len().div_ceil(page_layers)..=parts)
+                    .find(|&p| block_size.is_multiple_of(p))
+                    .expect("`parts` itself divides block_size");
+                groups.push(GroupSpec {
                     layer: *layer,
                     layers: chunk.to_vec(),
-                    block_size,
-                })
-            })
-            .collect();
+                    block_size: block_size / parts,
+                });
+            }
+        }
         groups.sort_by_key(|g| g.layers[0]);
         Ok(KvCacheConfig {
             groups,
             dtype: spec.dtype,
+            block_size,
+            page_layers,
         })
     }
 
-    /// Layers a page holds: the most of any group (module invariants).
-    pub fn page_layers(&self) -> usize {
-        self.groups
-            .iter()
-            .map(|g| g.layers.len())
-            .max()
-            .unwrap_or(0)
+    /// Blocks each page of `group` is carved into.
+    pub fn parts(&self, group: usize) -> usize {
+        self.block_size / self.groups[group].block_size
     }
 
     /// What each group keeps of a sequence, in group order.
-    pub fn kept(&self) -> Vec<AttentionKind> {
-        self.groups.iter().map(|g| g.layer.attention).collect()
+    pub fn kept(&self) -> Vec<GroupKeeping> {
+        self.groups
+            .iter()
+            .map(|g| GroupKeeping {
+                attention: g.layer.attention,
+                block_size: g.block_size,
+            })
+            .collect()
     }
 
-    /// The group of each layer and its place among the group's layers (its layer in a page).
-    pub fn layer_places(&self) -> Vec<(usize, usize)> {
+    /// Where each layer's K/V lies: a group's `i`-th layer is in store layer `i / parts`, part
+    /// `i % parts` of each page.
+    pub fn layer_places(&self) -> Vec<LayerPlace> {
         let num_layers = self.groups.iter().map(|g| g.layers.len()).sum();
-        let mut places = vec![(0, 0); num_layers];
+        let origin = LayerPlace {
+            group: 0,
+            page_layer: 0,
+            part: 0,
+        };
+        let mut places = vec![origin; num_layers];
         for (g, group) in self.groups.iter().enumerate() {
-            for (slot, &layer) in group.layers.iter().enumerate() {
-                places[layer] = (g, slot);
+            let parts = self.parts(g);
+            for (index, &layer) in group.layers.iter().enumerate() {
+                places[layer] = LayerPlace {
+                    group: g,
+                    page_layer: index / parts,
+                    part: index % parts,
+                };
             }
         }
         places
@@ -216,6 +308,7 @@ mod tests {
                 .collect(),
             dtype: KvDtype::F16,
             hybrid: true,
+            sliding_block_size: Some(16),
         };
         let config = KvCacheConfig::derive(&spec, 16).unwrap();
         assert_eq!(
@@ -229,11 +322,52 @@ mod tests {
                 (local, vec![14, 15, 16]),
             ]
         );
-        assert_eq!(config.page_layers(), 3);
+        assert_eq!(config.page_layers, 3);
         assert!(config.groups.iter().all(|g| g.block_size == 16));
+        let place = |group, page_layer, part| LayerPlace {
+            group,
+            page_layer,
+            part,
+        };
         let places = config.layer_places();
-        assert_eq!((places[5], places[6], places[17]), ((2, 0), (1, 2), (2, 2)));
-        assert_eq!(config.kept().iter().filter(|&&k| k == full).count(), 1);
+        let picked = (places[5], places[6], places[17]);
+        assert_eq!(picked, (place(2, 0, 0), place(1, 2, 0), place(2, 2, 0)));
+        let full_groups = config.kept().iter().filter(|k| k.attention == full).count();
+        assert_eq!(full_groups, 1);
+        // Sliding blocks of 8 (the default for 16): each sliding page holds 6 layers in two
+        // parts, but the last sliding group's 3 layers fill a page of 16 tokens whole.
+        let carved = KvSpec {
+            sliding_block_size: None,
+            ..spec.clone()
+        };
+        let config = KvCacheConfig::derive(&carved, 16).unwrap();
+        assert_eq!(
+            groups(&config),
+            [
+                (local, vec![0, 1, 2, 3, 4, 6]),
+                (full, vec![5, 11, 17]),
+                (local, vec![7, 8, 9, 10, 12, 13]),
+                (local, vec![14, 15, 16]),
+            ]
+        );
+        let sizes: Vec<usize> = config.groups.iter().map(|g| g.block_size).collect();
+        assert_eq!((sizes, config.page_layers), (vec![8, 16, 8, 16], 3));
+        assert_eq!((config.parts(0), config.parts(3)), (2, 1));
+        let places = config.layer_places();
+        let picked = (places[4], places[6], places[13], places[16]);
+        let expected = (place(0, 2, 0), place(0, 2, 1), place(2, 2, 1), place(3, 2, 0));
+        assert_eq!(picked, expected);
+        // A size that does not divide the page is refused.
+        for bad in [Some(0), Some(5), Some(32)] {
+            let spec = KvSpec {
+                sliding_block_size: bad,
+                ..spec.clone()
+            };
+            assert!(matches!(
+                KvCacheConfig::derive(&spec, 16),
+                Err(Error::InvalidArgument(m)) if m.contains("must divide")
+            ));
+        }
         // Without hybrid groups: one group of every layer, keeping every token.
         let whole = KvSpec {
             hybrid: false,
@@ -256,13 +390,23 @@ mod tests {
             ],
             dtype: KvDtype::F32,
             hybrid: true,
+            sliding_block_size: Some(4),
         };
         let config = KvCacheConfig::derive(&spec, 4).unwrap();
         assert_eq!(
             groups(&config),
             [(local, vec![0, 2]), (full, vec![1, 3]), (local, vec![4])]
         );
-        assert_eq!(config.page_layers(), 2);
+        assert_eq!(config.page_layers, 2);
+        // Blocks of 1 for the sliding layers: 3 of them in 2 parts of a page (a third is
+        // padding), where 4 parts would hold 8.
+        let carved = KvSpec {
+            sliding_block_size: Some(1),
+            ..spec.clone()
+        };
+        let config = KvCacheConfig::derive(&carved, 4).unwrap();
+        assert_eq!(groups(&config), [(local, vec![0, 2, 4]), (full, vec![1, 3])]);
+        assert_eq!(config.groups[0].block_size, 2);
         let uniform = KvSpec::uniform(3, 2, 8, KvDtype::F32);
         let config = KvCacheConfig::derive(&uniform, 4).unwrap();
         assert_eq!(groups(&config), [(full, vec![0, 1, 2])]);
@@ -286,6 +430,7 @@ mod tests {
                 layers: vec![layer(AttentionKind::Sliding { window: 0 })],
                 dtype: KvDtype::F32,
                 hybrid: true,
+                sliding_block_size: None,
             },
             mixed,
         ];

@@ -44,17 +44,20 @@ pub struct PrefixMatch {
     pub tier_hashes: Vec<BlockHash>,
     /// Tokens the lookup covered (the whole prompt).
     pub num_queried_tokens: usize,
+    /// Tokens per block of the table the match is for (the manager's default, or a carved
+    /// group's: `crate::kv::spec`).
+    pub block_size: usize,
 }
 
 impl PrefixMatch {
     /// Tokens the cached (RAM) blocks cover.
-    pub fn num_cached_tokens(&self, block_size: usize) -> usize {
-        self.blocks.len() * block_size
+    pub fn num_cached_tokens(&self) -> usize {
+        self.blocks.len() * self.block_size
     }
 
     /// Tokens the RAM hits and the tier hits cover together.
-    pub fn num_hit_tokens(&self, block_size: usize) -> usize {
-        (self.blocks.len() + self.tier_hashes.len()) * block_size
+    pub fn num_hit_tokens(&self) -> usize {
+        (self.blocks.len() + self.tier_hashes.len()) * self.block_size
     }
 }
 
@@ -469,6 +472,7 @@ impl BlockManager {
             return PrefixMatch {
                 root,
                 num_queried_tokens: prompt.len(),
+                block_size: self.block_size,
                 ..Default::default()
             };
         }
@@ -492,6 +496,7 @@ impl BlockManager {
         let mut found = PrefixMatch {
             root,
             num_queried_tokens: num_tokens,
+            block_size: self.block_size,
             ..Default::default()
         };
         if !self.enable_prefix_caching || num_tokens == 0 {
@@ -527,7 +532,7 @@ impl BlockManager {
             .filter(|&&b| b != RELEASED && self.pool.is_evictable(b))
             .count();
         num_tokens
-            .div_ceil(self.block_size)
+            .div_ceil(found.block_size.max(1))
             .saturating_sub(found.blocks.len())
             + revived
     }
@@ -565,15 +570,25 @@ impl BlockManager {
         ensure(!seqs.is_empty() && seqs.len() == found.len(), || {
             format!("{} tables but {} prefix matches", seqs.len(), found.len())
         })?;
-        let bs = self.block_size;
-        let cached = found[0].num_cached_tokens(bs);
+        let cached = found[0].num_cached_tokens();
         for (index, &seq) in seqs.iter().enumerate() {
             if self.tables.contains_key(&seq) || seqs[..index].contains(&seq) {
                 return Err(Error::DuplicateSequence(seq.to_string()));
             }
         }
         ensure(
-            found.iter().all(|f| f.num_cached_tokens(bs) == cached),
+            found
+                .iter()
+                .all(|f| (1..=self.block_size).contains(&f.block_size)),
+            || {
+                format!(
+                    "a table's blocks hold 1 to {} tokens (its pages' share)",
+                    self.block_size
+                )
+            },
+        )?;
+        ensure(
+            found.iter().all(|f| f.num_cached_tokens() == cached),
             || "the tables' prefix matches differ in cached tokens".into(),
         )?;
         let tier_hits = found.iter().any(|f| !f.tier_hashes.is_empty());
@@ -585,7 +600,7 @@ impl BlockManager {
                 )
             })?;
         } else {
-            let hit = found[0].num_hit_tokens(bs);
+            let hit = found[0].num_hit_tokens();
             ensure(
                 self.tier.is_some() && found.len() == 1 && tokens.len() == hit,
                 || {
@@ -630,20 +645,20 @@ impl BlockManager {
 
     /// Builds the table of `seq` over `found`, whose hits are retained (`admit_tables` checked all).
     fn admit_table(&mut self, seq: SeqId, tokens: &[TokenId], found: PrefixMatch) {
-        let bs = self.block_size;
-        let cached = found.num_cached_tokens(bs);
+        let bs = found.block_size;
+        let cached = found.num_cached_tokens();
         let released = found.blocks.iter().take_while(|&&b| b == RELEASED).count();
         let mut table = BlockTable {
             blocks: found.blocks,
             tokens: tokens[..cached].to_vec(),
             hashes: found.hashes,
             root: found.root,
+            block_size: bs,
             released,
         };
         if found.tier_hashes.is_empty() {
             grow(
                 &mut self.pool,
-                bs,
                 self.enable_prefix_caching,
                 &mut table,
                 &tokens[cached..],
@@ -720,7 +735,7 @@ impl BlockManager {
         }
         self.ensure_available(self.blocks_to_append(table, tokens.len()))?;
         let shared_tail = table
-            .partial_tail(self.block_size)
+            .partial_tail()
             .filter(|&b| self.pool.ref_count(b) > 1);
         let table = self.tables.get_mut(&seq).expect("checked above");
         let copy = shared_tail.map(|src| {
@@ -730,13 +745,7 @@ impl BlockManager {
             self.cow_copies += 1;
             CopyOp { src, dst }
         });
-        grow(
-            &mut self.pool,
-            self.block_size,
-            self.enable_prefix_caching,
-            table,
-            tokens,
-        );
+        grow(&mut self.pool, self.enable_prefix_caching, table, tokens);
         Ok(copy)
     }
 
@@ -755,9 +764,9 @@ impl BlockManager {
             return 0;
         }
         let shared_tail = table
-            .partial_tail(self.block_size)
+            .partial_tail()
             .is_some_and(|b| self.pool.ref_count(b) > 1);
-        table.blocks_to_grow(extra, self.block_size) + usize::from(shared_tail)
+        table.blocks_to_grow(extra) + usize::from(shared_tail)
     }
 
     /// Makes `child` share every block of `parent`, the partial tail included. Fails with
@@ -790,7 +799,7 @@ impl BlockManager {
             .tables
             .get_mut(&seq)
             .ok_or_else(|| Error::UnknownSequence(seq.to_string()))?;
-        let gone = table.release_before(first_needed, self.block_size);
+        let gone = table.release_before(first_needed);
         for &block in gone.iter().rev() {
             self.pool.release(block);
         }
@@ -853,7 +862,7 @@ impl BlockManager {
                     "sequence {seq} has {end} tokens, fewer than {count}"
                 ))
             })?;
-            if count > 0 && start < table.num_released() * self.block_size {
+            if count > 0 && start < table.num_released() * table.block_size {
                 return Err(Error::InvalidArgument(format!(
                     "sequence {seq}: tokens {start}..{end} reach into blocks its window released"
                 )));
@@ -862,7 +871,7 @@ impl BlockManager {
         }
         let mut out = Vec::with_capacity(num_new_tokens.iter().sum());
         for (table, start, end) in ranges {
-            table.extend_slots(start, end, self.block_size, &mut out);
+            table.extend_slots(start, end, &mut out);
         }
         Ok(out)
     }
@@ -975,8 +984,10 @@ impl BlockManager {
                 }
                 holders[block as usize] += 1;
             }
-            if table.blocks.len() != table.tokens.len().div_ceil(self.block_size)
-                || table.hashes.len() != table.tokens.len() / self.block_size
+            let bs = table.block_size;
+            if !(1..=self.block_size).contains(&bs)
+                || table.blocks.len() != table.tokens.len().div_ceil(bs)
+                || table.hashes.len() != table.tokens.len() / bs
             {
                 return Err(format!(
                     "sequence {seq}: table shape does not match its tokens"
@@ -1008,11 +1019,11 @@ impl BlockManager {
 /// capacity.
 fn grow(
     pool: &mut BlockPool,
-    bs: usize,
     enable_prefix_caching: bool,
     table: &mut BlockTable,
     tokens: &[TokenId],
 ) {
+    let bs = table.block_size;
     for chunk in split_at_block_boundaries(table.tokens.len(), tokens, bs) {
         if table.tokens.len().is_multiple_of(bs) {
             table
@@ -1295,7 +1306,7 @@ mod tests {
         m.allocate(1, &[1, 2, 3, 4, 5, 6], None).unwrap();
         let table = m.table(1).unwrap();
         let mut slots = Vec::new();
-        table.extend_slots(0, 6, 4, &mut slots);
+        table.extend_slots(0, 6, &mut slots);
         let b = table.blocks().to_vec();
         let expected: Vec<i64> = (0..6)
             .map(|p| b[p / 4] as i64 * 4 + (p % 4) as i64)

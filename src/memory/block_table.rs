@@ -4,7 +4,9 @@
 //! Invariants: `blocks.len() == ceil(tokens.len() / block_size)` (no empty trailing block);
 //! `hashes.len() == tokens.len() / block_size` (one hash per full block, chained from `root`);
 //! token `p` lives at slot `blocks[p / block_size] * block_size + p % block_size`, which fits an
-//! i64 because `BlockManager::new` checks `num_blocks * block_size` does.
+//! i64 because `BlockManager::new` checks `num_blocks * block_size` does for its largest size.
+//! `block_size` is the table's own: the tables of a KV cache group whose pages are carved into
+//! smaller blocks (`crate::kv::spec`) count fewer tokens per block than the manager's default.
 //!
 //! A sliding window releases a table's leading blocks once no query will read them again: the
 //! first `released` entries then hold [`RELEASED`] (an int32 table shows -1 there), the table
@@ -25,6 +27,8 @@ pub struct BlockTable {
     pub(crate) tokens: Vec<TokenId>,
     pub(crate) hashes: Vec<BlockHash>,
     pub(crate) root: BlockHash,
+    /// Tokens per block (module invariants).
+    pub(crate) block_size: usize,
     /// Leading blocks released by a sliding window (module invariants).
     pub(crate) released: usize,
 }
@@ -45,16 +49,17 @@ impl BlockTable {
         self.released
     }
 
+    /// Tokens per block of this table.
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
     /// Releases the blocks wholly before token position `first_needed` (those not released yet)
     /// and returns them, in order; their entries become [`RELEASED`]. A block holding a token at
     /// or after `first_needed` is kept, and so is the partly filled tail whatever `first_needed`
     /// says (a later append writes into it).
-    pub(crate) fn release_before(
-        &mut self,
-        first_needed: usize,
-        block_size: usize,
-    ) -> Vec<BlockId> {
-        let upto = first_needed.min(self.tokens.len()) / block_size;
+    pub(crate) fn release_before(&mut self, first_needed: usize) -> Vec<BlockId> {
+        let upto = first_needed.min(self.tokens.len()) / self.block_size;
         let start = self.released.min(upto);
         let gone = self.blocks[start..upto].to_vec();
         self.blocks[start..upto].fill(RELEASED);
@@ -85,18 +90,19 @@ impl BlockTable {
     }
 
     /// Blocks to add so that `extra` more tokens have slots.
-    pub fn blocks_to_grow(&self, extra: usize, block_size: usize) -> usize {
-        (self.tokens.len() + extra).div_ceil(block_size) - self.blocks.len()
+    pub fn blocks_to_grow(&self, extra: usize) -> usize {
+        (self.tokens.len() + extra).div_ceil(self.block_size) - self.blocks.len()
     }
 
     /// The last block if it is partly filled (the only block a later append writes into).
-    pub fn partial_tail(&self, block_size: usize) -> Option<BlockId> {
-        (!self.tokens.len().is_multiple_of(block_size))
+    pub fn partial_tail(&self) -> Option<BlockId> {
+        (!self.tokens.len().is_multiple_of(self.block_size))
             .then(|| *self.blocks.last().expect("tokens imply blocks"))
     }
 
     /// Cache slot of token position `position` (which must be below `num_tokens`).
-    pub fn slot(&self, position: usize, block_size: usize) -> i64 {
+    pub fn slot(&self, position: usize) -> i64 {
+        let block_size = self.block_size;
         debug_assert!(
             position / block_size >= self.released,
             "a released block has no slots"
@@ -106,7 +112,8 @@ impl BlockTable {
     }
 
     /// Appends the slots of token positions `start..end` to `out`.
-    pub fn extend_slots(&self, start: usize, end: usize, block_size: usize, out: &mut Vec<i64>) {
+    pub fn extend_slots(&self, start: usize, end: usize, out: &mut Vec<i64>) {
+        let block_size = self.block_size;
         // One division per block touched rather than per token: prefill chunks are long.
         debug_assert!(
             start >= end || start / block_size >= self.released,

@@ -106,7 +106,7 @@ impl PyBlockManager {
         let (tokens, salt) = prompt(token_ids, cache_salt)?;
         self.with(py, |m| {
             Ok(m.match_prefix(&tokens, salt.as_deref().map(str::as_bytes))
-                .num_cached_tokens(m.block_size()))
+                .num_cached_tokens())
         })
     }
 

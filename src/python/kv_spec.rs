@@ -89,10 +89,15 @@ fn dtype_of(dtype: Param<'_>) -> PyResult<KvDtype> {
 impl PyKvSpec {
     #[new]
     #[pyo3(
-        signature = (layers, dtype=Param::Absent, *, hybrid=Param::Absent),
-        text_signature = "(layers, dtype=..., *, hybrid=True)"
+        signature = (layers, dtype=Param::Absent, *, hybrid=Param::Absent, sliding_block_size=None),
+        text_signature = "(layers, dtype=..., *, hybrid=True, sliding_block_size=None)"
     )]
-    fn new(layers: &Bound<'_, PyAny>, dtype: Param<'_>, hybrid: Param<'_>) -> PyResult<Self> {
+    fn new(
+        layers: &Bound<'_, PyAny>,
+        dtype: Param<'_>,
+        hybrid: Param<'_>,
+        sliding_block_size: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
         let sequence = layers
             .cast::<PySequence>()
             .map_err(|_| invalid("layers must be a sequence of LayerSpec".into()))?;
@@ -110,6 +115,9 @@ impl PyKvSpec {
                 layers,
                 dtype: dtype_of(dtype)?,
                 hybrid: hybrid.or("hybrid", true)?,
+                sliding_block_size: sliding_block_size
+                    .map(|size| arg(size, "sliding_block_size"))
+                    .transpose()?,
             },
         })
     }
@@ -163,6 +171,14 @@ impl PyKvSpec {
         self.inner.hybrid
     }
 
+    /// Tokens per block of sliding-window groups (a divisor of the cache's block size: their
+    /// pages carved into that many tokens of more layers), or None for the default (half the
+    /// block size when even).
+    #[getter]
+    fn sliding_block_size(&self) -> Option<usize> {
+        self.inner.sliding_block_size
+    }
+
     /// The longest sequence a cache of `num_blocks` blocks of `block_size` tokens holds for this
     /// spec, computing up to `max_num_batched_tokens` tokens a step: with one group of full
     /// attention, `num_blocks * block_size`; a sliding-window group holds only its window.
@@ -178,7 +194,6 @@ impl PyKvSpec {
         Ok(capacity_tokens(
             &layout.kept(),
             arg(num_blocks, "num_blocks")?,
-            block_size,
             arg(max_num_batched_tokens, "max_num_batched_tokens")?,
         ))
     }
@@ -189,8 +204,12 @@ impl PyKvSpec {
             true => "",
             false => ", hybrid=False",
         };
+        let sliding = match self.inner.sliding_block_size {
+            None => String::new(),
+            Some(size) => format!(", sliding_block_size={size}"),
+        };
         format!(
-            "KvSpec([{}], dtype={:?}{hybrid})",
+            "KvSpec([{}], dtype={:?}{hybrid}{sliding})",
             layers.join(", "),
             self.inner.dtype.name()
         )
@@ -199,8 +218,9 @@ impl PyKvSpec {
 
 /// Layers whose K/V one block table per sequence addresses: alike in KV heads, head size and
 /// window (`layer`: a group of sliding-window layers keeps only each sequence's last `window`
-/// tokens), numbered `layers`, in blocks of `block_size` tokens; every group's pages hold a block
-/// of as many layers, so one pool serves all groups. Read from `Scheduler.kv_groups`.
+/// tokens), numbered `layers`, in blocks of `block_size` tokens; every page has one size in bytes
+/// (a group with smaller blocks holds more layers in each), so one pool serves all groups. Read
+/// from `Scheduler.kv_groups`.
 #[pyclass(name = "GroupSpec", module = "pagedkv", frozen, eq)]
 #[derive(Clone, PartialEq)]
 pub struct PyGroupSpec {

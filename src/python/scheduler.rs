@@ -165,7 +165,6 @@ impl PyScheduler {
                 c.max_model_len = c.max_model_len.min(capacity_tokens(
                     &layout.kept(),
                     c.num_blocks,
-                    c.block_size,
                     c.max_num_batched_tokens,
                 ));
             }

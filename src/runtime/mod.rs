@@ -20,9 +20,10 @@
 //! - The figures of a detached disk tier stay readable (`tier_counters`) after it is closed.
 //! - A step's attention over a layer applies the sliding window the K/V spec gives that layer
 //!   (`KvRuntime::attention`); the caller has no say, so the spec is the one place it is stated.
-//! - The store's pages hold a block of each layer of one KV cache group (`KvCacheConfig`): a
-//!   layer's K/V is written and read at its place in its group's pages, through its group's
-//!   slots and tables, so one pool of pages serves every group.
+//! - The store's pages hold a block of each layer of one KV cache group (`KvCacheConfig`), or of
+//!   each part a group carves them into: a layer's K/V is written and read at its place in its
+//!   group's pages (store layer and part), through its group's slots and tables, so one pool of
+//!   pages serves every group.
 
 mod gate;
 mod step;
@@ -36,14 +37,14 @@ use crate::compute::attention::{self, AttentionBatch};
 use crate::compute::cpu::Isa;
 use crate::error::{ensure, Error, Result};
 use crate::ids::TokenId;
-use crate::kv::spec::{AttentionKind, KvCacheConfig, KvSpec};
+use crate::kv::spec::{GroupKeeping, KvCacheConfig, KvSpec, LayerPlace};
 use crate::memory::events::{KvEvent, Medium};
 use crate::memory::prefix_cache::BlockHash;
 use crate::scheduler::{
     RequestOptions, SamplingParams, Scheduler, SchedulerConfig, StepOutput, UpdateOutput,
 };
 use crate::store::dtype::KvDtype;
-use crate::store::kv_cache::{KvCache, KvShape};
+use crate::store::kv_cache::{KvCache, KvShape, PagePart};
 use crate::tier::disk::{DiskTier, DiskTierConfig, Opened};
 use crate::tier::TierCounters;
 use gate::StepGate;
@@ -60,8 +61,8 @@ pub struct KvRuntime {
     /// The model's K/V spec and the layout derived from it (None: no K/V).
     kv: Option<(KvSpec, KvCacheConfig)>,
     store: Option<Mutex<KvCache>>,
-    /// Each model layer's KV cache group and its layer in the group's pages (`store`'s layer).
-    places: Vec<(usize, usize)>,
+    /// Where each model layer's K/V lies: its group, store layer and part of a page.
+    places: Vec<LayerPlace>,
     gate: StepGate,
 }
 
@@ -88,12 +89,12 @@ impl KvRuntime {
             .map(|spec| KvCacheConfig::derive(&spec, config.block_size).map(|c| (spec, c)))
             .transpose()?;
         let (kept, store, places) = match &kv {
-            None => (vec![AttentionKind::Full], None, Vec::new()),
+            None => (vec![GroupKeeping::full(config.block_size)], None, Vec::new()),
             Some((spec, layout)) => {
                 // One page holds a block of every layer of a group (`KvCacheConfig`), so the store
                 // has `page_layers` layers, each model layer at its place in its group's pages.
                 let shape = KvShape {
-                    num_layers: layout.page_layers(),
+                    num_layers: layout.page_layers,
                     num_blocks: config.num_blocks,
                     block_size: config.block_size,
                     num_kv_heads: spec.layers[0].num_kv_heads,
@@ -204,8 +205,9 @@ impl KvRuntime {
     /// step's slots in the layer's group (see `KvCache::write`).
     pub fn write(&self, step: &Step, layer: usize, keys: &[f32], values: &[f32]) -> Result<()> {
         self.through(step, |c| {
-            let (group, page_layer) = self.place(layer)?;
-            c.write(page_layer, keys, values, step.group_slots(group))
+            let (place, part) = self.place(layer)?;
+            let slots = step.group_slots(place.group);
+            c.write_part(place.page_layer, part, keys, values, slots)
         })
     }
 
@@ -230,29 +232,36 @@ impl KvRuntime {
         out: &mut [f32],
     ) -> Result<()> {
         self.through(step, |c| {
-            let (group, page_layer) = self.place(layer)?;
+            let (place, part) = self.place(layer)?;
             let window = self
                 .kv
                 .as_ref()
                 .and_then(|(spec, _)| spec.layers[layer].attention.window());
             let batch = AttentionBatch {
-                block_tables: step.group_tables(group),
+                block_tables: step.group_tables(place.group),
                 max_blocks_per_seq: step.block_table_width,
                 context_lens: &step.context_lens,
                 query_start_loc: &step.query_start_loc,
             };
-            attention::paged_attention_with(
-                path, c, page_layer, query, num_heads, &batch, scale, window, out,
+            let layer = (place.page_layer, part);
+            attention::paged_attention_part(
+                path, c, layer, query, num_heads, &batch, scale, window, out,
             )
         })
     }
 
-    /// `layer`'s KV cache group and its layer in the group's pages. `InvalidArgument`, as the
-    /// store's, for a layer the spec does not have.
-    fn place(&self, layer: usize) -> Result<(usize, usize)> {
-        self.places.get(layer).copied().ok_or_else(|| {
+    /// Where `layer`'s K/V lies, and its part of a page. `InvalidArgument`, as the store's, for
+    /// a layer the spec does not have.
+    fn place(&self, layer: usize) -> Result<(LayerPlace, PagePart)> {
+        let place = self.places.get(layer).copied().ok_or_else(|| {
             Error::InvalidArgument(format!("layer {layer} outside 0..{}", self.places.len()))
-        })
+        })?;
+        let (_, layout) = self.kv.as_ref().expect("places come from a layout");
+        let part = PagePart {
+            index: place.part,
+            of: layout.parts(place.group),
+        };
+        Ok((place, part))
     }
 
     /// Opens (or creates) the disk tier in `dir` for the runtime's K/V, at most `capacity_bytes`

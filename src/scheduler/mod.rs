@@ -66,7 +66,7 @@ pub use request::{FinishReason, SamplingParams};
 use crate::error::{ensure, Error, Result};
 use crate::ids::{SeqId, TokenId};
 use crate::kv::coordinator::{capacity_tokens, group_blocks, KvCoordinator};
-use crate::kv::spec::AttentionKind;
+use crate::kv::spec::{AttentionKind, GroupKeeping};
 use crate::memory::block_manager::{BlockManager, TierPolicy, DEFAULT_MIN_LOAD_BLOCKS};
 use crate::memory::block_table::BlockTable;
 use crate::memory::events::{KvEvent, Medium};
@@ -259,13 +259,8 @@ fn headroom_blocks(
 
 /// Appends `row`'s slots in `table` to the step's slot mapping and writes `table` into its block
 /// tables at `at`.
-fn fill_row(out: &mut StepOutput, table: &BlockTable, row: &Row, at: usize, block_size: usize) {
-    table.extend_slots(
-        row.start,
-        row.start + row.len,
-        block_size,
-        &mut out.slot_mapping,
-    );
+fn fill_row(out: &mut StepOutput, table: &BlockTable, row: &Row, at: usize) {
+    table.extend_slots(row.start, row.start + row.len, &mut out.slot_mapping);
     let cells = &mut out.block_tables[at..][..table.blocks().len()];
     for (cell, entry) in cells.iter_mut().zip(table.entries()) {
         *cell = entry;
@@ -343,22 +338,25 @@ pub struct Scheduler {
 }
 
 impl Scheduler {
-    /// A scheduler keeping every token's K/V in one group (`keeping(config, vec![Full])`).
+    /// A scheduler keeping every token's K/V in one group (`keeping(config, vec![full])`).
     pub fn new(config: SchedulerConfig) -> Result<Self> {
-        Self::keeping(config, vec![AttentionKind::Full])
+        let full = GroupKeeping::full(config.block_size);
+        Self::keeping(config, vec![full])
     }
 
     /// A scheduler giving each sequence a block table in each KV cache group `kept[g]`, over one
     /// pool (`KvCoordinator`): a `Full` group keeps every token, a `Sliding` one the last
     /// `window` tokens (before a running sequence computes its next tokens, its blocks wholly
-    /// before its first new token's window go back to the pool, to the prefix cache when hashed).
+    /// before its first new token's window go back to the pool, to the prefix cache when hashed),
+    /// each in blocks of its own size (dividing `config.block_size`, the pages').
     /// What a layout derived from the model's spec keeps (`KvCacheConfig`). Fails with
-    /// `InvalidArgument` for no group, a zero window, or a `max_model_len` whose blocks in all
-    /// groups exceed the pool (`capacity_tokens`), and as `SchedulerConfig` is checked.
-    pub fn keeping(config: SchedulerConfig, kept: Vec<AttentionKind>) -> Result<Self> {
+    /// `InvalidArgument` for no group, a zero window, a block size not dividing the pages', or a
+    /// `max_model_len` whose blocks in all groups exceed the pool (`capacity_tokens`), and as
+    /// `SchedulerConfig` is checked.
+    pub fn keeping(config: SchedulerConfig, kept: Vec<GroupKeeping>) -> Result<Self> {
         config.validate()?;
         let chunk = chunk_limit(&config, config.max_num_batched_tokens);
-        let capacity = capacity_tokens(&kept, config.num_blocks, config.block_size, chunk);
+        let capacity = capacity_tokens(&kept, config.num_blocks, chunk);
         ensure(config.max_model_len <= capacity, || {
             format!(
                 "max_model_len {} exceeds what {} blocks of {} tokens hold in the {} KV cache \
@@ -903,28 +901,32 @@ impl Scheduler {
     /// `lookahead` tokens, its tables holding `num_computed` tokens (`headroom_blocks` per group;
     /// a sliding group never needs more than its peak, `group_blocks`).
     fn headroom(&self, seq: &Sequence, num_computed: usize, lookahead: usize) -> usize {
-        let bs = self.config.block_size;
         let max_growth = self.max_growth(seq);
-        let full = headroom_blocks(
-            bs,
-            seq.tokens.len(),
-            num_computed,
-            seq.pending_forks,
-            lookahead,
-            max_growth,
-        );
+        let full = |bs| {
+            headroom_blocks(
+                bs,
+                seq.tokens.len(),
+                num_computed,
+                seq.pending_forks,
+                lookahead,
+                max_growth,
+            )
+        };
         let groups = self.blocks.groups();
-        if let [AttentionKind::Full] = groups {
-            return full; // every model but a hybrid one: once per running sequence and step
+        if let [only] = groups {
+            if only.attention == AttentionKind::Full {
+                // Every model but a hybrid one: once per running sequence and step.
+                return full(only.block_size);
+            }
         }
         let chunk = self.chunk_cap(self.config.max_num_batched_tokens);
         let end = seq.tokens.len() + lookahead.min(max_growth);
         groups
             .iter()
-            .map(|&kept| match kept {
-                AttentionKind::Full => full,
-                sliding => full
-                    .min(group_blocks(sliding, end, chunk, bs) * (1 + seq.pending_forks as usize)),
+            .map(|&kept| match kept.attention {
+                AttentionKind::Full => full(kept.block_size),
+                AttentionKind::Sliding { .. } => full(kept.block_size)
+                    .min(group_blocks(kept, end, chunk) * (1 + seq.pending_forks as usize)),
             })
             .sum()
     }
@@ -1033,7 +1035,6 @@ impl Scheduler {
 
     /// Admits waiting sequences from the head while budget, seats and blocks allow.
     fn admit_waiting(&mut self, budget: &mut usize) {
-        let block_size = self.config.block_size;
         let lookahead = self.config.admission_lookahead_tokens;
         // Blocks the running sequences may still need (admission keeps them available).
         let mut reserved = 0;
@@ -1061,7 +1062,7 @@ impl Scheduler {
             }
             let found =
                 (self.blocks).match_prefix(request.hash_root, &seq.prefix_hashes, num_tokens);
-            let cached = found[0].num_cached_tokens(block_size);
+            let cached = found[0].num_cached_tokens();
             // With tier hits (one group only), only the hit blocks are admitted (and loaded); the
             // sequence computes nothing this step.
             let loads = found[0].tier_hashes.len();
@@ -1070,7 +1071,7 @@ impl Scheduler {
             } else {
                 (num_tokens - cached).min(cap)
             };
-            let admitted = found[0].num_hit_tokens(block_size) + len;
+            let admitted = found[0].num_hit_tokens() + len;
             let needed = self.blocks.blocks_to_admit(&found, admitted);
             let own_headroom = lookahead.map_or(0, |lookahead| {
                 self.headroom(&self.seqs[handle], admitted, lookahead)
@@ -1147,7 +1148,11 @@ impl Scheduler {
 
     /// Writes the rows into the output arrays, forking prompts that completed this step.
     fn fill_output(&mut self) {
-        let block_size = self.config.block_size;
+        // The widest table: the smallest blocks.
+        let block_size = (self.blocks.groups().iter())
+            .map(|g| g.block_size)
+            .min()
+            .expect("a group");
         let width = self
             .rows
             .iter()
@@ -1185,20 +1190,14 @@ impl Scheduler {
             // Group 0's slots and table in this pass (the only group of most models).
             let table =
                 (self.blocks.table(seq.block_seq, 0)).expect("scheduled sequences have tables");
-            fill_row(out, table, row, i * width, block_size);
+            fill_row(out, table, row, i * width);
         }
         // The other groups' after it, group-major (`StepOutput`).
         for group in 1..num_groups {
             for (i, row) in self.rows.iter().enumerate() {
                 let table = (self.blocks.table(self.seqs[row.seq].block_seq, group))
                     .expect("scheduled sequences have tables");
-                fill_row(
-                    out,
-                    table,
-                    row,
-                    (group * self.rows.len() + i) * width,
-                    block_size,
-                );
+                fill_row(out, table, row, (group * self.rows.len() + i) * width);
             }
         }
         // Forks last: they change the running list and the slab, which the loop above reads.

@@ -170,7 +170,11 @@ fn a_sliding_window_holds_a_bounded_number_of_blocks_however_long_the_sequence()
     let mut cfg = config(32, 4);
     cfg.max_num_batched_tokens = 5;
     cfg.max_model_len = 128;
-    let mut s = Scheduler::keeping(cfg, vec![AttentionKind::Sliding { window: 6 }]).unwrap();
+    let sliding = GroupKeeping {
+        attention: AttentionKind::Sliding { window: 6 },
+        block_size: 4,
+    };
+    let mut s = Scheduler::keeping(cfg, vec![sliding]).unwrap();
     add(&mut s, "long", (0..23).collect(), 100);
     let mut peak_table_width = 0;
     while s.has_unfinished() {
@@ -707,7 +711,7 @@ proptest! {
         max_num_seqs in 3..8usize,
         priority in any::<bool>(),
         slru in any::<bool>(),
-        windows in proptest::collection::vec(proptest::option::of(1..12usize), 1..4),
+        windows in proptest::collection::vec((proptest::option::of(1..12usize), 0..3u32), 1..4),
     ) {
         let mut cfg = config(num_blocks, 4);
         cfg.max_num_batched_tokens = budget;
@@ -715,13 +719,17 @@ proptest! {
         cfg.max_num_seqs = max_num_seqs;
         cfg.policy = if priority { Policy::Priority { aging_steps: 3 } } else { Policy::Fcfs };
         cfg.eviction_policy = if slru { EvictionPolicy::Slru } else { EvictionPolicy::Lru };
-        // KV cache groups, each keeping every token or a window (a hybrid model's layout).
-        let kept: Vec<AttentionKind> = windows
+        // KV cache groups, each keeping every token or a window (a hybrid model's layout), in
+        // blocks of 4, 2 or 1 tokens (pages of 4 carved into parts).
+        let kept: Vec<GroupKeeping> = windows
             .iter()
-            .map(|w| w.map_or(AttentionKind::Full, |window| AttentionKind::Sliding { window }))
+            .map(|&(w, carve)| GroupKeeping {
+                attention: w.map_or(AttentionKind::Full, |window| AttentionKind::Sliding { window }),
+                block_size: 4 >> carve,
+            })
             .collect();
         let chunk = chunk_limit(&cfg, budget);
-        cfg.max_model_len = capacity_tokens(&kept, num_blocks, 4, chunk).min(64);
+        cfg.max_model_len = capacity_tokens(&kept, num_blocks, chunk).min(64);
         prop_assume!(cfg.max_model_len >= 2);
         let max_model_len = cfg.max_model_len;
         let mut s = Scheduler::keeping(cfg, kept).unwrap();

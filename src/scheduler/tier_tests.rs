@@ -318,7 +318,7 @@ fn compute(m: &BlockManager, world: &Mutex<World>, seq: SeqId) {
         .into_iter()
         .enumerate()
     {
-        let slot = table.slot(p, 4) as usize;
+        let slot = table.slot(p) as usize;
         w.ram[slot] = Some(value);
     }
 }
@@ -355,7 +355,7 @@ fn admission_counts_tier_hits_as_new_blocks_and_loads_them() {
     let found = m.match_prefix(&prompt, None);
     assert!(found.blocks.is_empty());
     assert_eq!(found.tier_hashes, block_hashes(0, &prompt[..12], 4));
-    assert_eq!(m.blocks_to_admit(&found, found.num_hit_tokens(4)), 3);
+    assert_eq!(m.blocks_to_admit(&found, found.num_hit_tokens()), 3);
     // Admitting more than the hit tokens with tier hits is refused, untouched.
     assert!(matches!(
         m.admit(2, &prompt, found.clone()),

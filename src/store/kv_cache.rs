@@ -85,8 +85,38 @@ impl KvShape {
 
     /// Offset of (slot, head) in a layer buffer.
     pub fn offset(&self, slot: usize, head: usize) -> usize {
-        let (block, row) = (slot / self.block_size, slot % self.block_size);
-        ((block * self.num_kv_heads + head) * self.block_size + row) * self.head_dim
+        self.part(PagePart::WHOLE).offset(slot, head)
+    }
+
+    /// The shape `part` of every block sees: blocks of `block_size / part.of` tokens (the
+    /// `num_blocks` pages, each carved). `InvalidArgument` unless `part.of` divides the block
+    /// size and `part.index < part.of`.
+    pub fn carved(&self, part: PagePart) -> Result<KvShape> {
+        ensure(
+            part.index < part.of && self.block_size.is_multiple_of(part.of),
+            || {
+                format!(
+                    "part {} of {} of a {}-token block: the parts must divide it",
+                    part.index, part.of, self.block_size
+                )
+            },
+        )?;
+        Ok(KvShape {
+            block_size: self.block_size / part.of,
+            ..*self
+        })
+    }
+
+    /// How `part` of every block of a layer buffer is addressed (`part` valid for this shape).
+    pub fn part(&self, part: PagePart) -> PartAddress {
+        let block_elems = self.block_elems();
+        PartAddress {
+            block_size: self.block_size / part.of,
+            page_elems: block_elems,
+            base: part.index * block_elems / part.of,
+            num_kv_heads: self.num_kv_heads,
+            head_dim: self.head_dim,
+        }
     }
 
     /// Checks that every dimension is positive and that the K and V bytes of all layers in
@@ -153,6 +183,42 @@ impl KvShape {
             ))),
             None => Ok(used),
         }
+    }
+}
+
+/// One part of every block of a store layer (`crate::kv::spec`: a KV cache group carving its
+/// pages): the `index`-th of `of` equal parts, `[num_kv_heads, block_size / of, head_dim]` each,
+/// holding one model layer's K (or V) in blocks of `block_size / of` tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PagePart {
+    pub index: usize,
+    pub of: usize,
+}
+
+impl PagePart {
+    /// The whole block (a layer not carved).
+    pub const WHOLE: PagePart = PagePart { index: 0, of: 1 };
+}
+
+/// Where (slot, head) of one [`PagePart`] lies in a layer buffer: slot `s` is row
+/// `s % block_size` of block `s / block_size`, blocks `page_elems` apart, the part `base`
+/// elements into its page.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PartAddress {
+    pub block_size: usize,
+    pub page_elems: usize,
+    pub base: usize,
+    pub num_kv_heads: usize,
+    pub head_dim: usize,
+}
+
+impl PartAddress {
+    /// Offset of (slot, head) in the layer buffer.
+    pub fn offset(&self, slot: usize, head: usize) -> usize {
+        let (block, row) = (slot / self.block_size, slot % self.block_size);
+        block * self.page_elems
+            + self.base
+            + (head * self.block_size + row) * self.head_dim
     }
 }
 
@@ -399,7 +465,21 @@ impl KvCache {
         values: &[f32],
         slots: &[i64],
     ) -> Result<()> {
+        self.write_part(layer, PagePart::WHOLE, keys, values, slots)
+    }
+
+    /// [`KvCache::write`] into `part` of every block of `layer`, whose slots count blocks of
+    /// `block_size / part.of` tokens.
+    pub fn write_part(
+        &mut self,
+        layer: usize,
+        part: PagePart,
+        keys: &[f32],
+        values: &[f32],
+        slots: &[i64],
+    ) -> Result<()> {
         self.check_layer(layer)?;
+        let carved = self.shape.carved(part)?;
         let row = self.shape.row_elems();
         let expected = slots.len() * row;
         if keys.len() != expected || values.len() != expected {
@@ -410,7 +490,7 @@ impl KvCache {
                 values.len()
             )));
         }
-        let num_slots = (self.shape.num_blocks * self.shape.block_size) as i64;
+        let num_slots = (carved.num_blocks * carved.block_size) as i64;
         if let Some(bad) = slots.iter().find(|&&s| s < 0 || s >= num_slots) {
             return Err(Error::InvalidArgument(format!(
                 "slot {bad} outside 0..{num_slots}"
@@ -419,14 +499,14 @@ impl KvCache {
         for (name, data) in [("keys", keys), ("values", values)] {
             self.check_storable(name, data)?;
         }
-        let shape = self.shape;
+        let address = self.shape.part(part);
         for (buffer, source) in [
             (&self.layers.keys[layer], keys),
             (&self.layers.values[layer], values),
         ] {
             // SAFETY: the engine writes only blocks of its tables, never one a tier's job holds
             // (module doc), and `&mut self` keeps every other engine access out.
-            with_kv_buffer!(buffer, buf => unsafe { scatter_rows(buf, source, slots, &shape) });
+            with_kv_buffer!(buffer, buf => unsafe { scatter_rows(buf, source, slots, &address) });
         }
         Ok(())
     }
@@ -460,9 +540,22 @@ impl KvCache {
         block_table: &[i32],
         num_tokens: usize,
     ) -> Result<(Vec<f32>, Vec<f32>)> {
+        self.gather_part(layer, PagePart::WHOLE, block_table, num_tokens)
+    }
+
+    /// [`KvCache::gather`] from `part` of every block of `layer` (a table of its blocks).
+    pub fn gather_part(
+        &self,
+        layer: usize,
+        part: PagePart,
+        block_table: &[i32],
+        num_tokens: usize,
+    ) -> Result<(Vec<f32>, Vec<f32>)> {
         self.check_layer(layer)?;
+        let address = self.shape.part(part);
         let used = self
             .shape
+            .carved(part)?
             .used_blocks(block_table, 0..num_tokens, || "the block table".into())?;
         let len = num_tokens
             .checked_mul(self.shape.row_elems())
@@ -471,7 +564,7 @@ impl KvCache {
             })?;
         let read = |buffer: &KvBuffer| -> Result<Vec<f32>> {
             let mut out = alloc::try_zeroed_vec(len, "gathered K/V rows")?;
-            with_kv_buffer!(buffer, buf => gather_rows(buf, used, &self.shape, &mut out));
+            with_kv_buffer!(buffer, buf => gather_rows(buf, used, &address, &mut out));
             Ok(out)
         };
         Ok((
@@ -604,10 +697,10 @@ unsafe fn scatter_rows<T: KvElement>(
     buf: &SharedBuf<T>,
     rows: &[f32],
     slots: &[i64],
-    shape: &KvShape,
+    shape: &PartAddress,
 ) {
     let d = shape.head_dim;
-    for (&slot, row) in slots.iter().zip(rows.chunks_exact(shape.row_elems())) {
+    for (&slot, row) in slots.iter().zip(rows.chunks_exact(shape.num_kv_heads * d)) {
         for (head, src) in row.chunks_exact(d).enumerate() {
             let at = shape.offset(slot as usize, head);
             // SAFETY: forwarded from the caller.
@@ -624,9 +717,9 @@ unsafe fn scatter_rows<T: KvElement>(
 
 /// Writes the rows of `used` blocks' tokens, in order, into `out` (`out.len()` / `row_elems`
 /// tokens).
-fn gather_rows<T: KvElement>(buf: &[T], used: &[i32], shape: &KvShape, out: &mut [f32]) {
+fn gather_rows<T: KvElement>(buf: &[T], used: &[i32], shape: &PartAddress, out: &mut [f32]) {
     let (bs, d) = (shape.block_size, shape.head_dim);
-    for (position, row) in out.chunks_exact_mut(shape.row_elems()).enumerate() {
+    for (position, row) in out.chunks_exact_mut(shape.num_kv_heads * d).enumerate() {
         let slot = used[position / bs] as usize * bs + position % bs;
         for (head, dst) in row.chunks_exact_mut(d).enumerate() {
             let at = shape.offset(slot, head);

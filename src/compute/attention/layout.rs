@@ -6,6 +6,7 @@
 //! layout and nothing else. Callers only ask for blocks that validation proved in range.
 
 use crate::store::dtype::KvElement;
+use crate::store::kv_cache::PartAddress;
 
 /// Maps (sequence, KV head, logical block) to its K and V tiles.
 pub(crate) trait KvLayout<T>: Sync {
@@ -25,28 +26,28 @@ pub(crate) trait KvLayout<T>: Sync {
     }
 }
 
-/// The paged cache: layer buffers `[num_blocks, num_kv_heads, block_size, head_dim]` and block
-/// tables `[num_seqs, max_blocks_per_seq]`.
+/// The paged cache: layer buffers `[num_blocks, num_kv_heads, block_size, head_dim]` — or one
+/// part of every block of them (`PagePart`: blocks `page_elems` apart, the part `base` elements
+/// into each) — and block tables `[num_seqs, max_blocks_per_seq]`.
 pub(crate) struct Paged<'a, T> {
     pub keys: &'a [T],
     pub values: &'a [T],
     pub block_tables: &'a [i32],
     pub max_blocks_per_seq: usize,
-    pub num_kv_heads: usize,
-    pub block_size: usize,
-    pub head_dim: usize,
+    pub address: PartAddress,
 }
 
 impl<T: KvElement> KvLayout<T> for Paged<'_, T> {
     fn block_size(&self) -> usize {
-        self.block_size
+        self.address.block_size
     }
 
     #[inline]
     fn tile(&self, seq: usize, kv_head: usize, block: usize) -> (&[T], &[T]) {
         let physical = self.block_tables[seq * self.max_blocks_per_seq + block] as usize;
-        let len = self.block_size * self.head_dim;
-        let start = (physical * self.num_kv_heads + kv_head) * len;
+        let a = &self.address;
+        let len = a.block_size * a.head_dim;
+        let start = physical * a.page_elems + a.base + kv_head * len;
         (
             &self.keys[start..start + len],
             &self.values[start..start + len],

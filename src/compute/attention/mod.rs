@@ -30,7 +30,7 @@ use crate::compute::cpu::{num_threads, pool, Isa};
 
 use crate::error::{Error, Result};
 use crate::store::dtype::{KvDtype, KvElement};
-use crate::store::kv_cache::{KvBuffer, KvCache, KvShape};
+use crate::store::kv_cache::{KvBuffer, KvCache, KvShape, PagePart};
 use compute::{merge_group, partial_slot_len, run_item, SharedOut};
 use layout::{Contiguous, KvLayout, Paged};
 use plan::Plan;
@@ -97,7 +97,27 @@ pub fn paged_attention_with(
     window: Option<usize>,
     out: &mut [f32],
 ) -> Result<()> {
-    let shape = cache.shape();
+    let layer = (layer, PagePart::WHOLE);
+    paged_attention_part(path, cache, layer, q, num_heads, batch, scale, window, out)
+}
+
+/// [`paged_attention_with`] over part `layer.1` of every block of store layer `layer.0` (a KV
+/// cache group carving its pages, `crate::kv::spec`), the tables counting blocks of that part's
+/// tokens. The same loop: a tile is a part's block, read as contiguously as a whole block.
+#[allow(clippy::too_many_arguments)]
+pub fn paged_attention_part(
+    path: Isa,
+    cache: &KvCache,
+    (layer, part): (usize, PagePart),
+    q: &[f32],
+    num_heads: usize,
+    batch: &AttentionBatch<'_>,
+    scale: f32,
+    window: Option<usize>,
+    out: &mut [f32],
+) -> Result<()> {
+    let shape = cache.shape().carved(part)?;
+    let address = cache.shape().part(part);
     let (keys, values) = cache.layer(layer)?;
     let problem = Problem::validate(
         q,
@@ -119,9 +139,7 @@ pub fn paged_attention_with(
                 values: $values,
                 block_tables: batch.block_tables,
                 max_blocks_per_seq: batch.max_blocks_per_seq,
-                num_kv_heads: shape.num_kv_heads,
-                block_size: shape.block_size,
-                head_dim: shape.head_dim,
+                address,
             };
             execute(path, &problem, &layout, out)
         }};
