@@ -159,10 +159,11 @@ def _cases(args) -> list[tuple]:
     dtypes = args.dtypes
     if args.quick:
         decode = [(b, c) for b, c in [(1, 2048), (16, 2048), (4, 8192)]]
-        block_sizes, prefill = [16, 64, 128], [(128, 0), (512, 2048)]
+        block_sizes, prefill = [8, 16, 64, 128], [(128, 0), (512, 2048)]
     else:
         decode = [(b, c) for b in (1, 4, 16, 64) for c in (512, 2048, 8192)]
-        block_sizes, prefill = [16, 64, 128], [(n, p) for n in (128, 512, 2048) for p in (0, 2048)]
+        # 8: the blocks of sliding-window groups carving their pages (`KvSpec.sliding_block_size`).
+        block_sizes, prefill = [8, 16, 64, 128], [(n, p) for n in (128, 512, 2048) for p in (0, 2048)]
     out = []
     for dtype in dtypes:
         for bs in block_sizes:

@@ -1,5 +1,6 @@
-"""Gemma 3's hybrid KV cache (one full group, five sliding groups of 3 layers) vs a uniform cache
-keeping every layer's K/V for every token, at the same KV byte budget.
+"""Gemma 3's hybrid KV cache (one full group of 3 layers; sliding groups carving their pages into
+blocks of 8 tokens of 6 layers) vs a uniform cache keeping every layer's K/V for every token, at
+the same KV byte budget; and the hybrid cache with one block size for every group.
 
 The scheduler runs alone (no model: the figures are the cache's, not the kernels'), on Gemma 3
 270M's layout read from its GGUF: 18 layers of one 256-wide K/V head, five local layers (window
@@ -12,6 +13,8 @@ uniform one has a sixth of the pages (each page 18 layers instead of 3).
   running batch while as many requests as could ever fit wait).
 - ``prefix_hits``: requests sharing a system prompt shorter than the window, then a longer one:
   the prefix-hit rate of each cache at the same budget.
+- ``fragmentation``: slots allocated but not read, per kind of group, for pages of 8 to 64 tokens,
+  the sliding groups' blocks the page's size or carved smaller (per-group block sizes).
 
 ``python -m lab bench kv-groups [--json]``; the figures are deterministic (no timing).
 """
@@ -67,13 +70,14 @@ def uniform(spec: KvSpec) -> KvSpec:
 
 
 def page_bytes(scheduler: Scheduler) -> int:
-    """Bytes of one page: a block of every layer of one group, K and V."""
+    """Bytes of one page: a block of every layer of one group (as many token-layers in every
+    group: one carving its pages has more layers of fewer tokens), K and V."""
     groups = scheduler.kv_groups
-    layers = max(len(g.layers) for g in groups)
+    token_layers = max(len(g.layers) * g.block_size for g in groups)
     layer = groups[0].layer
     spec = scheduler.kv_spec
     assert spec is not None
-    return 2 * layers * BLOCK_SIZE * layer.num_kv_heads * layer.head_dim * DTYPE_BYTES[spec.dtype]
+    return 2 * token_layers * layer.num_kv_heads * layer.head_dim * DTYPE_BYTES[spec.dtype]
 
 
 @dataclass
@@ -197,20 +201,23 @@ def throughput(args: argparse.Namespace) -> dict[str, object]:
             "met": ratio >= 2.0, "greedy_tokens_equal": tokens["hybrid"] == tokens["uniform"]}
 
 
-def fragmentation(spec: KvSpec, block_size: int, args: argparse.Namespace) -> dict[str, float]:
-    """Internal fragmentation of each kind of group at ``block_size``: slots its held blocks
-    allocate but the step's queries do not read, over those they read ("full": every cached token;
-    "sliding": each row's window back from its first new token), summed over the steps of the
-    Azure conversation trace's first 64 requests (lengths x 4, distinct prompts, no prefix
-    caching) in which every running sequence was scheduled; and the mean block-table width."""
+def fragmentation(spec: KvSpec, block_size: int, sliding_block_size: int,
+                  args: argparse.Namespace) -> dict[str, float]:
+    """Internal fragmentation of each kind of group in pages of ``block_size`` tokens, the sliding
+    groups in blocks of ``sliding_block_size``: slots its held blocks allocate but the step's
+    queries do not read, over those they read ("full": every cached token; "sliding": each row's
+    window back from its first new token), summed over the steps of the Azure conversation trace's
+    first 64 requests (lengths x 4, distinct prompts, no prefix caching) in which every running
+    sequence was scheduled; and the mean block-table width."""
     from pagedkv.traces import load_trace
 
+    spec = KvSpec(spec.layers, spec.dtype, sliding_block_size=sliding_block_size)
     s = Scheduler(num_blocks=1 << 16, block_size=block_size, kv_spec=spec, enable_prefix_caching=False,
                   max_num_batched_tokens=args.max_num_batched_tokens)
     for r, request in enumerate(load_trace(limit=64)):
         prompt = [(r * 7919 + i) % 30000 + 3 for i in range(4 * request.prompt_tokens)]
         s.add_request(f"r{r}", prompt, max_tokens=max(1, 4 * request.output_tokens))
-    windows = [g.layer.window for g in s.kv_groups]
+    windows = [(g.layer.window, g.block_size) for g in s.kv_groups]
     held = {"full": 0, "sliding": 0}
     read = {"full": 0, "sliding": 0}
     widths = []
@@ -220,19 +227,20 @@ def fragmentation(spec: KvSpec, block_size: int, args: argparse.Namespace) -> di
             ctx = out.context_lens.astype(int)
             new = (out.query_start_loc[1:] - out.query_start_loc[:-1]).astype(int)
             blocks = s.kv_group_blocks
-            for window, group_blocks in zip(windows, blocks, strict=True):
+            for (window, size), group_blocks in zip(windows, blocks, strict=True):
                 kind = "full" if window is None else "sliding"
-                held[kind] += group_blocks * block_size
+                held[kind] += group_blocks * size
                 read[kind] += int(ctx.sum() if window is None else (ctx - (ctx - new + 1 - window).clip(0)).sum())
             widths.append(out.block_tables.shape[-1])
         s.update(out, [1] * len(out.logits_indices))
     return {f"{kind}_fragmentation": round(held[kind] / read[kind] - 1, 4) for kind in held if read[kind]} | {
-        "mean_table_width": round(sum(widths) / max(1, len(widths)), 1)}
+        "mean_table_width": round(sum(widths) / max(1, len(widths)), 1), "groups": len(windows)}
 
 
 def run(args: argparse.Namespace) -> int:
     hybrid = gemma3_config().kv_spec(args.kv_dtype)
-    layouts = {"hybrid": hybrid, "uniform": uniform(hybrid)}
+    one_size = KvSpec(hybrid.layers, hybrid.dtype, sliding_block_size=BLOCK_SIZE)
+    layouts = {"hybrid": hybrid, "hybrid_one_size": one_size, "uniform": uniform(hybrid)}
     groups = Scheduler(num_blocks=64, block_size=BLOCK_SIZE, max_model_len=16, kv_spec=hybrid).kv_groups
     per_context = []
     for context in args.contexts:
@@ -240,6 +248,8 @@ def run(args: argparse.Namespace) -> int:
         ratio = held["hybrid"] / held["uniform"]
         target = TARGET_BYTES_RATIO.get(context)
         per_context.append({"context": context, "hybrid_bytes": held["hybrid"], "uniform_bytes": held["uniform"],
+                            "hybrid_one_size_bytes": held["hybrid_one_size"],
+                            "one_size_ratio": round(held["hybrid_one_size"] / held["uniform"], 4),
                             "ratio": round(ratio, 4), "target": target,
                             "met": None if target is None else ratio <= target})
     fits = {name: concurrency(spec, args) for name, spec in layouts.items()}
@@ -252,15 +262,18 @@ def run(args: argparse.Namespace) -> int:
             f"--{k.replace('_', '-')} {','.join(map(str, v)) if isinstance(v, tuple) else v}"
             for k, v in vars(args).items() if k in {"contexts", "budget_mib", "concurrency_context",
                                                      "max_num_batched_tokens", "kv_dtype"}),
-        "layout": [{"layers": g.layers, "window": g.layer.window} for g in groups],
+        "layout": [{"layers": g.layers, "window": g.layer.window, "block_size": g.block_size} for g in groups],
         "bytes_per_sequence": per_context,
         "concurrency": {"context": args.concurrency_context, "budget_mib": args.budget_mib, **fits,
                         "ratio": round(concurrency_ratio, 2), "target": TARGET_CONCURRENCY_RATIO,
                         "met": concurrency_ratio >= TARGET_CONCURRENCY_RATIO},
         "prefix_hit_rate": hits,
-        # Per block size: what the hybrid layout wastes in each kind of group, and its tables' width
-        # (the kernel's side of the trade: `bench attention`'s paged_shuffled rows by block size).
-        "fragmentation_by_block_size": {str(bs): fragmentation(hybrid, bs, args) for bs in (8, 16, 32, 64)},
+        # Per page size / sliding block size: what the hybrid layout wastes in each kind of group,
+        # and its tables' width (the kernel's side of the trade: `bench attention`'s paged rows by
+        # block size). One size for all groups, then the sliding groups' pages carved.
+        "fragmentation_by_block_size": {f"{bs}/{sliding}": fragmentation(hybrid, bs, sliding, args)
+                                        for bs, sliding in ((8, 8), (16, 16), (32, 32), (64, 64),
+                                                            (16, 8), (16, 4), (32, 8))},
     }
     if args.throughput:
         report["throughput"] = throughput(args)
@@ -271,20 +284,21 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    print(f"Gemma 3 270M, {args.kv_dtype} K/V, blocks of {BLOCK_SIZE}: {len(groups)} groups "
-          f"{[(g.layers, g.layer.window) for g in groups]}")
+    print(f"Gemma 3 270M, {args.kv_dtype} K/V, pages of {BLOCK_SIZE}: {len(groups)} groups "
+          f"{[(g.layers, g.layer.window, g.block_size) for g in groups]}")
     for row in per_context:
         print(f"  {row['context']:>6} tokens: hybrid {row['hybrid_bytes'] / 2**20:8.1f} MiB, uniform "
-              f"{row['uniform_bytes'] / 2**20:8.1f} MiB, ratio {row['ratio']:.3f} (goal {row['target']})")
+              f"{row['uniform_bytes'] / 2**20:8.1f} MiB, ratio {row['ratio']:.3f} (goal {row['target']}; "
+              f"one block size for all groups: {row['one_size_ratio']:.3f})")
     c = report["concurrency"]
     print(f"  {args.concurrency_context}-token prompts in {args.budget_mib} MiB: hybrid "
           f"{c['hybrid']['peak_running']} at once, uniform {c['uniform']['peak_running']}: "
           f"{c['ratio']}x (goal {TARGET_CONCURRENCY_RATIO}x)")
     for name, rates in hits.items():
         print(f"  prefix-hit rate, {name}: hybrid {rates['hybrid']:.3f}, uniform {rates['uniform']:.3f}")
-    for bs, row in report["fragmentation_by_block_size"].items():
-        print(f"  blocks of {bs:>2}: fragmentation full {row.get('full_fragmentation')}, sliding "
-              f"{row.get('sliding_fragmentation')}; mean table width {row['mean_table_width']}")
+    for sizes, row in report["fragmentation_by_block_size"].items():
+        print(f"  pages/sliding blocks {sizes:>5}: fragmentation full {row.get('full_fragmentation')}, sliding "
+              f"{row.get('sliding_fragmentation')}; {row['groups']} groups, mean table width {row['mean_table_width']}")
     if "throughput" in report:
         t = report["throughput"]
         print(f"  serving {t['requests']} x {t['prompt_tokens']}-token prompts, {t['output_tokens']} tokens each, in "
@@ -314,6 +328,6 @@ def plot(report: dict, path: str) -> None:
     c = report["concurrency"]
     right.bar(["hybrid", "uniform"], [c["hybrid"]["peak_running"], c["uniform"]["peak_running"]])
     right.set_ylabel(f"{c['context']}-token sequences at once in {c['budget_mib']} MiB")
-    fig.suptitle("Gemma 3 270M: hybrid KV cache (1 full + 5 sliding groups) vs uniform")
+    fig.suptitle("Gemma 3 270M: hybrid KV cache (full + sliding groups) vs uniform")
     fig.tight_layout()
     fig.savefig(path, dpi=100)

@@ -418,13 +418,18 @@ class KvSpec:
     """What a model keeps of K/V: one :class:`LayerSpec` per layer, stored as ``dtype``
     ("float32", "float16" or "bfloat16"; default ``SCHEDULER_DEFAULTS["kv_dtype"]``). A scheduler
     given one derives its KV cache groups from it (:attr:`Scheduler.kv_groups`): layers alike in
-    attention (full, or one window) share groups of as many layers as the rarest kind has (Gemma 3:
-    one full group, five sliding groups of 3 layers), each sequence has a block table per group,
-    and a sliding group releases the blocks behind its window; every page holds a block of one
-    group's layers, so one pool serves all groups. Layers of several K/V shapes are refused
+    attention (full, or one window) share groups, each sequence has a block table per group, and a
+    sliding group releases the blocks behind its window. A page holds ``block_size`` tokens of as
+    many layers as the rarest kind has; a sliding group carves its pages into blocks of
+    ``sliding_block_size`` tokens (a divisor of the block size; default half of it) holding
+    proportionally more layers (Gemma 3, blocks of 16: one full group of 3 layers, two sliding
+    groups of 6 layers in blocks of 8 and one of 3 in blocks of 16). Every page has one size in
+    bytes, so one pool serves all groups. Layers of several K/V shapes are refused
     (InvalidArgumentError)."""
 
-    def __new__(cls, layers: Sequence[LayerSpec], dtype: str = ..., *, hybrid: bool = True) -> Self: ...
+    def __new__(
+        cls, layers: Sequence[LayerSpec], dtype: str = ..., *, hybrid: bool = True, sliding_block_size: int | None = None
+    ) -> Self: ...
     @staticmethod
     def uniform(num_layers: int, num_kv_heads: int, head_dim: int, dtype: str = ...) -> KvSpec:
         """``num_layers`` alike layers of full attention."""
@@ -443,6 +448,10 @@ class KvSpec:
         """Whether each attention kind gets KV cache groups of its own (False: every layer's K/V
         kept whole in one group, sliding layers still attending over their window: the baseline
         of ``bench kv-groups``)."""
+    @property
+    def sliding_block_size(self) -> int | None:
+        """Tokens per block of sliding-window groups, or None for the default (half the block size
+        when even)."""
     def capacity_tokens(self, num_blocks: int, block_size: int, max_num_batched_tokens: int) -> int:
         """The longest sequence a cache of ``num_blocks`` blocks of ``block_size`` tokens holds for
         this spec, computing up to ``max_num_batched_tokens`` tokens a step: ``num_blocks *

@@ -229,6 +229,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, default_model: str 
         action="store_false",
         help="keep every layer's K/V whole in one group (a sliding-window model's local layers then keep every token)",
     )
+    parser.add_argument(
+        "--sliding-block-size",
+        type=positive_int,
+        default=None,
+        help="tokens per block of sliding-window KV cache groups, a divisor of the block size (default: half of it)",
+    )
     parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.add_argument(
         "--otlp-traces-endpoint",
@@ -251,6 +257,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "kv_disk_path": args.kv_disk_path,
         "kv_disk_bytes": args.kv_disk_bytes,
         "hybrid_kv_cache": args.hybrid_kv_cache,
+        "sliding_block_size": args.sliding_block_size,
     }
 
 

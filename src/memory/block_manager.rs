@@ -178,7 +178,8 @@ pub struct BlockManager {
 /// read are 0.25% of those read in the full group and 2.9% in the sliding groups at 16 tokens
 /// (8: 0.12% / 1.3%; 32: 0.53% / 5.9%; 64: 1.1% / 12%), the tables twice as wide at 8 as at 16,
 /// and the attention kernel's paged/contiguous ratio flat from 16 to 128 (`bench attention`):
-/// 16 for every group until a group may have its own size, when 8 would halve the sliding waste.
+/// 16 for pages, the sliding groups carving theirs into blocks of 8
+/// (`crate::kv::spec::default_sliding_block_size`).
 pub const DEFAULT_BLOCK_SIZE: usize = 16;
 
 impl BlockManager {
@@ -734,9 +735,7 @@ impl BlockManager {
             return Ok(None);
         }
         self.ensure_available(self.blocks_to_append(table, tokens.len()))?;
-        let shared_tail = table
-            .partial_tail()
-            .filter(|&b| self.pool.ref_count(b) > 1);
+        let shared_tail = table.partial_tail().filter(|&b| self.pool.ref_count(b) > 1);
         let table = self.tables.get_mut(&seq).expect("checked above");
         let copy = shared_tail.map(|src| {
             let dst = self.pool.allocate().expect("capacity checked");

@@ -89,7 +89,11 @@ impl KvRuntime {
             .map(|spec| KvCacheConfig::derive(&spec, config.block_size).map(|c| (spec, c)))
             .transpose()?;
         let (kept, store, places) = match &kv {
-            None => (vec![GroupKeeping::full(config.block_size)], None, Vec::new()),
+            None => (
+                vec![GroupKeeping::full(config.block_size)],
+                None,
+                Vec::new(),
+            ),
             Some((spec, layout)) => {
                 // One page holds a block of every layer of a group (`KvCacheConfig`), so the store
                 // has `page_layers` layers, each model layer at its place in its group's pages.

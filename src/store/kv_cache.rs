@@ -216,9 +216,7 @@ impl PartAddress {
     /// Offset of (slot, head) in the layer buffer.
     pub fn offset(&self, slot: usize, head: usize) -> usize {
         let (block, row) = (slot / self.block_size, slot % self.block_size);
-        block * self.page_elems
-            + self.base
-            + (head * self.block_size + row) * self.head_dim
+        block * self.page_elems + self.base + (head * self.block_size + row) * self.head_dim
     }
 }
 

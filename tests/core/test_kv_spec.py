@@ -48,7 +48,8 @@ def test_the_llama_model_declares_one_full_group() -> None:
 
 
 def test_each_attention_kind_has_groups_of_its_own_and_a_step_has_arrays_per_group() -> None:
-    spec = KvSpec([LayerSpec(2, 8, window=4), LayerSpec(2, 8), LayerSpec(2, 8, window=4)])
+    # Sliding blocks as large as the pages: no group carves them (see the next test).
+    spec = KvSpec([LayerSpec(2, 8, window=4), LayerSpec(2, 8), LayerSpec(2, 8, window=4)], sliding_block_size=4)
     s = Scheduler(num_blocks=32, block_size=4, max_num_batched_tokens=8, kv_spec=spec)
     # The rarest kind (full) has one layer: groups of one layer each, in layer order.
     assert [(g.layer, g.layers) for g in s.kv_groups] == [
@@ -80,6 +81,46 @@ def test_each_attention_kind_has_groups_of_its_own_and_a_step_has_arrays_per_gro
         assert np.all(step.block_tables[1, 0] >= 0), "the full group holds every block"
         s.update(step, [1] * len(step.logits_indices))
     assert s.stats()["window_released_blocks"] > 0
+
+
+def test_a_sliding_group_carves_its_pages_into_smaller_blocks_and_attends_through_them() -> None:
+    """Pages of 4 tokens of one layer; the two sliding layers share each of their pages in blocks
+    of 2 tokens (the default: half the page), so their tables and slots count blocks of 2."""
+    heads, dim, window, prompt = 2, 8, 3, 11
+    layers = [LayerSpec(heads, dim), LayerSpec(heads, dim, window=window), LayerSpec(heads, dim, window=window)]
+    spec = KvSpec(layers, "float32")
+    assert spec.sliding_block_size is None and "sliding_block_size" not in repr(spec)
+    s = Scheduler(num_blocks=32, block_size=4, max_num_batched_tokens=16, kv_spec=spec)
+    assert [(g.layers, g.block_size) for g in s.kv_groups] == [([0], 4), ([1, 2], 2)]
+    s.add_request("r", list(range(prompt)), max_tokens=1)
+    step = s.schedule()
+    # The table is as wide as the smaller blocks need; the full group's is padded.
+    assert step.block_tables.shape == (2, 1, 6) and list(step.block_tables[0, 0, 3:]) == [-1] * 3
+    for group, size in [(0, 4), (1, 2)]:
+        table = step.block_tables[group, 0]
+        assert np.array_equal(step.slot_mapping[group], table[np.arange(prompt) // size] * size + np.arange(prompt) % size)
+    assert not set(step.block_tables[0, 0, :3]) & set(step.block_tables[1, 0]), "a page serves one group"
+    rng = np.random.default_rng(2)
+    keys, values, query = (rng.standard_normal((3, prompt, heads, dim)).astype(np.float32) for _ in range(3))
+    for layer in range(3):
+        step.write(layer, keys[layer], values[layer])
+    positions = np.arange(prompt)
+    causal = positions[None, :] <= positions[:, None]
+    sliding = causal & (positions[None, :] > positions[:, None] - window)
+    for layer, visible in [(0, causal), (1, sliding), (2, sliding)]:
+        q, k, v = query[layer].astype(np.float64), keys[layer].astype(np.float64), values[layer].astype(np.float64)
+        scores = np.einsum("thd,khd->htk", q, k) / np.sqrt(dim)
+        scores[:, ~visible] = -np.inf
+        weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+        expected = np.einsum("htk,khd->thd", weights / weights.sum(axis=-1, keepdims=True), v)
+        # Layers 1 and 2 share pages: each reads its own part, not the other's K/V.
+        assert np.abs(step.attention(layer, query[layer]) - expected).max() <= 1e-5, layer
+    s.update(step, [1])
+    whole = KvSpec(layers, "float32", sliding_block_size=4)
+    assert [g.block_size for g in Scheduler(num_blocks=32, block_size=4, kv_spec=whole).kv_groups] == [4, 4, 4]
+    for bad in [3, 0, 8]:
+        with pytest.raises(InvalidArgumentError, match="must divide"):
+            Scheduler(num_blocks=32, block_size=4, kv_spec=KvSpec(layers, sliding_block_size=bad))
 
 
 def test_a_steps_attention_applies_the_window_of_its_spec() -> None:

@@ -69,6 +69,11 @@ class EngineConfig:
     # which release the blocks that left the window (KvSpec.hybrid). False keeps every layer's K/V
     # whole in one group: the baseline `python -m lab bench kv-groups` measures against.
     hybrid_kv_cache: bool = True
+    # Tokens per block of the sliding-window groups, a divisor of block_size (KvSpec
+    # .sliding_block_size): their pages carved into smaller blocks of more layers, halving the
+    # slots a window wastes at its ends. None: half of block_size (chosen by measurement, see
+    # `default_sliding_block_size` in src/kv/spec.rs).
+    sliding_block_size: int | None = None
 
     def scheduler_options(self) -> dict[str, object]:
         """The scheduler's options as configured, by the scheduler's names: every option

@@ -151,8 +151,10 @@ class EngineCore:
         if not isinstance(config.hybrid_kv_cache, bool):
             raise InvalidArgumentError(f"hybrid_kv_cache must be a bool, got {config.hybrid_kv_cache!r}")
         spec = runner.kv_spec
-        if spec is not None and not config.hybrid_kv_cache:
-            spec = KvSpec(spec.layers, spec.dtype, hybrid=False)
+        if spec is not None:
+            spec = KvSpec(
+                spec.layers, spec.dtype, hybrid=config.hybrid_kv_cache, sliding_block_size=config.sliding_block_size
+            )
         max_model_len = config.max_model_len
         if max_model_len is None:
             held = config.num_blocks * config.block_size  # one full-attention group: the whole cache

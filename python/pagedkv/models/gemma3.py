@@ -198,8 +198,9 @@ class Gemma3Model(PagedDecoder):
         return self._embed.nbytes + sum(a.nbytes for a in norms) + sum(w.nbytes for w in linears)
 
     def kv_spec(self, dtype: str | None = None) -> KvSpec:
-        """The config's (:meth:`Gemma3Config.kv_spec`): its layout is six KV cache groups of 3
-        layers, one full and five sliding (``Scheduler.kv_groups``)."""
+        """The config's (:meth:`Gemma3Config.kv_spec`): in pages of 16 tokens of 3 layers, its
+        layout is one full group of 3 layers and three sliding ones — two of 6 layers in blocks of
+        8 tokens, one of 3 in blocks of 16 (``Scheduler.kv_groups``)."""
         return self.config.kv_spec(dtype)
 
     def _forward(self, step: ModelStep, rows: np.ndarray) -> np.ndarray:
