@@ -563,6 +563,59 @@ mod tests {
     }
 
     #[test]
+    fn groups_of_different_block_sizes_share_prefixes_on_their_common_boundaries() {
+        // Pages of 4 tokens; the sliding group carves them into blocks of 2 (window 3).
+        let carved = GroupKeeping {
+            attention: AttentionKind::Sliding { window: 3 },
+            block_size: 2,
+        };
+        let mut c = coordinator(32, vec![FULL, carved]);
+        let prompt: Vec<TokenId> = (0..11).collect();
+        admit(&mut c, 1, &prompt);
+        let (full, local) = (c.table(1, 0).unwrap(), c.table(1, 1).unwrap());
+        assert_eq!((full.blocks().len(), local.blocks().len()), (3, 6));
+        assert_eq!((full.block_size(), local.block_size()), (4, 2));
+        // Slots count each group's own blocks.
+        assert_eq!(local.slot(5), i64::from(local.blocks()[2]) * 2 + 1);
+        // The next query (position 11) reads 9..=11: the sliding group keeps blocks 4 and 5.
+        assert_eq!(c.release_behind(1, 11).unwrap(), 4);
+        assert_eq!(c.blocks_in_use(), [3, 2]);
+        c.check_invariants().unwrap();
+        // A prompt of 11 tokens: its 10 cacheable tokens end on a block of 2 but not of 4, so
+        // the hit is 8 tokens, 2 full blocks and 4 sliding ones, of which the query at 8 reads
+        // 6..=8: block 3 (blocks 0..3 admitted released, though evicted or not).
+        let mut hashes = Vec::new();
+        c.extend_hashes(0, &mut hashes, &prompt[..10]);
+        assert_eq!((hashes[0].len(), hashes[1].len()), (2, 5));
+        let found = c.match_prefix(0, &hashes, 11);
+        assert_eq!((found[0].blocks.len(), found[1].blocks.len()), (2, 4));
+        assert_eq!(found[1].blocks[..3], [RELEASED; 3]);
+        assert_eq!((found[0].block_size, found[1].block_size), (4, 2));
+        // Block 3 of the sliding group (tokens 6..8) was released to the cache: a hit.
+        assert_eq!(
+            found[1].blocks[3],
+            c.manager().cached_block(hashes[1][3]).unwrap()
+        );
+        assert_eq!(c.admit(2, &prompt, found).unwrap(), 8);
+        assert_eq!(c.table(2, 1).unwrap().num_released(), 3);
+        c.check_invariants().unwrap();
+        for seq in [1, 2] {
+            c.free(seq).unwrap();
+        }
+        assert_eq!(c.manager().stats().used_blocks, 0);
+        // A group's blocks must divide the pages.
+        let odd = GroupKeeping {
+            block_size: 3,
+            ..carved
+        };
+        let manager = BlockManager::new(8, 4, true).unwrap();
+        assert!(matches!(
+            KvCoordinator::new(manager, vec![FULL, odd]),
+            Err(Error::InvalidArgument(m)) if m.contains("divide")
+        ));
+    }
+
+    #[test]
     fn an_append_short_of_blocks_in_any_group_changes_no_group() {
         let mut c = coordinator(4, vec![FULL, FULL]);
         admit(&mut c, 1, &[1, 2, 3, 4, 5]); // 2 blocks in each group: the pool is full
