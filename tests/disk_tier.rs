@@ -120,13 +120,17 @@ fn flushed_loads(tier: &mut DiskTier) -> Vec<LoadDone> {
 fn replay(set: &mut HashSet<u128>, events: &[KvEvent]) {
     for event in events {
         match event {
-            KvEvent::BlockStored { key, medium } => {
-                assert_eq!(*medium, Medium::Disk);
+            KvEvent::BlockStored { key, medium, group } => {
+                assert_eq!((*medium, *group), (Medium::Disk, 0));
                 let hash = key.hash;
                 assert!(set.insert(hash), "stored twice without a removal: {hash}");
             }
-            KvEvent::BlockRemoved { hash, medium } => {
-                assert_eq!(*medium, Medium::Disk);
+            KvEvent::BlockRemoved {
+                hash,
+                medium,
+                group,
+            } => {
+                assert_eq!((*medium, *group), (Medium::Disk, 0));
                 assert!(set.remove(hash), "removed without being stored: {hash}");
             }
             KvEvent::AllBlocksCleared { medium } => {
@@ -195,7 +199,8 @@ fn offload_then_load_round_trips_every_dtype_exactly() {
                 events[0],
                 KvEvent::BlockStored {
                     key: offload_job(0, 0).key,
-                    medium: Medium::Disk
+                    medium: Medium::Disk,
+                    group: 0,
                 }
             );
             drop(tier);
@@ -293,6 +298,7 @@ fn a_reopened_tier_recovers_its_blocks_and_replays_them_as_events() {
             .map(|i| KvEvent::BlockStored {
                 key: offload_job(i, i).key,
                 medium: Medium::Disk,
+                group: 0,
             })
             .collect();
         assert_eq!(events, expected);
@@ -321,7 +327,7 @@ fn a_tier_of_another_identity_or_dtype_is_cleared() {
         assert_eq!(
             events,
             vec![KvEvent::AllBlocksCleared {
-                medium: Medium::Disk
+                medium: Medium::Disk,
             }]
         );
         assert!(!tier.contains(1000));
@@ -408,7 +414,8 @@ fn a_full_tier_evicts_with_block_removed() {
         let events = check_events(&mut tier, &mut set);
         assert!(events.contains(&KvEvent::BlockRemoved {
             hash: 1001,
-            medium: Medium::Disk
+            medium: Medium::Disk,
+            group: 0,
         }));
         assert_eq!(set, HashSet::from([1000, 1002]));
         assert!(!tier.contains(1001));
@@ -509,6 +516,7 @@ fn loads_queued_behind_offloads_run_before_the_stores() {
         let removed = KvEvent::BlockRemoved {
             hash: 1001,
             medium: Medium::Disk,
+            group: 0,
         };
         let at = events.iter().position(|e| *e == removed).expect("dropped");
         let stored_before = events[..at]

@@ -272,10 +272,12 @@ class Scheduler:
     def take_kv_events(self) -> list[_KvEvent]:
         """KV events since the last call, in order (none unless ``emit_kv_events``):
         :class:`BlockStored`, :class:`BlockRemoved`, :class:`AllBlocksCleared`; medium ``"ram"``
-        or ``"disk"``, hashes those of ``block_hashes``. Replaying all of them gives
-        ``kv_blocks()``."""
-    def kv_blocks(self) -> list[tuple[int, str]]:
-        """The ``(block_hash, medium)`` pairs findable now by prefix lookup."""
+        or ``"disk"``, hashes those of ``block_hashes`` (group 0's; each block event names its KV
+        cache group). Replaying all of them gives ``kv_blocks()``, those of one group
+        ``kv_blocks(group)``."""
+    def kv_blocks(self, group: int | None = None) -> list[tuple[int, str]]:
+        """The ``(block_hash, medium)`` pairs findable now by prefix lookup, of KV cache group
+        ``group`` or of every group (None)."""
     def add_request(
         self,
         request_id: str,
@@ -351,14 +353,19 @@ class Scheduler:
 
 @final
 class BlockStored:
-    """The block of prefix hash ``block_hash`` (after ``parent_block_hash``, holding ``token_ids``)
-    is now findable in ``medium`` ("ram" or "disk"; any other is ``InvalidArgumentError``)."""
+    """The block of prefix hash ``block_hash`` (after ``parent_block_hash``, holding ``token_ids``),
+    of KV cache group ``group`` (0 unless the model has several), is now findable in ``medium``
+    ("ram" or "disk"; any other is ``InvalidArgumentError``)."""
 
-    def __new__(cls, block_hash: int, parent_block_hash: int, token_ids: Sequence[int], medium: str) -> Self: ...
+    def __new__(
+        cls, block_hash: int, parent_block_hash: int, token_ids: Sequence[int], medium: str, group: int = 0
+    ) -> Self: ...
     def __eq__(self, other: object, /) -> bool: ...
     def __ne__(self, other: object, /) -> bool: ...
     def __hash__(self) -> int: ...
-    def __reduce__(self) -> tuple[type[BlockStored], tuple[int, int, tuple[int, ...], str]]: ...
+    def __reduce__(self) -> tuple[type[BlockStored], tuple[int, int, tuple[int, ...], str, int]]: ...
+    @property
+    def group(self) -> int: ...
     @property
     def block_hash(self) -> int: ...
     @property
@@ -371,13 +378,16 @@ class BlockStored:
 
 @final
 class BlockRemoved:
-    """The block of prefix hash ``block_hash`` is no longer findable in ``medium``."""
+    """The block of prefix hash ``block_hash``, of KV cache group ``group``, is no longer findable
+    in ``medium``."""
 
-    def __new__(cls, block_hash: int, medium: str) -> Self: ...
+    def __new__(cls, block_hash: int, medium: str, group: int = 0) -> Self: ...
     def __eq__(self, other: object, /) -> bool: ...
     def __ne__(self, other: object, /) -> bool: ...
     def __hash__(self) -> int: ...
-    def __reduce__(self) -> tuple[type[BlockRemoved], tuple[int, str]]: ...
+    def __reduce__(self) -> tuple[type[BlockRemoved], tuple[int, str, int]]: ...
+    @property
+    def group(self) -> int: ...
     @property
     def block_hash(self) -> int: ...
     @property

@@ -260,6 +260,7 @@ impl KvCoordinator {
                     tier_hashes: Vec::new(),
                     num_queried_tokens: num_tokens,
                     block_size: bs,
+                    group: g as u32,
                 }
             })
             .collect()

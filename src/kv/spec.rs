@@ -14,7 +14,9 @@
 //!
 //! Invariants of a derived [`KvCacheConfig`]:
 //! - every layer of the spec is in exactly one group, each group's layers in increasing order,
-//!   groups in the order of their first layer;
+//!   full-attention groups first, then in the order of their first layer (group 0, whose block
+//!   hashes chain from the request's own root, is then a full group in blocks of the pages' size
+//!   whenever the model has full attention: what a router hashing a prompt finds);
 //! - a group's layers are alike in KV heads, head size and attention kind (`Full`, or `Sliding`
 //!   with one window), which its `layer` states: a sliding group's tables release the blocks
 //!   behind its window;
@@ -241,7 +243,9 @@ impl KvCacheConfig {
                 });
             }
         }
-        groups.sort_by_key(|g| g.layers[0]);
+        // Full attention first: group 0's hashes chain from the request's root in blocks of the
+        // pages' size, as a router hashes a prompt (`crate::memory::events`).
+        groups.sort_by_key(|g| (g.layer.attention != AttentionKind::Full, g.layers[0]));
         Ok(KvCacheConfig {
             groups,
             dtype: spec.dtype,
@@ -326,9 +330,9 @@ mod tests {
         assert_eq!(
             groups(&config),
             [
+                (full, vec![5, 11, 17]),
                 (local, vec![0, 1, 2]),
                 (local, vec![3, 4, 6]),
-                (full, vec![5, 11, 17]),
                 (local, vec![7, 8, 9]),
                 (local, vec![10, 12, 13]),
                 (local, vec![14, 15, 16]),
@@ -343,7 +347,7 @@ mod tests {
         };
         let places = config.layer_places();
         let picked = (places[5], places[6], places[17]);
-        assert_eq!(picked, (place(2, 0, 0), place(1, 2, 0), place(2, 2, 0)));
+        assert_eq!(picked, (place(0, 0, 0), place(2, 2, 0), place(0, 2, 0)));
         let full_groups = config.kept().iter().filter(|k| k.attention == full).count();
         assert_eq!(full_groups, 1);
         // Sliding blocks of 8 (the default for 16): each sliding page holds 6 layers in two
@@ -356,20 +360,20 @@ mod tests {
         assert_eq!(
             groups(&config),
             [
-                (local, vec![0, 1, 2, 3, 4, 6]),
                 (full, vec![5, 11, 17]),
+                (local, vec![0, 1, 2, 3, 4, 6]),
                 (local, vec![7, 8, 9, 10, 12, 13]),
                 (local, vec![14, 15, 16]),
             ]
         );
         let sizes: Vec<usize> = config.groups.iter().map(|g| g.block_size).collect();
-        assert_eq!((sizes, config.page_layers), (vec![8, 16, 8, 16], 3));
-        assert_eq!((config.parts(0), config.parts(3)), (2, 1));
+        assert_eq!((sizes, config.page_layers), (vec![16, 8, 8, 16], 3));
+        assert_eq!((config.parts(1), config.parts(3)), (2, 1));
         let places = config.layer_places();
         let picked = (places[4], places[6], places[13], places[16]);
         let expected = (
-            place(0, 2, 0),
-            place(0, 2, 1),
+            place(1, 2, 0),
+            place(1, 2, 1),
             place(2, 2, 1),
             place(3, 2, 0),
         );
@@ -412,7 +416,7 @@ mod tests {
         let config = KvCacheConfig::derive(&spec, 4).unwrap();
         assert_eq!(
             groups(&config),
-            [(local, vec![0, 2]), (full, vec![1, 3]), (local, vec![4])]
+            [(full, vec![1, 3]), (local, vec![0, 2]), (local, vec![4])]
         );
         assert_eq!(config.page_layers, 2);
         // Blocks of 1 for the sliding layers: 3 of them in 2 parts of a page (a third is
@@ -424,9 +428,9 @@ mod tests {
         let config = KvCacheConfig::derive(&carved, 4).unwrap();
         assert_eq!(
             groups(&config),
-            [(local, vec![0, 2, 4]), (full, vec![1, 3])]
+            [(full, vec![1, 3]), (local, vec![0, 2, 4])]
         );
-        assert_eq!(config.groups[0].block_size, 2);
+        assert_eq!(config.groups[1].block_size, 2);
         let uniform = KvSpec::uniform(3, 2, 8, KvDtype::F32);
         let config = KvCacheConfig::derive(&uniform, 4).unwrap();
         assert_eq!(groups(&config), [(full, vec![0, 1, 2])]);

@@ -47,6 +47,9 @@ pub struct PrefixMatch {
     /// Tokens per block of the table the match is for (the manager's default, or a carved
     /// group's: `crate::kv::spec`).
     pub block_size: usize,
+    /// The KV cache group of that table (what its blocks' events name; 0 for the manager's own
+    /// matches).
+    pub group: u32,
 }
 
 impl PrefixMatch {
@@ -313,16 +316,15 @@ impl BlockManager {
         out
     }
 
-    /// The blocks findable now: every hash of the RAM prefix map, then the tier's committed ones.
-    /// Replaying every event `take_kv_events` returned gives this set.
-    pub fn kv_blocks(&self) -> Vec<(BlockHash, Medium)> {
-        let mut out: Vec<_> = self
-            .pool
-            .cached_hashes()
-            .map(|h| (h, Medium::Ram))
-            .collect();
+    /// The blocks findable now, with their KV cache group: every hash of the RAM prefix map,
+    /// then the tier's committed ones (group 0: a tier serves one group). Replaying every event
+    /// `take_kv_events` returned gives this set.
+    pub fn kv_blocks(&self) -> Vec<(BlockHash, Medium, u32)> {
+        let ram = self.pool.cached_blocks();
+        let mut out: Vec<_> = ram.map(|(h, g)| (h, Medium::Ram, g)).collect();
         if let Some(tier) = &self.tier {
-            out.extend(tier.stored_hashes().into_iter().map(|h| (h, Medium::Disk)));
+            let disk = tier.stored_hashes().into_iter();
+            out.extend(disk.map(|h| (h, Medium::Disk, 0)));
         }
         out
     }
@@ -375,8 +377,13 @@ impl BlockManager {
             };
             match d.outcome {
                 LoadOutcome::Loaded => {
-                    self.pool
-                        .register(d.block, load.key.hash, load.key.parent, &load.key.tokens);
+                    self.pool.register(
+                        d.block,
+                        load.key.hash,
+                        load.key.parent,
+                        &load.key.tokens,
+                        0,
+                    );
                 }
                 LoadOutcome::Dropped => self.loads_dropped += 1,
             }
@@ -655,6 +662,7 @@ impl BlockManager {
             hashes: found.hashes,
             root: found.root,
             block_size: bs,
+            group: found.group,
             released,
         };
         if found.tier_hashes.is_empty() {
@@ -1036,7 +1044,8 @@ fn grow(
             let hash = chain_hash(parent, &table.tokens[full * bs..]);
             table.hashes.push(hash);
             if enable_prefix_caching {
-                pool.register(table.blocks[full], hash, parent, &table.tokens[full * bs..]);
+                let tokens = &table.tokens[full * bs..];
+                pool.register(table.blocks[full], hash, parent, tokens, table.group);
             }
         }
     }

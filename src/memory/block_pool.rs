@@ -63,6 +63,8 @@ pub struct BlockPool {
     evictable: Evictable,
     ref_counts: Vec<u32>,
     hashes: Vec<Option<BlockHash>>,
+    /// The KV cache group of each registered block (what its events name).
+    groups: Vec<u32>,
     prefix: PrefixCache,
     content: Option<Content>,
     /// `Some` when events are recorded.
@@ -90,6 +92,7 @@ impl BlockPool {
             free: Arc::new(FreeList::full(num_blocks)?),
             returned: Arc::new(AtomicUsize::new(0)),
             hashes,
+            groups: try_zeroed_vec(num_blocks, "the block groups")?,
             prefix: PrefixCache::default(),
             content: None,
             events: None,
@@ -190,6 +193,11 @@ impl BlockPool {
         self.prefix.hashes()
     }
 
+    /// The hash and KV cache group of every registered block, in no order.
+    pub fn cached_blocks(&self) -> impl Iterator<Item = (BlockHash, u32)> + '_ {
+        (self.prefix.entries()).map(|(hash, block)| (hash, self.groups[block as usize]))
+    }
+
     /// What the pool has done so far.
     pub fn counters(&self) -> PoolCounters {
         self.counters
@@ -269,6 +277,7 @@ impl BlockPool {
             events.push(KvEvent::BlockRemoved {
                 hash,
                 medium: Medium::Ram,
+                group: self.groups[block as usize],
             });
         }
         hash
@@ -307,21 +316,23 @@ impl BlockPool {
         }
     }
 
-    /// Records that in-use `block` holds the full prefix `hash` (the block after `parent`, holding
-    /// `tokens`), unless it already has a hash or another block holds `hash`. Returns whether it
-    /// registered.
+    /// Records that in-use `block`, of KV cache group `group`, holds the full prefix `hash` (the
+    /// block after `parent`, holding `tokens`), unless it already has a hash or another block
+    /// holds `hash`. Returns whether it registered.
     pub fn register(
         &mut self,
         block: BlockId,
         hash: BlockHash,
         parent: BlockHash,
         tokens: &[TokenId],
+        group: u32,
     ) -> bool {
         debug_assert!(self.ref_counts[block as usize] > 0);
         if self.hashes[block as usize].is_some() || !self.prefix.insert(hash, block) {
             return false;
         }
         self.hashes[block as usize] = Some(hash);
+        self.groups[block as usize] = group;
         if let Some(content) = &mut self.content {
             let bs = content.block_size;
             content.parents[block as usize] = parent;
@@ -336,6 +347,7 @@ impl BlockPool {
             events.push(KvEvent::BlockStored {
                 key,
                 medium: Medium::Ram,
+                group,
             });
         }
         true
@@ -440,8 +452,8 @@ mod tests {
         let mut pool = BlockPool::new(3).unwrap();
         let blocks: Vec<_> = (0..3).map(|_| pool.allocate().unwrap()).collect();
         assert_eq!(pool.allocate(), None);
-        pool.register(blocks[0], 100, 0, &[]);
-        pool.register(blocks[1], 101, 0, &[]);
+        pool.register(blocks[0], 100, 0, &[], 0);
+        pool.register(blocks[1], 101, 0, &[], 0);
         pool.release(blocks[1]); // cached, older
         pool.release(blocks[0]); // cached, newer
         pool.release(blocks[2]); // clean
@@ -469,7 +481,7 @@ mod tests {
     fn retain_revives_a_cached_block() {
         let mut pool = BlockPool::new(2).unwrap();
         let block = pool.allocate().unwrap();
-        pool.register(block, 5, 0, &[]);
+        pool.register(block, 5, 0, &[], 0);
         pool.release(block);
         assert!(pool.is_evictable(block));
         pool.retain(block);
@@ -491,7 +503,7 @@ mod tests {
         pool.keep_content(2).unwrap();
         pool.record_events();
         let (a, b) = (pool.allocate().unwrap(), pool.allocate().unwrap());
-        assert!(pool.register(a, 11, 3, &[5, 6]));
+        assert!(pool.register(a, 11, 3, &[5, 6], 2));
         pool.release(a);
         let job = pool.start_offload().unwrap();
         assert_eq!(
@@ -535,11 +547,13 @@ mod tests {
                         parent: 3,
                         tokens: vec![5, 6].into()
                     },
-                    medium: Medium::Ram
+                    medium: Medium::Ram,
+                    group: 2,
                 },
                 KvEvent::BlockRemoved {
                     hash: 11,
-                    medium: Medium::Ram
+                    medium: Medium::Ram,
+                    group: 2,
                 }
             ]
         );
@@ -560,8 +574,8 @@ mod tests {
     fn a_second_block_with_the_same_hash_stays_unregistered() {
         let mut pool = BlockPool::new(2).unwrap();
         let (a, b) = (pool.allocate().unwrap(), pool.allocate().unwrap());
-        assert!(pool.register(a, 9, 0, &[]));
-        assert!(!pool.register(b, 9, 0, &[]));
+        assert!(pool.register(a, 9, 0, &[], 0));
+        assert!(!pool.register(b, 9, 0, &[], 0));
         assert_eq!(pool.hash_of(b), None);
         pool.release(b);
         assert_eq!(

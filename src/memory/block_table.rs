@@ -29,6 +29,8 @@ pub struct BlockTable {
     pub(crate) root: BlockHash,
     /// Tokens per block (module invariants).
     pub(crate) block_size: usize,
+    /// The KV cache group the table is in (its blocks' events name it).
+    pub(crate) group: u32,
     /// Leading blocks released by a sliding window (module invariants).
     pub(crate) released: usize,
 }

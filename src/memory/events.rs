@@ -5,6 +5,11 @@
 //! gives exactly the blocks it holds findable in each medium. One event per block: a `Stored` when
 //! a full block becomes findable by prefix lookup in that medium, a `Removed` when it stops being
 //! findable there, `Cleared` when a whole medium is emptied (a tier of another model cleared).
+//!
+//! A block event names the KV cache group whose table registered the block (`crate::kv`; 0 for a
+//! model of one group, and for every block of a disk tier, which serves one group): a group's
+//! hashes chain from its own root, so only group 0's are those a router computes for a prompt
+//! (`crate::kv::spec` puts a full-attention group first).
 
 use crate::memory::prefix_cache::{BlockHash, BlockKey};
 
@@ -42,10 +47,18 @@ impl Medium {
 /// One change to the set of findable blocks.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum KvEvent {
-    /// The block `key` names is now findable in `medium`.
-    BlockStored { key: BlockKey, medium: Medium },
-    /// The block of prefix `hash` is no longer findable in `medium`.
-    BlockRemoved { hash: BlockHash, medium: Medium },
+    /// The block `key` names, of KV cache group `group`, is now findable in `medium`.
+    BlockStored {
+        key: BlockKey,
+        medium: Medium,
+        group: u32,
+    },
+    /// The block of prefix `hash`, of KV cache group `group`, is no longer findable in `medium`.
+    BlockRemoved {
+        hash: BlockHash,
+        medium: Medium,
+        group: u32,
+    },
     /// No block is findable in `medium` any more.
     AllBlocksCleared { medium: Medium },
 }

@@ -123,6 +123,11 @@ impl PrefixCache {
         self.blocks.keys().copied()
     }
 
+    /// Every registered (hash, block), in no order.
+    pub fn entries(&self) -> impl Iterator<Item = (BlockHash, BlockId)> + '_ {
+        self.blocks.iter().map(|(&hash, &block)| (hash, block))
+    }
+
     /// Number of registered blocks.
     pub fn len(&self) -> usize {
         self.blocks.len()

@@ -2,7 +2,8 @@
 //! frozen classes made straight from the core's `KvEvent` (one shape from the block manager to
 //! the router: no tuple or dataclass in between). Each compares and hashes by value, pickles (a
 //! replica's events cross to the front end through Ray), and refuses a medium other than "ram" or
-//! "disk" when made by hand.
+//! "disk" when made by hand. A block event names its KV cache group (`group`, 0 unless the model
+//! has several: `crate::memory::events`); its repr shows it only when not 0.
 
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
@@ -18,23 +19,35 @@ fn medium(name: &Bound<'_, PyAny>) -> PyResult<Medium> {
     Medium::from_name(&name).py_err()
 }
 
-/// The block of prefix hash `block_hash` (after `parent_block_hash`, holding `token_ids`) is now
-/// findable in `medium`.
+/// ", group=N" for a group other than 0 (reprs of one-group models stay as they were).
+fn group_suffix(group: u32) -> String {
+    match group {
+        0 => String::new(),
+        g => format!(", group={g}"),
+    }
+}
+
+/// The block of prefix hash `block_hash` (after `parent_block_hash`, holding `token_ids`), of KV
+/// cache group `group`, is now findable in `medium`.
 #[pyclass(name = "BlockStored", module = "pagedkv", frozen, eq, hash)]
 #[derive(PartialEq, Eq, Hash)]
 pub struct PyBlockStored {
     key: BlockKey,
     medium: Medium,
+    #[pyo3(get)]
+    group: u32,
 }
 
 #[pymethods]
 impl PyBlockStored {
     #[new]
+    #[pyo3(signature = (block_hash, parent_block_hash, token_ids, medium, group=0))]
     fn new(
         block_hash: &Bound<'_, PyAny>,
         parent_block_hash: &Bound<'_, PyAny>,
         token_ids: &Bound<'_, PyAny>,
         medium: &Bound<'_, PyAny>,
+        group: u32,
     ) -> PyResult<Self> {
         let tokens: Vec<TokenId> = arg(token_ids, "token_ids")?;
         Ok(PyBlockStored {
@@ -44,6 +57,7 @@ impl PyBlockStored {
                 tokens: tokens.into(),
             },
             medium: self::medium(medium)?,
+            group,
         })
     }
 
@@ -77,6 +91,7 @@ impl PyBlockStored {
             e.key.parent,
             e.token_ids(slf.py())?,
             e.medium.name(),
+            e.group,
         );
         Ok((slf.get_type().into_any(), args.into_pyobject(slf.py())?))
     }
@@ -85,31 +100,37 @@ impl PyBlockStored {
         let tokens: Vec<String> = self.key.tokens.iter().map(u32::to_string).collect();
         let comma = if tokens.len() == 1 { "," } else { "" };
         format!(
-            "BlockStored(block_hash={}, parent_block_hash={}, token_ids=({}{comma}), medium='{}')",
+            "BlockStored(block_hash={}, parent_block_hash={}, token_ids=({}{comma}), medium='{}'{})",
             self.key.hash,
             self.key.parent,
             tokens.join(", "),
-            self.medium.name()
+            self.medium.name(),
+            group_suffix(self.group)
         )
     }
 }
 
-/// The block of prefix hash `block_hash` is no longer findable in `medium`.
+/// The block of prefix hash `block_hash`, of KV cache group `group`, is no longer findable in
+/// `medium`.
 #[pyclass(name = "BlockRemoved", module = "pagedkv", frozen, eq, hash)]
 #[derive(PartialEq, Eq, Hash)]
 pub struct PyBlockRemoved {
     #[pyo3(get)]
     block_hash: BlockHash,
     medium: Medium,
+    #[pyo3(get)]
+    group: u32,
 }
 
 #[pymethods]
 impl PyBlockRemoved {
     #[new]
-    fn new(block_hash: &Bound<'_, PyAny>, medium: &Bound<'_, PyAny>) -> PyResult<Self> {
+    #[pyo3(signature = (block_hash, medium, group=0))]
+    fn new(block_hash: &Bound<'_, PyAny>, medium: &Bound<'_, PyAny>, group: u32) -> PyResult<Self> {
         Ok(PyBlockRemoved {
             block_hash: arg(block_hash, "block_hash")?,
             medium: self::medium(medium)?,
+            group,
         })
     }
 
@@ -122,15 +143,16 @@ impl PyBlockRemoved {
         slf: &Bound<'py, Self>,
     ) -> PyResult<(Bound<'py, PyAny>, Bound<'py, PyTuple>)> {
         let e = slf.get();
-        let args = (e.block_hash, e.medium.name());
+        let args = (e.block_hash, e.medium.name(), e.group);
         Ok((slf.get_type().into_any(), args.into_pyobject(slf.py())?))
     }
 
     fn __repr__(&self) -> String {
         format!(
-            "BlockRemoved(block_hash={}, medium='{}')",
+            "BlockRemoved(block_hash={}, medium='{}'{})",
             self.block_hash,
-            self.medium.name()
+            self.medium.name(),
+            group_suffix(self.group)
         )
     }
 }
@@ -171,19 +193,25 @@ impl PyAllBlocksCleared {
 /// A core event as its Python class.
 fn event<'py>(py: Python<'py>, event: &KvEvent) -> PyResult<Bound<'py, PyAny>> {
     Ok(match event {
-        KvEvent::BlockStored { key, medium } => Bound::new(
+        KvEvent::BlockStored { key, medium, group } => Bound::new(
             py,
             PyBlockStored {
                 key: key.clone(),
                 medium: *medium,
+                group: *group,
             },
         )?
         .into_any(),
-        KvEvent::BlockRemoved { hash, medium } => Bound::new(
+        KvEvent::BlockRemoved {
+            hash,
+            medium,
+            group,
+        } => Bound::new(
             py,
             PyBlockRemoved {
                 block_hash: *hash,
                 medium: *medium,
+                group: *group,
             },
         )?
         .into_any(),

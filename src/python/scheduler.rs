@@ -244,19 +244,20 @@ impl PyScheduler {
     }
 
     /// The KV events since the last call, in order (empty unless made with `emit_kv_events`):
-    /// `("stored", block_hash, parent_block_hash, token_ids, medium)`, `("removed", block_hash,
-    /// medium)` or `("cleared", medium)`, medium "ram" or "disk". Replaying every event taken
-    /// since the scheduler was made gives `kv_blocks()`.
+    /// `BlockStored`, `BlockRemoved` (each naming its KV cache group) or `AllBlocksCleared`,
+    /// medium "ram" or "disk". Replaying every event taken since the scheduler was made gives
+    /// `kv_blocks()`; replaying those of one group, `kv_blocks(group)`.
     fn take_kv_events<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let taken = self.run(py, KvRuntime::take_kv_events)?;
         events::events(py, &taken)
     }
 
     /// The blocks findable now by prefix lookup, as `(block_hash, medium)` pairs (a block may be
-    /// held in both media).
-    fn kv_blocks<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+    /// held in both media): of KV cache group `group`, or of every group (None).
+    #[pyo3(signature = (group=None))]
+    fn kv_blocks<'py>(&self, py: Python<'py>, group: Option<u32>) -> PyResult<Bound<'py, PyList>> {
         let held = self.run(py, KvRuntime::kv_blocks)?;
-        tier::blocks(py, &held)
+        tier::blocks(py, &held, group)
     }
 
     /// Queues a request. Raises DuplicateSequenceError for a live id, InvalidArgumentError for an

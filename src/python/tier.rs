@@ -9,15 +9,16 @@ use crate::memory::events::Medium;
 use crate::memory::prefix_cache::BlockHash;
 use crate::tier::disk::Opened;
 
-/// Blocks as `(hash, medium)` tuples.
+/// The blocks of KV cache group `group` (every group's: None) as `(hash, medium)` tuples.
 pub fn blocks<'py>(
     py: Python<'py>,
-    blocks: &[(BlockHash, Medium)],
+    blocks: &[(BlockHash, Medium, u32)],
+    group: Option<u32>,
 ) -> PyResult<Bound<'py, PyList>> {
-    PyList::new(
-        py,
-        blocks.iter().map(|&(hash, medium)| (hash, medium.name())),
-    )
+    let of_group = blocks
+        .iter()
+        .filter(|&&(_, _, g)| group.is_none_or(|wanted| g == wanted));
+    PyList::new(py, of_group.map(|&(hash, medium, _)| (hash, medium.name())))
 }
 
 /// What opening found, as a dict.

@@ -353,7 +353,7 @@ impl KvRuntime {
     }
 
     /// The blocks findable now by prefix lookup, by medium.
-    pub fn kv_blocks(&self) -> Result<Vec<(BlockHash, Medium)>> {
+    pub fn kv_blocks(&self) -> Result<Vec<(BlockHash, Medium, u32)>> {
         self.read(Scheduler::kv_blocks)
     }
 }

@@ -451,8 +451,9 @@ impl Scheduler {
         self.blocks.manager_mut().take_kv_events()
     }
 
-    /// The blocks findable now, by medium: replaying every event from the start gives this set.
-    pub fn kv_blocks(&self) -> Vec<(BlockHash, Medium)> {
+    /// The blocks findable now, by medium and KV cache group: replaying every event from the
+    /// start gives this set.
+    pub fn kv_blocks(&self) -> Vec<(BlockHash, Medium, u32)> {
         self.blocks.manager().kv_blocks()
     }
 

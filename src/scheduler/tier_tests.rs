@@ -161,6 +161,7 @@ impl World {
         self.events.push(KvEvent::BlockStored {
             key: job.key.clone(),
             medium: Medium::Disk,
+            group: 0,
         });
         self.store.insert(
             job.key.hash,
@@ -179,6 +180,7 @@ impl World {
         self.events.push(KvEvent::BlockRemoved {
             hash,
             medium: Medium::Disk,
+            group: 0,
         });
         self.counters.blocks = self.store.len() as u64;
     }
@@ -662,29 +664,33 @@ fn add_tokens(s: &mut Scheduler, id: &str, prompt: Vec<TokenId>, max_tokens: usi
         .unwrap();
 }
 
-/// Applies `events` to `set`, checking each stores an absent pair or removes a present one.
-fn replay(set: &mut HashSet<(BlockHash, Medium)>, events: Vec<KvEvent>) {
+/// Applies `events` to `set`, checking each stores an absent block or removes a present one.
+fn replay(set: &mut HashSet<(BlockHash, Medium, u32)>, events: Vec<KvEvent>) {
     for event in events {
         match event {
-            KvEvent::BlockStored { key, medium } => {
+            KvEvent::BlockStored { key, medium, group } => {
                 let hash = key.hash;
                 assert!(
-                    set.insert((hash, medium)),
+                    set.insert((hash, medium, group)),
                     "{hash:x} stored twice in {medium:?}"
                 )
             }
-            KvEvent::BlockRemoved { hash, medium } => {
+            KvEvent::BlockRemoved {
+                hash,
+                medium,
+                group,
+            } => {
                 assert!(
-                    set.remove(&(hash, medium)),
-                    "{hash:x} removed but absent in {medium:?}"
+                    set.remove(&(hash, medium, group)),
+                    "{hash:x} of group {group} removed but absent in {medium:?}"
                 )
             }
-            KvEvent::AllBlocksCleared { medium } => set.retain(|&(_, m)| m != medium),
+            KvEvent::AllBlocksCleared { medium } => set.retain(|&(_, m, _)| m != medium),
         }
     }
 }
 
-fn assert_replay_matches(s: &mut Scheduler, set: &mut HashSet<(BlockHash, Medium)>) {
+fn assert_replay_matches(s: &mut Scheduler, set: &mut HashSet<(BlockHash, Medium, u32)>) {
     replay(set, s.take_kv_events());
     let blocks = s.kv_blocks();
     let now: HashSet<_> = blocks.iter().copied().collect();
@@ -717,7 +723,8 @@ fn replaying_the_events_gives_kv_blocks() {
         "{stats:?}"
     );
     assert!(
-        set.iter().any(|&(_, m)| m == Medium::Ram) && set.iter().any(|&(_, m)| m == Medium::Disk)
+        set.iter().any(|&(_, m, _)| m == Medium::Ram)
+            && set.iter().any(|&(_, m, _)| m == Medium::Disk)
     );
     // Without emit_kv_events there are none.
     let (mut quiet, _) = scheduler_with_tier(SchedulerConfig::new(6, 4), 3, 5);
@@ -987,7 +994,7 @@ fn check_one_content_per_hash(s: &Scheduler, world: &Mutex<World>, known: &Known
     let findable = s.kv_blocks(); // before locking: it asks the tier
     let w = world.lock().unwrap();
     let bs = w.bs;
-    for (hash, medium) in findable {
+    for (hash, medium, _) in findable {
         let (parent, tokens) = &known[&hash];
         let claimed = block_kv(*parent, tokens);
         let held = match medium {

@@ -51,9 +51,10 @@ def test_each_attention_kind_has_groups_of_its_own_and_a_step_has_arrays_per_gro
     # Sliding blocks as large as the pages: no group carves them (see the next test).
     spec = KvSpec([LayerSpec(2, 8, window=4), LayerSpec(2, 8), LayerSpec(2, 8, window=4)], sliding_block_size=4)
     s = Scheduler(num_blocks=32, block_size=4, max_num_batched_tokens=8, kv_spec=spec)
-    # The rarest kind (full) has one layer: groups of one layer each, in layer order.
+    # The rarest kind (full) has one layer: groups of one layer each, the full one first (group
+    # 0, the one a router's hashes find), then in layer order.
     assert [(g.layer, g.layers) for g in s.kv_groups] == [
-        (LayerSpec(2, 8, window=4), [0]), (LayerSpec(2, 8), [1]), (LayerSpec(2, 8, window=4), [2])]
+        (LayerSpec(2, 8), [1]), (LayerSpec(2, 8, window=4), [0]), (LayerSpec(2, 8, window=4), [2])]
     assert s.kv_spec == spec and spec.hybrid
     # Without hybrid groups: one group keeps every layer whole (the baseline).
     whole = KvSpec(spec.layers, hybrid=False)
@@ -75,10 +76,10 @@ def test_each_attention_kind_has_groups_of_its_own_and_a_step_has_arrays_per_gro
     s.update(step, [])
     while s.has_unfinished():
         step = s.schedule()
-        sliding = step.block_tables[0, 0]
+        sliding = step.block_tables[1, 0]
         held = int((sliding >= 0).sum())
         assert held <= 4 and np.all(sliding[: len(sliding) - held] == -1), sliding
-        assert np.all(step.block_tables[1, 0] >= 0), "the full group holds every block"
+        assert np.all(step.block_tables[0, 0] >= 0), "the full group holds every block"
         s.update(step, [1] * len(step.logits_indices))
     assert s.stats()["window_released_blocks"] > 0
 

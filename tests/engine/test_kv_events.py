@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from pagedkv import Scheduler, block_hashes
+from pagedkv import KvSpec, LayerSpec, Scheduler, block_hashes
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEventBatch, KvEventPublisher
 
@@ -180,3 +180,34 @@ def test_a_subscriber_raising_systemexit_or_keyboardinterrupt_is_logged_and_skip
     publisher.publish([stored(2)])
     assert seen == [1, 2]
     assert type(error).__name__ in caplog.text
+
+
+def test_a_hybrid_layouts_events_name_their_group_and_group_0_is_the_one_a_router_hashes():
+    """A full layer and two sliding ones (window 3): group 0 is the full group in blocks of the
+    pages' size, hashed as ``block_hashes`` hashes a prompt; the sliding group carves its pages
+    into blocks of 1 and chains its own hashes. Replaying each group's events gives its blocks."""
+    spec = KvSpec([LayerSpec(1, 4, window=3), LayerSpec(1, 4), LayerSpec(1, 4, window=3)])
+    s = Scheduler(num_blocks=32, block_size=2, emit_kv_events=True, kv_spec=spec)
+    assert [(g.layers, g.block_size, g.layer.window) for g in s.kv_groups] == [([1], 2, None), ([0, 2], 1, 3)]
+    prompt = [5, 6, 7, 8, 9]
+    s.add_request("a", prompt, max_tokens=3)
+    held: dict[int, set[tuple[int, str]]] = {0: set(), 1: set()}
+    while s.has_unfinished():
+        out = s.schedule()
+        s.update(out, [11] * len(out.logits_indices))
+        for event in s.take_kv_events():
+            assert type(event) is BlockStored or type(event) is BlockRemoved, event
+            blocks = held[event.group]
+            if type(event) is BlockStored:
+                blocks.add((event.block_hash, event.medium))
+                assert len(event.token_ids) == (2 if event.group == 0 else 1)
+            else:
+                blocks.remove((event.block_hash, event.medium))
+        for group, blocks in held.items():
+            assert blocks == set(s.kv_blocks(group)), group
+    assert set(s.kv_blocks()) == held[0] | held[1] and not held[0] & held[1]
+    # The full group's hashes are a router's hashes of the tokens computed (prompt + 2 sampled).
+    assert {h for h, _ in held[0]} == set(block_hashes(prompt + [11, 11], 2))
+    removed = BlockRemoved(7, "ram", group=1)
+    assert removed.group == 1 and repr(removed) == "BlockRemoved(block_hash=7, medium='ram', group=1)"
+    assert pickle.loads(pickle.dumps(removed)) == removed != BlockRemoved(7, "ram")

@@ -11,6 +11,7 @@ import math
 import numpy as np
 import pytest
 
+from pagedkv import block_hashes
 from pagedkv.engine import Engine, EngineConfig
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.models import Gemma3Config, Gemma3Model
@@ -132,11 +133,33 @@ def test_the_engine_decodes_batched_chunked_prompts_as_the_reference_does(tiny, 
     # A hybrid cache: the two sliding layers' group released blocks behind its window; with every
     # request done, no group holds a block, and each has its own usage series. Without: one group
     # keeps every layer's K/V whole (the sliding layers still attend over their window: same tokens).
-    expected = [([0, 2], "sliding:5"), ([1, 3], "full")] if hybrid else [([0, 1, 2, 3], "full")]
+    expected = [([1, 3], "full"), ([0, 2], "sliding:5")] if hybrid else [([0, 1, 2, 3], "full")]
     assert [(g.layers, g.attention, g.blocks_in_use) for g in groups] == [(*group, 0) for group in expected]
     assert (stats["window_released_blocks"] > 0) == hybrid
     for index, (_, kind) in enumerate(expected):
         assert f'kv_cache_group_usage_perc{{attention="{kind}",group="{index}",model_name=' in metrics
+
+
+def test_the_engine_publishes_the_kv_events_of_the_full_group_alone(tiny):
+    """Group 0 is the full group: the engine publishes its blocks (hashed as a router hashes a
+    prompt) and none of the sliding group's, in its events and its snapshot alike."""
+    model, _ = tiny
+    engine = Engine(model, ByteTokenizer(), EngineConfig(num_blocks=64, block_size=4, emit_kv_events=True))
+    batches = []
+    engine.core.kv_events.subscribe(batches.append)
+    prompt = list(map(int, np.random.default_rng(5).integers(3, CONFIG.vocab_size, 18)))
+    try:
+        engine.submit(prompt, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)).result(timeout=120)
+        snapshot = engine.core.kv_snapshot()
+        scheduler = engine.core.scheduler
+        full, sliding = scheduler.kv_blocks(0), scheduler.kv_blocks(1)
+    finally:
+        engine.shutdown(timeout=60)
+    events = [event for batch in batches for event in batch.events]
+    assert events and all(event.group == 0 for event in events)
+    assert snapshot.blocks == set(full) and sliding and not snapshot.blocks & set(sliding)
+    # The prompt's 4 full blocks, as a router hashes them (and a fifth holding 3 sampled tokens).
+    assert set(block_hashes(prompt, 4)) <= {h for h, _ in snapshot.blocks} and len(snapshot.blocks) == 5
 
 
 def test_a_model_of_only_sliding_layers_releases_the_blocks_behind_its_window():

@@ -49,7 +49,11 @@ Invariants:
 - KV events (``emit_kv_events``) are recorded into :attr:`kv_events` under the lock (a step's
   after its update, in ``kv_snapshot`` and ``close`` those pending) and delivered to its
   subscribers after the lock is released, in the thread that recorded them: a subscriber may call
-  ``kv_snapshot``, ``add_request`` or ``abort``.
+  ``kv_snapshot``, ``add_request`` or ``abort``. Only KV cache group 0's blocks are published
+  (and snapshot): a full-attention group in blocks of the configured size whenever the model has
+  one, whose hashes are those a router computes for a prompt; a hybrid model's other groups chain
+  their hashes from roots of their own, which no router would find (``Scheduler.take_kv_events``
+  has them all).
 - Per-sample state (histories, generators, texts) is built only once the scheduler has accepted
   the request, and so its ``n``: a refused request costs nothing per sample.
 """
@@ -74,7 +78,7 @@ from pagedkv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutp
 from pagedkv.engine.prompt_scoring import ScoreRows, rows_of, scoring_salt
 from pagedkv.engine.runners import ModelRunner
 from pagedkv.errors import InvalidArgumentError
-from pagedkv.kv_events import KvEventPublisher, KvSnapshot
+from pagedkv.kv_events import AllBlocksCleared, KvEventPublisher, KvSnapshot
 from pagedkv.sampling import NO_TOKEN, Samples, SamplingParams, TokenHistory
 from pagedkv.text.detokenizer import SampleText
 from pagedkv.text.tokenizer import Tokenizer
@@ -121,6 +125,9 @@ class _Request:
 # A token an update produced: (its request, request id, sample index, token, the scheduler's
 # finish reason or None).
 _Produced = tuple[_Request, str, int, int, "str | None"]
+
+# The KV cache group whose blocks the engine publishes as KV events (module doc).
+ROUTED_KV_GROUP = 0
 
 
 class EngineCore:
@@ -484,7 +491,9 @@ class EngineCore:
         batch numbers follow the scheduler's order); the caller delivers them once it has
         released the lock."""
         if self._emit_kv_events:
-            self.kv_events.record(self.scheduler.take_kv_events())
+            events = self.scheduler.take_kv_events()
+            # A medium cleared is every group's.
+            self.kv_events.record([e for e in events if type(e) is AllBlocksCleared or e.group == ROUTED_KV_GROUP])
 
     def kv_snapshot(self) -> KvSnapshot:
         """The blocks findable now, as ``(block_hash, medium)`` pairs, tagged with the number of
@@ -493,7 +502,8 @@ class EngineCore:
         after recording those pending (delivered to subscribers once the lock is released)."""
         with self._lock:
             self._record_kv_events()
-            snapshot = KvSnapshot(self.kv_events.last_seq, frozenset(self.scheduler.kv_blocks()))
+            blocks = self.scheduler.kv_blocks(ROUTED_KV_GROUP)
+            snapshot = KvSnapshot(self.kv_events.last_seq, frozenset(blocks))
         self.kv_events.deliver()
         return snapshot
 

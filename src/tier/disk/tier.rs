@@ -199,6 +199,7 @@ impl DiskTier {
             state.events.push(KvEvent::BlockStored {
                 key,
                 medium: Medium::Disk,
+                group: 0,
             });
         }
         let shared = Arc::new(Shared {
@@ -463,6 +464,7 @@ impl Worker {
                     state.events.push(KvEvent::BlockStored {
                         key: copy.job.key,
                         medium: Medium::Disk,
+                        group: 0,
                     });
                 }
             }
@@ -533,6 +535,7 @@ impl Worker {
             state.events.push(KvEvent::BlockRemoved {
                 hash,
                 medium: Medium::Disk,
+                group: 0,
             });
         }
         let disk = self.store.counters();
