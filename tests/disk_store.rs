@@ -29,18 +29,17 @@ fn blocks_round_trip_and_survive_a_reopen() {
     let (hash, parent, tokens, _) = block(2);
     let mut out = vec![0; SLOT];
     assert_eq!(
-        s.load(hash, parent, b"other salt", &tokens, &mut out)
-            .unwrap(),
+        s.load(hash, parent, 1, &tokens, &mut out).unwrap(),
         Fetch::Dropped,
-        "another salt never shares"
+        "another KV cache group's block never serves"
     );
     assert_eq!(
-        s.load(hash, parent, b"", &[9, 9, 9, 9], &mut out).unwrap(),
+        s.load(hash, parent, 0, &[9, 9, 9, 9], &mut out).unwrap(),
         Fetch::Missing,
-        "dropped by the salt mismatch: gone"
+        "dropped by the group mismatch: gone"
     );
     assert_eq!(
-        s.load(1003, 3, b"", &[9, 9, 9, 9], &mut out).unwrap(),
+        s.load(1003, 3, 0, &[9, 9, 9, 9], &mut out).unwrap(),
         Fetch::Dropped,
         "other tokens never match"
     );
@@ -50,7 +49,7 @@ fn blocks_round_trip_and_survive_a_reopen() {
     assert_eq!(
         (opened.recovered, opened.cleared),
         (3, false),
-        "5 stored, block 2 dropped by the mismatched salt, block 3 by the tokens"
+        "5 stored, block 2 dropped by the mismatched group, block 3 by the tokens"
     );
     for i in [0, 1, 4] {
         assert!(load(&mut s, i), "block {i} after reopen");
@@ -151,7 +150,7 @@ fn a_group_commits_its_new_blocks_and_evicts_for_room() {
     assert_eq!(s.counters().evictions, 2);
     assert_eq!(
         s.take_removed(),
-        [1001, 1002],
+        [(1001, 0), (1002, 0)],
         "the oldest never-loaded blocks made room"
     );
     let (too_many, bytes) = ([6, 7, 8, 9, 10], s.counters().bytes_written);

@@ -6,7 +6,7 @@
 //! with `BlockRemoved`; bad block ids fail their job, not the tier; loads queued behind many
 //! offloads are served before the stores, a load of a block whose store is queued is served from
 //! the queued copy, and a missing block counts as a miss, not as corrupt. Every test checks that
-//! replaying the tier's events gives `stored_hashes`, and runs under a timeout.
+//! replaying the tier's events gives `stored_blocks`, and runs under a timeout.
 
 use std::collections::HashSet;
 use std::path::{Path, PathBuf};
@@ -82,22 +82,31 @@ fn open(dir: &Path, config: DiskTierConfig, kv: &KvCache, link: &TierLink) -> (D
     unsafe { DiskTier::open(dir, config, kv.block_io(), link.clone()) }.unwrap()
 }
 
-/// Prefix hash, parent and tokens of test block `i`.
+/// Prefix hash, parent and tokens of test block `i`, of KV cache group `group_of(hash)`.
 fn offload_job(block: u32, i: u32) -> OffloadJob {
+    let hash = 1000 + i as u128;
     OffloadJob {
         block,
         key: BlockKey {
-            hash: 1000 + i as u128,
+            hash,
             parent: i as u128,
             tokens: vec![i; SHAPE.block_size].into(),
         },
+        group: group_of(hash),
     }
 }
 
+/// The KV cache group of test block `hash` (two groups: the tier records and reports each).
+fn group_of(hash: u128) -> u32 {
+    (hash % 2) as u32
+}
+
 fn load_job(block: u32, i: u32) -> LoadJob {
+    let job = offload_job(block, i);
     LoadJob {
         block,
-        key: offload_job(block, i).key,
+        key: job.key,
+        group: job.group,
     }
 }
 
@@ -121,7 +130,7 @@ fn replay(set: &mut HashSet<u128>, events: &[KvEvent]) {
     for event in events {
         match event {
             KvEvent::BlockStored { key, medium, group } => {
-                assert_eq!((*medium, *group), (Medium::Disk, 0));
+                assert_eq!((*medium, *group), (Medium::Disk, group_of(key.hash)));
                 let hash = key.hash;
                 assert!(set.insert(hash), "stored twice without a removal: {hash}");
             }
@@ -130,7 +139,7 @@ fn replay(set: &mut HashSet<u128>, events: &[KvEvent]) {
                 medium,
                 group,
             } => {
-                assert_eq!((*medium, *group), (Medium::Disk, 0));
+                assert_eq!((*medium, *group), (Medium::Disk, group_of(*hash)));
                 assert!(set.remove(hash), "removed without being stored: {hash}");
             }
             KvEvent::AllBlocksCleared { medium } => {
@@ -141,14 +150,18 @@ fn replay(set: &mut HashSet<u128>, events: &[KvEvent]) {
     }
 }
 
-/// Drains the tier's events, replays them over `set`, checks the result is `stored_hashes`, and
+/// Drains the tier's events, replays them over `set`, checks the result is `stored_blocks`, and
 /// returns the events.
 fn check_events(tier: &mut DiskTier, set: &mut HashSet<u128>) -> Vec<KvEvent> {
     let mut events = Vec::new();
     tier.drain_events(&mut events);
     replay(set, &events);
-    let stored: HashSet<u128> = tier.stored_hashes().into_iter().collect();
-    assert_eq!(*set, stored, "replayed events differ from the stored set");
+    let stored: HashSet<(u128, u32)> = tier.stored_blocks().into_iter().collect();
+    let replayed: HashSet<(u128, u32)> = set.iter().map(|&h| (h, group_of(h))).collect();
+    assert_eq!(
+        replayed, stored,
+        "replayed events differ from the stored set"
+    );
     events
 }
 
@@ -298,7 +311,7 @@ fn a_reopened_tier_recovers_its_blocks_and_replays_them_as_events() {
             .map(|i| KvEvent::BlockStored {
                 key: offload_job(i, i).key,
                 medium: Medium::Disk,
-                group: 0,
+                group: i % 2,
             })
             .collect();
         assert_eq!(events, expected);
@@ -415,7 +428,7 @@ fn a_full_tier_evicts_with_block_removed() {
         assert!(events.contains(&KvEvent::BlockRemoved {
             hash: 1001,
             medium: Medium::Disk,
-            group: 0,
+            group: 1,
         }));
         assert_eq!(set, HashSet::from([1000, 1002]));
         assert!(!tier.contains(1001));
@@ -516,7 +529,7 @@ fn loads_queued_behind_offloads_run_before_the_stores() {
         let removed = KvEvent::BlockRemoved {
             hash: 1001,
             medium: Medium::Disk,
-            group: 0,
+            group: 1,
         };
         let at = events.iter().position(|e| *e == removed).expect("dropped");
         let stored_before = events[..at]

@@ -666,7 +666,7 @@ mod tests {
         fn counters(&self) -> crate::tier::TierCounters {
             unreachable!()
         }
-        fn stored_hashes(&self) -> Vec<BlockHash> {
+        fn stored_blocks(&self) -> Vec<(BlockHash, u32)> {
             unreachable!()
         }
         fn drain_events(&mut self, _: &mut Vec<crate::memory::events::KvEvent>) {

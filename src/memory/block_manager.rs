@@ -110,6 +110,8 @@ struct Load {
     /// Position of the block in that sequence's table.
     index: usize,
     key: BlockKey,
+    /// The KV cache group of that table.
+    group: u32,
 }
 
 /// The loads of one loading sequence.
@@ -317,14 +319,14 @@ impl BlockManager {
     }
 
     /// The blocks findable now, with their KV cache group: every hash of the RAM prefix map,
-    /// then the tier's committed ones (group 0: a tier serves one group). Replaying every event
+    /// then the tier's committed ones. Replaying every event
     /// `take_kv_events` returned gives this set.
     pub fn kv_blocks(&self) -> Vec<(BlockHash, Medium, u32)> {
         let ram = self.pool.cached_blocks();
         let mut out: Vec<_> = ram.map(|(h, g)| (h, Medium::Ram, g)).collect();
         if let Some(tier) = &self.tier {
-            let disk = tier.stored_hashes().into_iter();
-            out.extend(disk.map(|h| (h, Medium::Disk, 0)));
+            let disk = tier.stored_blocks().into_iter();
+            out.extend(disk.map(|(h, g)| (h, Medium::Disk, g)));
         }
         out
     }
@@ -377,13 +379,8 @@ impl BlockManager {
             };
             match d.outcome {
                 LoadOutcome::Loaded => {
-                    self.pool.register(
-                        d.block,
-                        load.key.hash,
-                        load.key.parent,
-                        &load.key.tokens,
-                        0,
-                    );
+                    let key = &load.key;
+                    (self.pool).register(d.block, key.hash, key.parent, &key.tokens, load.group);
                 }
                 LoadOutcome::Dropped => self.loads_dropped += 1,
             }
@@ -413,7 +410,7 @@ impl BlockManager {
                     }
                     table.blocks.truncate(cut);
                     table.hashes.truncate(cut);
-                    table.tokens.truncate(cut * self.block_size);
+                    table.tokens.truncate(cut * table.block_size);
                 }
                 ended.push(LoadsEnded {
                     seq,
@@ -688,6 +685,7 @@ impl BlockManager {
                 tier.load(LoadJob {
                     block,
                     key: key.clone(),
+                    group: table.group,
                 });
                 self.loads.insert(
                     block,
@@ -695,6 +693,7 @@ impl BlockManager {
                         seq: Some(seq),
                         index: table.blocks.len(),
                         key,
+                        group: table.group,
                     },
                 );
                 table.blocks.push(block);

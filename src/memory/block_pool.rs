@@ -47,11 +47,13 @@ pub struct PoolCounters {
 }
 
 /// The parent hash and tokens of each registered block, kept only when something needs them
-/// (an offload job carries them): `block_size` tokens per block, flat.
+/// (an offload job carries them): room for `block_size` tokens per block, flat, of which a block
+/// of a KV cache group carving its pages (`crate::kv::spec`) fills its first `lens[block]`.
 struct Content {
     block_size: usize,
     parents: Vec<BlockHash>,
     tokens: Vec<TokenId>,
+    lens: Vec<u32>,
 }
 
 /// Physical blocks with reference counts, a free list, and the evictable set of cached blocks.
@@ -121,6 +123,7 @@ impl BlockPool {
                 block_size,
                 parents: try_zeroed_vec(n, "the block parents")?,
                 tokens,
+                lens: try_zeroed_vec(n, "the block token counts")?,
             });
         }
         Ok(())
@@ -256,14 +259,18 @@ impl BlockPool {
         self.offloading += 1;
         self.counters.offloads += 1;
         let content = self.content.as_ref().expect("offload needs keep_content");
-        let bs = content.block_size;
+        let (at, len) = (
+            block as usize * content.block_size,
+            content.lens[block as usize] as usize,
+        );
         Some(OffloadJob {
             block,
             key: BlockKey {
                 hash,
                 parent: content.parents[block as usize],
-                tokens: content.tokens[block as usize * bs..][..bs].into(),
+                tokens: content.tokens[at..][..len].into(),
             },
+            group: self.groups[block as usize],
         })
     }
 
@@ -334,9 +341,11 @@ impl BlockPool {
         self.hashes[block as usize] = Some(hash);
         self.groups[block as usize] = group;
         if let Some(content) = &mut self.content {
-            let bs = content.block_size;
+            debug_assert!(tokens.len() <= content.block_size);
+            let at = block as usize * content.block_size;
             content.parents[block as usize] = parent;
-            content.tokens[block as usize * bs..][..bs].copy_from_slice(tokens);
+            content.tokens[at..][..tokens.len()].copy_from_slice(tokens);
+            content.lens[block as usize] = tokens.len() as u32;
         }
         if let Some(events) = &mut self.events {
             let key = BlockKey {
@@ -514,7 +523,8 @@ mod tests {
                     hash: 11,
                     parent: 3,
                     tokens: vec![5, 6].into()
-                }
+                },
+                group: 2,
             }
         );
         assert_eq!(pool.lookup(11), None);

@@ -285,8 +285,9 @@ impl KvTier for FakeTier {
     fn counters(&self) -> TierCounters {
         self.0.lock().unwrap().counters
     }
-    fn stored_hashes(&self) -> Vec<BlockHash> {
-        self.0.lock().unwrap().store.keys().copied().collect()
+    fn stored_blocks(&self) -> Vec<(BlockHash, u32)> {
+        let world = self.0.lock().unwrap();
+        world.store.keys().map(|&hash| (hash, 0)).collect()
     }
     fn drain_events(&mut self, out: &mut Vec<KvEvent>) {
         out.append(&mut self.0.lock().unwrap().events);

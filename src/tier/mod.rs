@@ -35,20 +35,24 @@ pub struct TierLink {
     pub returned: Arc<AtomicUsize>,
 }
 
-/// A full cached block leaving RAM for the tier.
+/// A full cached block leaving RAM for the tier: a whole page, whichever KV cache group held it
+/// (`crate::kv`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct OffloadJob {
     pub block: BlockId,
-    /// What the block holds (its `block_size` tokens).
+    /// What the block holds (its group's block of tokens).
     pub key: BlockKey,
+    /// The KV cache group whose table held it (the tier records it, and its events name it).
+    pub group: u32,
 }
 
 /// A block to bring back into RAM block `block`: the entry of `hash`, verified to hold `tokens`
-/// under `parent` and its checksum.
+/// under `parent`, of KV cache group `group`, and its checksum.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LoadJob {
     pub block: BlockId,
     pub key: BlockKey,
+    pub group: u32,
 }
 
 /// How a load ended.
@@ -103,8 +107,9 @@ pub trait KvTier: Send {
     fn flush(&mut self);
     /// What the tier has done.
     fn counters(&self) -> TierCounters;
-    /// Hashes of the blocks whose store has committed: the set its `Disk` events describe.
-    fn stored_hashes(&self) -> Vec<BlockHash>;
+    /// Hashes (and KV cache groups) of the blocks whose store has committed: the set its `Disk`
+    /// events describe.
+    fn stored_blocks(&self) -> Vec<(BlockHash, u32)>;
     /// Moves the tier's KV events since the last call (medium `Disk`) into `out`, in order.
     fn drain_events(&mut self, out: &mut Vec<KvEvent>);
 }

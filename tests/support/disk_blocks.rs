@@ -35,7 +35,7 @@ pub fn new_block((hash, parent, tokens, data): &Block) -> NewBlock<'_> {
     NewBlock {
         hash: *hash,
         parent: *parent,
-        salt: b"",
+        group: 0,
         tokens,
         data,
     }
@@ -56,7 +56,7 @@ pub fn store_group(s: &mut DiskStore, ids: &[u64]) -> Vec<bool> {
 pub fn fetch(s: &mut DiskStore, i: u64) -> Fetch {
     let (hash, parent, tokens, data) = block(i);
     let mut out = vec![0; SLOT];
-    let fetched = s.load(hash, parent, b"", &tokens, &mut out).unwrap();
+    let fetched = s.load(hash, parent, 0, &tokens, &mut out).unwrap();
     if fetched == Fetch::Verified {
         assert_eq!(out, data, "block {i} served with other bytes");
     }

@@ -32,21 +32,21 @@ pub struct BlockRecord {
     pub checksum: u64,
     /// Hash of the previous block of the prefix (the chain root for a first block).
     pub parent: BlockHash,
-    /// The cache salt the prefix was hashed under (empty: none).
-    pub salt: Vec<u8>,
+    /// The KV cache group whose table held the block (`crate::kv`; 0 for a model of one group).
+    pub group: u32,
     /// The block's tokens (shared with the `BlockKey` of its events).
     pub tokens: Arc<[TokenId]>,
 }
 
 impl BlockRecord {
-    /// Little-endian `slot | checksum | parent | salt length | salt | tokens`.
+    /// Little-endian `slot | checksum | parent | group | tokens`. (The group's four bytes held a
+    /// cache salt's length once, always 0 with no salt after it: such a record reads as group 0.)
     fn encode(&self) -> Vec<u8> {
-        let mut out = Vec::with_capacity(32 + self.salt.len() + 4 * self.tokens.len());
+        let mut out = Vec::with_capacity(32 + 4 * self.tokens.len());
         out.extend_from_slice(&self.slot.to_le_bytes());
         out.extend_from_slice(&self.checksum.to_le_bytes());
         out.extend_from_slice(&self.parent.to_le_bytes());
-        out.extend_from_slice(&(self.salt.len() as u32).to_le_bytes());
-        out.extend_from_slice(&self.salt);
+        out.extend_from_slice(&self.group.to_le_bytes());
         for t in self.tokens.iter() {
             out.extend_from_slice(&t.to_le_bytes());
         }
@@ -58,9 +58,7 @@ impl BlockRecord {
         let (slot, rest) = bytes.split_first_chunk::<4>()?;
         let (checksum, rest) = rest.split_first_chunk::<8>()?;
         let (parent, rest) = rest.split_first_chunk::<16>()?;
-        let (salt_len, rest) = rest.split_first_chunk::<4>()?;
-        let salt_len = u32::from_le_bytes(*salt_len) as usize;
-        let (salt, tokens) = (rest.get(..salt_len)?, rest.get(salt_len..)?);
+        let (group, tokens) = rest.split_first_chunk::<4>()?;
         if tokens.len() % 4 != 0 {
             return None;
         }
@@ -68,7 +66,7 @@ impl BlockRecord {
             slot: u32::from_le_bytes(*slot),
             checksum: u64::from_le_bytes(*checksum),
             parent: u128::from_le_bytes(*parent),
-            salt: salt.to_vec(),
+            group: u32::from_le_bytes(*group),
             tokens: tokens
                 .chunks_exact(4)
                 .map(|t| TokenId::from_le_bytes(t.try_into().expect("4 bytes")))
@@ -270,7 +268,7 @@ mod tests {
             slot: 7,
             checksum: 0xdead_beef,
             parent: 1 << 100,
-            salt: b"tenant".to_vec(),
+            group: 5,
             tokens: vec![1, 2, u32::MAX].into(),
         };
         assert_eq!(BlockRecord::decode(&record.encode()), Some(record));

@@ -3,7 +3,7 @@
 //! through a link ([`files`]).
 //!
 //! Invariant: a block is served only if its index entry exists and its bytes, read back, match the
-//! entry's checksum, tokens and salt; anything else is dropped, counted and reported as a miss.
+//! entry's checksum, tokens and group; anything else is dropped, counted and reported as a miss.
 
 pub mod files;
 pub mod index;

@@ -8,7 +8,7 @@
 //! before the last commit leaves unreferenced slots (free again at the next open); a torn write can
 //! only be under an entry that does not exist yet. Grouping shares the `fdatasync` and the commits'
 //! `fsync`s, the bulk of a store's cost (see `benches/disk_tier.rs`).
-//! Every load re-checks the entry's checksum, tokens and salt against the bytes and the caller's
+//! Every load re-checks the entry's checksum, tokens and group against the bytes and the caller's
 //! expectation; a mismatch or a short read drops the entry (counted) and is [`Fetch::Dropped`]; a
 //! hash without an entry is [`Fetch::Missing`] (nothing dropped, nothing counted).
 //!
@@ -34,7 +34,7 @@ use crate::memory::prefix_cache::BlockHash;
 pub struct DiskCounters {
     pub stores: u64,
     pub loads: u64,
-    /// Entries dropped because their bytes, tokens or salt did not verify (or did not decode).
+    /// Entries dropped because their bytes, tokens or group did not verify (or did not decode).
     pub dropped_corrupt: u64,
     pub evictions: u64,
     pub bytes_written: u64,
@@ -48,18 +48,18 @@ pub enum Fetch {
     Verified,
     /// No entry for the hash (never stored, or evicted or dropped since).
     Missing,
-    /// The entry did not verify (bytes, tokens, parent or salt): dropped, counted in
+    /// The entry did not verify (bytes, tokens, parent or group): dropped, counted in
     /// `dropped_corrupt`.
     Dropped,
 }
 
-/// One block to store: the block `hash` of `salt` after `parent` holding `tokens`, its bytes
-/// `data` (exactly `slot_bytes`).
+/// One block to store: the block `hash` of KV cache group `group` after `parent` holding
+/// `tokens`, its bytes `data` (exactly `slot_bytes`).
 #[derive(Debug, Clone, Copy)]
 pub struct NewBlock<'a> {
     pub hash: BlockHash,
     pub parent: BlockHash,
-    pub salt: &'a [u8],
+    pub group: u32,
     pub tokens: &'a [TokenId],
     pub data: &'a [u8],
 }
@@ -84,8 +84,9 @@ pub struct DiskStore {
     free: Vec<u32>,
     order: Evictable,
     counters: DiskCounters,
-    /// Hashes whose entries were removed (evicted or dropped) since the last `take_removed`.
-    removed: Vec<BlockHash>,
+    /// Hashes (and groups) whose entries were removed (evicted or dropped) since the last
+    /// `take_removed`.
+    removed: Vec<(BlockHash, u32)>,
 }
 
 impl DiskStore {
@@ -198,9 +199,9 @@ impl DiskStore {
         self.slots.iter().map(|(&hash, record)| (hash, record))
     }
 
-    /// Hashes whose entries `store` (evicting) or `load` (dropping) removed since the last call,
-    /// in order, errors or not: what a caller reports as no longer held.
-    pub fn take_removed(&mut self) -> Vec<BlockHash> {
+    /// Hashes (and KV cache groups) whose entries `store` (evicting) or `load` (dropping) removed
+    /// since the last call, in order, errors or not: what a caller reports as no longer held.
+    pub fn take_removed(&mut self) -> Vec<(BlockHash, u32)> {
         std::mem::take(&mut self.removed)
     }
 
@@ -277,7 +278,7 @@ impl DiskStore {
                     slot,
                     checksum: xxhash_rust::xxh3::xxh3_64(block.data),
                     parent: block.parent,
-                    salt: block.salt.to_vec(),
+                    group: block.group,
                     tokens: block.tokens.into(),
                 };
                 (block.hash, record)
@@ -301,13 +302,13 @@ impl DiskStore {
     }
 
     /// Reads block `hash` into `out` (`slot_bytes` long) if it is stored and verifies it against
-    /// its checksum and the expected `parent`, `salt` and `tokens`; a block that does not verify is
+    /// its checksum and the expected `parent`, `group` and `tokens`; a block that does not verify is
     /// dropped (counted). Only on [`Fetch::Verified`] does `out` hold the block.
     pub fn load(
         &mut self,
         hash: BlockHash,
         parent: BlockHash,
-        salt: &[u8],
+        group: u32,
         tokens: &[TokenId],
         out: &mut [u8],
     ) -> DiskResult<Fetch> {
@@ -326,7 +327,7 @@ impl DiskStore {
         let verified = read.is_ok()
             && xxhash_rust::xxh3::xxh3_64(out) == record.checksum
             && record.parent == parent
-            && record.salt == salt
+            && record.group == group
             && *record.tokens == *tokens;
         self.order.remove(slot);
         if !verified {
@@ -351,9 +352,9 @@ impl DiskStore {
         self.index.remove(&hashes)?;
         for (&slot, hash) in slots.iter().zip(hashes) {
             self.owners[slot as usize] = None;
-            self.slots.remove(&hash);
+            let record = self.slots.remove(&hash).expect("an occupied slot's record");
             self.free.push(slot);
-            self.removed.push(hash);
+            self.removed.push((hash, record.group));
         }
         Ok(())
     }

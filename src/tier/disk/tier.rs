@@ -18,8 +18,7 @@
 //!   the job's parent and tokens: it never left memory), so a load queued after the offload of the
 //!   same hash finds it, as if the store had run first. Moving a copy-out ahead of an earlier load
 //!   is safe: the manager never offloads a block before its load has completed.
-//! - Load: the entry is read and verified (checksum, tokens, parent; the salt check of the record
-//!   is kept, with the empty salt, since prefix hashes already separate salts) into a scratch
+//! - Load: the entry is read and verified (checksum, tokens, parent and KV cache group) into a scratch
 //!   buffer, and only a verified block is written into RAM. An entry that does not verify is
 //!   dropped ([`LoadOutcome::Dropped`], counted in `dropped_corrupt`); every other end that serves
 //!   nothing (not held, an I/O error, a panic, a bad block id) is `Dropped` too, counted in
@@ -42,7 +41,7 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use rustc_hash::{FxHashMap, FxHashSet};
+use rustc_hash::FxHashMap;
 
 use super::{DiskStore, Fetch, NewBlock, Opened};
 use crate::error::{ensure, Error, Result};
@@ -97,7 +96,8 @@ struct Copy {
 /// What both threads see.
 #[derive(Default)]
 struct State {
-    committed: FxHashSet<BlockHash>,
+    /// Each committed hash's KV cache group.
+    committed: FxHashMap<BlockHash, u32>,
     /// Hashes of queued offloads, with their number.
     pending: FxHashMap<BlockHash, usize>,
     events: Vec<KvEvent>,
@@ -190,7 +190,7 @@ impl DiskTier {
         let mut records: Vec<_> = store.records().collect();
         records.sort_unstable_by_key(|&(hash, _)| hash);
         for (hash, record) in records {
-            state.committed.insert(hash);
+            state.committed.insert(hash, record.group);
             let key = BlockKey {
                 hash,
                 parent: record.parent,
@@ -199,7 +199,7 @@ impl DiskTier {
             state.events.push(KvEvent::BlockStored {
                 key,
                 medium: Medium::Disk,
-                group: 0,
+                group: record.group,
             });
         }
         let shared = Arc::new(Shared {
@@ -263,7 +263,7 @@ impl DiskTier {
 impl KvTier for DiskTier {
     fn contains(&self, hash: BlockHash) -> bool {
         let state = self.shared.lock();
-        state.committed.contains(&hash) || state.pending.contains_key(&hash)
+        state.committed.contains_key(&hash) || state.pending.contains_key(&hash)
     }
 
     fn offload(&mut self, job: OffloadJob) {
@@ -308,8 +308,13 @@ impl KvTier for DiskTier {
         }
     }
 
-    fn stored_hashes(&self) -> Vec<BlockHash> {
-        self.shared.lock().committed.iter().copied().collect()
+    fn stored_blocks(&self) -> Vec<(BlockHash, u32)> {
+        let state = self.shared.lock();
+        state
+            .committed
+            .iter()
+            .map(|(&hash, &group)| (hash, group))
+            .collect()
     }
 
     fn drain_events(&mut self, out: &mut Vec<KvEvent>) {
@@ -441,7 +446,7 @@ impl Worker {
                 .map(|copy| NewBlock {
                     hash: copy.job.key.hash,
                     parent: copy.job.key.parent,
-                    salt: &[],
+                    group: copy.job.group,
                     tokens: &copy.job.key.tokens,
                     data: &copy.data,
                 })
@@ -460,11 +465,11 @@ impl Worker {
             for (copy, stored) in group.into_iter().zip(stored) {
                 unpend(state, copy.job.key.hash);
                 if stored {
-                    state.committed.insert(copy.job.key.hash);
+                    state.committed.insert(copy.job.key.hash, copy.job.group);
                     state.events.push(KvEvent::BlockStored {
                         key: copy.job.key,
                         medium: Medium::Disk,
-                        group: 0,
+                        group: copy.job.group,
                     });
                 }
             }
@@ -479,15 +484,15 @@ impl Worker {
                 format!("load into block {} outside the pool", job.block)
             })?;
             // The newest queued copy of the block, if its store has not run yet.
-            let queued = copies.iter().rev().find(|copy| {
-                copy.job.key.hash == job.key.hash
-                    && copy.job.key.parent == job.key.parent
-                    && copy.job.key.tokens == job.key.tokens
-            });
+            let queued = copies
+                .iter()
+                .rev()
+                .find(|copy| copy.job.key == job.key && copy.job.group == job.group);
             let data = match queued {
                 Some(copy) => &copy.data,
                 None => {
-                    match store.load(job.key.hash, job.key.parent, &[], &job.key.tokens, scratch)? {
+                    let key = &job.key;
+                    match store.load(key.hash, key.parent, job.group, &key.tokens, scratch)? {
                         Fetch::Verified => &*scratch,
                         other => return Ok(other),
                     }
@@ -530,12 +535,12 @@ impl Worker {
 
     /// Publishes the entries the store removed (as `BlockRemoved`) and the counters.
     fn publish(&mut self, state: &mut State) {
-        for hash in self.store.take_removed() {
+        for (hash, group) in self.store.take_removed() {
             state.committed.remove(&hash);
             state.events.push(KvEvent::BlockRemoved {
                 hash,
                 medium: Medium::Disk,
-                group: 0,
+                group,
             });
         }
         let disk = self.store.counters();
