@@ -82,6 +82,7 @@ fn stored_tier(
                 parent: 0,
                 tokens: tokens(i).into(),
             },
+            group: 0,
         });
     }
     tier.flush();
@@ -98,6 +99,7 @@ fn load_job(i: u32) -> LoadJob {
             parent: 0,
             tokens: tokens(i).into(),
         },
+        group: 0,
     }
 }
 
@@ -158,6 +160,7 @@ fn offload_round(tier: &mut DiskTier, round: u128) {
                 parent: 0,
                 tokens: tokens(k).into(),
             },
+            group: 0,
         });
     }
 }
@@ -190,6 +193,7 @@ fn load_behind_stores(c: &mut Criterion) {
                         parent: 0,
                         tokens: tokens(k).into(),
                     },
+                    group: 0,
                 });
                 let done = loop {
                     let done = tier.completed_loads();
@@ -244,7 +248,7 @@ fn store_blocks(c: &mut Criterion) {
                     NewBlock {
                         hash: next,
                         parent: 0,
-                        salt: b"",
+                        group: 0,
                         tokens: &toks,
                         data: &data,
                     }

@@ -22,7 +22,9 @@
 //!   group only the blocks of that window (`match_prefix`), the others are admitted released;
 //! - an operation over several groups checks capacity for all of them first: it changes every
 //!   group's tables or none;
-//! - a disk tier needs one group (a hybrid sequence's loads would span groups: not built).
+//! - with a disk tier, a prefix hit may load blocks in several groups; the sequence is loading
+//!   until every group's loads ended, and then holds in every group the prefix all of them
+//!   loaded (`poll_tier`).
 
 use crate::error::{ensure, Error, Result};
 use crate::ids::{CopyOp, SeqId, TokenId};
@@ -153,8 +155,9 @@ impl KvCoordinator {
         self.manager.contains(self.member(seq, 0))
     }
 
+    /// Whether a load of any of `seq`'s tables is in flight.
     pub fn is_loading(&self, seq: SeqId) -> bool {
-        self.manager.is_loading(self.member(seq, 0))
+        (0..self.groups.len()).any(|g| self.manager.is_loading(self.member(seq, g)))
     }
 
     /// `seq`'s table in group `group`.
@@ -220,50 +223,109 @@ impl KvCoordinator {
         } else {
             0
         };
-        let mut longest = cacheable;
-        for (g, kept) in self.groups.iter().enumerate() {
-            let bs = kept.block_size;
-            let hashed = hashes_of(g).len() * bs;
-            // Each full group's run of cached blocks from the start bounds the prefix.
-            let cached = match kept.attention {
-                AttentionKind::Full => {
-                    let limit = (cacheable / bs).min(hashes_of(g).len());
-                    hashes_of(g)[..limit]
-                        .iter()
-                        .take_while(|&&h| self.manager.cached_block(h).is_some())
-                        .count()
-                        * bs
-                }
-                AttentionKind::Sliding { .. } => hashed,
-            };
-            longest = longest.min(hashed).min(cached);
-        }
-        // The longest prefix whose window every sliding group holds.
-        let mut tokens = longest / unit * unit;
-        while tokens > 0 && !self.windows_cached(hashes, tokens) {
-            tokens -= unit;
+        // The longest prefix every group serves from RAM, then (with a tier) from RAM and the
+        // tier together: the latter is taken when it is longer by enough loads to be worth them.
+        let from_ram = self.longest_served(hashes, cacheable, unit, false);
+        let mut tokens = from_ram;
+        let mut loads = false;
+        if self.manager.has_tier() {
+            let with_tier = self.longest_served(hashes, cacheable, unit, true);
+            let tier_blocks = (0..self.groups.len())
+                .map(|g| {
+                    self.serve(g, hashes_of(g), with_tier, true)
+                        .map_or(0, |s| s.1)
+                })
+                .sum::<usize>();
+            if with_tier > from_ram && tier_blocks >= self.manager.tier_policy().min_load_blocks {
+                (tokens, loads) = (with_tier, true);
+            }
         }
         (0..self.groups.len())
             .map(|g| {
                 let bs = self.groups[g].block_size;
                 let first = self.first_needed_block(g, tokens);
                 let group_hashes = &hashes_of(g)[..tokens / bs];
+                let (ram, _) = self.serve(g, group_hashes, tokens, loads).expect("checked");
                 PrefixMatch {
                     root: group_root(root, g),
-                    hashes: group_hashes.to_vec(),
-                    blocks: (0..group_hashes.len())
+                    hashes: group_hashes[..first + ram].to_vec(),
+                    blocks: (0..first + ram)
                         .map(|i| match i < first {
                             true => RELEASED,
                             false => self.manager.cached_block(group_hashes[i]).expect("checked"),
                         })
                         .collect(),
-                    tier_hashes: Vec::new(),
+                    tier_hashes: group_hashes[first + ram..].to_vec(),
                     num_queried_tokens: num_tokens,
                     block_size: bs,
                     group: g as u32,
                 }
             })
             .collect()
+    }
+
+    /// The longest prefix, in steps of `unit` tokens up to `limit`, whose blocks every group
+    /// serves (`serve`) from RAM, or with `tier` from RAM and the tier.
+    fn longest_served(
+        &self,
+        hashes: &[Vec<BlockHash>],
+        limit: usize,
+        unit: usize,
+        tier: bool,
+    ) -> usize {
+        let hashes_of = |g: usize| hashes.get(g).map_or(&[][..], Vec::as_slice);
+        let mut longest = limit;
+        for (g, kept) in self.groups.iter().enumerate() {
+            let bs = kept.block_size;
+            longest = longest.min(hashes_of(g).len() * bs);
+            // A full group's run of served blocks from the start bounds the prefix.
+            if kept.attention == AttentionKind::Full {
+                let group_hashes = &hashes_of(g)[..(longest / bs).min(hashes_of(g).len())];
+                let in_ram = group_hashes
+                    .iter()
+                    .take_while(|&&h| self.manager.cached_block(h).is_some())
+                    .count();
+                let on_tier = match tier {
+                    true => group_hashes[in_ram..]
+                        .iter()
+                        .take_while(|&&h| self.manager.tier_holds(h))
+                        .count(),
+                    false => 0,
+                };
+                longest = longest.min((in_ram + on_tier) * bs);
+            }
+        }
+        let mut tokens = longest / unit * unit;
+        while tokens > 0
+            && (0..self.groups.len()).any(|g| self.serve(g, hashes_of(g), tokens, tier).is_none())
+        {
+            tokens -= unit;
+        }
+        tokens
+    }
+
+    /// How group `group` serves a prefix of `tokens` tokens of a prompt whose block hashes (at
+    /// least `tokens` worth) are `hashes`: the blocks its next query reads (all of them for full
+    /// attention, the window's for a sliding group), a run in RAM then, with `tier`, a run on the
+    /// tier. `(blocks in RAM, blocks on the tier)`, or None if some block is in neither.
+    fn serve(
+        &self,
+        group: usize,
+        hashes: &[BlockHash],
+        tokens: usize,
+        tier: bool,
+    ) -> Option<(usize, usize)> {
+        let needed =
+            &hashes[self.first_needed_block(group, tokens)..tokens / self.groups[group].block_size];
+        let in_ram = needed
+            .iter()
+            .take_while(|&&h| self.manager.cached_block(h).is_some())
+            .count();
+        let rest = &needed[in_ram..];
+        match rest.is_empty() || (tier && rest.iter().all(|&h| self.manager.tier_holds(h))) {
+            true => Some((in_ram, rest.len())),
+            false => None,
+        }
     }
 
     /// One full group in blocks of the pages' size: the block manager's own case (its prefix
@@ -282,18 +344,6 @@ impl KvCoordinator {
                 ((tokens + 1).saturating_sub(window) / bs).min(tokens / bs)
             }
         }
-    }
-
-    /// Whether every sliding group holds the blocks its next query reads after `tokens` tokens.
-    fn windows_cached(&self, hashes: &[Vec<BlockHash>], tokens: usize) -> bool {
-        (0..self.groups.len()).all(|g| {
-            let first = self.first_needed_block(g, tokens);
-            let blocks = tokens / self.groups[g].block_size;
-            self.groups[g].attention == AttentionKind::Full
-                || hashes.get(g).map_or(&[][..], Vec::as_slice)[first..blocks]
-                    .iter()
-                    .all(|&h| self.manager.cached_block(h).is_some())
-        })
     }
 
     /// Available blocks that admitting `num_tokens` tokens over `found` would use up, in all
@@ -395,15 +445,9 @@ impl KvCoordinator {
         Ok(())
     }
 
-    /// Attaches a disk tier: `InvalidArgument` for more than one group or carved pages (module
-    /// invariants), else as `BlockManager::attach_tier`.
+    /// Attaches a disk tier (`BlockManager::attach_tier`): it keeps the pages of every group,
+    /// each record naming its group.
     pub fn attach_tier(&mut self, tier: Box<dyn KvTier>) -> Result<()> {
-        ensure(self.is_plain(), || {
-            format!(
-                "a disk tier keeps one KV cache group; this model's layout has {}",
-                self.groups.len()
-            )
-        })?;
         self.manager.attach_tier(tier)
     }
 
@@ -412,10 +456,55 @@ impl KvCoordinator {
         &mut self.manager
     }
 
-    /// Loads that ended (`BlockManager::poll_tier`), naming the scheduler's sequences (a tier
-    /// serves one group, whose tables are the sequences' own ids).
+    /// The sequences whose loads have all ended, in every group (`BlockManager::poll_tier`), and
+    /// the tokens each now holds in all of them: tables whose loads ended unequally (one was
+    /// dropped) are cut back to the longest prefix all serve, or to nothing when a sliding
+    /// group's window at that length reaches into entries it was admitted without (module
+    /// invariants: every table holds the same tokens).
     pub fn poll_tier(&mut self) -> Vec<LoadsEnded> {
-        self.manager.poll_tier()
+        let ended = self.manager.poll_tier();
+        if self.is_plain() {
+            return ended; // the tables are the sequences' own
+        }
+        let g = self.groups.len() as SeqId;
+        let mut owners: Vec<SeqId> = ended.iter().map(|e| e.seq / g).collect();
+        owners.sort_unstable();
+        owners.dedup();
+        owners.retain(|&seq| self.manager.contains(self.member(seq, 0)) && !self.is_loading(seq));
+        owners
+            .into_iter()
+            .map(|seq| LoadsEnded {
+                seq,
+                num_tokens: self.settle(seq),
+            })
+            .collect()
+    }
+
+    /// Cuts every table of `seq` (none loading) back to the tokens all of them serve (see
+    /// `poll_tier`); returns that length.
+    fn settle(&mut self, seq: SeqId) -> usize {
+        let held: Vec<usize> = (0..self.groups.len())
+            .map(|g| self.table(seq, g).expect("a live sequence").num_tokens())
+            .collect();
+        let longest = *held.iter().min().expect("a group");
+        if held.iter().all(|&n| n == longest) {
+            return longest;
+        }
+        let unit = self.groups.iter().fold(1, |l, g| lcm(l, g.block_size));
+        let mut tokens = longest / unit * unit;
+        let windows_held = (0..self.groups.len()).all(|g| {
+            let table = self.table(seq, g).expect("a live sequence");
+            let first = self.first_needed_block(g, tokens);
+            table.num_released() <= first
+        });
+        if !windows_held {
+            tokens = 0;
+        }
+        for g in 0..self.groups.len() {
+            let member = self.member(seq, g);
+            (self.manager.truncate(member, tokens)).expect("not loading; a block boundary");
+        }
+        tokens
     }
 
     /// The module invariants, then the block manager's.
@@ -460,6 +549,7 @@ impl KvCoordinator {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::memory::block_manager::TierPolicy;
 
     const FULL: GroupKeeping = GroupKeeping {
         attention: AttentionKind::Full,
@@ -638,39 +728,117 @@ mod tests {
         }
         assert!(copies.is_empty());
         c.check_invariants().unwrap();
-        assert!(matches!(
-            c.attach_tier(Box::new(NoTier)),
-            Err(Error::InvalidArgument(m)) if m.contains("one KV cache group")
-        ));
     }
 
-    /// A tier that is never used: `attach_tier` refuses before touching it.
-    struct NoTier;
+    /// A tier in memory: an offload is held at once (its block returned to the pool); a load
+    /// ends at the next `completed_loads`, `Dropped` if its hash is in `drop`.
+    struct MemoryTier {
+        link: crate::tier::TierLink,
+        held: std::collections::HashMap<BlockHash, u32>,
+        drop: std::sync::Arc<std::sync::Mutex<Vec<BlockHash>>>,
+        loads: Vec<crate::tier::LoadJob>,
+    }
 
-    impl KvTier for NoTier {
-        fn contains(&self, _: BlockHash) -> bool {
-            unreachable!()
+    impl KvTier for MemoryTier {
+        fn contains(&self, hash: BlockHash) -> bool {
+            self.held.contains_key(&hash)
         }
-        fn offload(&mut self, _: crate::tier::OffloadJob) {
-            unreachable!()
+        fn offload(&mut self, job: crate::tier::OffloadJob) {
+            self.held.insert(job.key.hash, job.group);
+            self.link.free.push(job.block);
+            (self.link.returned).fetch_add(1, crate::sync::Ordering::Release);
         }
-        fn load(&mut self, _: crate::tier::LoadJob) {
-            unreachable!()
+        fn load(&mut self, job: crate::tier::LoadJob) {
+            self.loads.push(job);
         }
         fn completed_loads(&mut self) -> Vec<crate::tier::LoadDone> {
-            unreachable!()
+            let loads = std::mem::take(&mut self.loads);
+            loads
+                .into_iter()
+                .map(|job| {
+                    let held = self.held.get(&job.key.hash) == Some(&job.group);
+                    let dropped = self.drop.lock().unwrap().contains(&job.key.hash);
+                    crate::tier::LoadDone {
+                        block: job.block,
+                        outcome: match held && !dropped {
+                            true => crate::tier::LoadOutcome::Loaded,
+                            false => crate::tier::LoadOutcome::Dropped,
+                        },
+                    }
+                })
+                .collect()
         }
-        fn flush(&mut self) {
-            unreachable!()
-        }
+        fn flush(&mut self) {}
         fn counters(&self) -> crate::tier::TierCounters {
-            unreachable!()
+            crate::tier::TierCounters::default()
         }
         fn stored_blocks(&self) -> Vec<(BlockHash, u32)> {
-            unreachable!()
+            self.held.iter().map(|(&h, &g)| (h, g)).collect()
         }
-        fn drain_events(&mut self, _: &mut Vec<crate::memory::events::KvEvent>) {
-            unreachable!()
+        fn drain_events(&mut self, _: &mut Vec<crate::memory::events::KvEvent>) {}
+    }
+
+    #[test]
+    fn a_prefix_on_the_tier_loads_in_every_group_and_a_dropped_load_cuts_all_back() {
+        // Pages of 4 tokens; the sliding group (window 3) in blocks of 2.
+        let carved = GroupKeeping {
+            attention: AttentionKind::Sliding { window: 3 },
+            block_size: 2,
+        };
+        let mut manager = BlockManager::new(24, 4, true).unwrap();
+        let link = manager.tier_link();
+        // Every cached block goes to the tier at the next poll.
+        (manager.set_tier_policy(TierPolicy {
+            min_load_blocks: 1,
+            offload_watermark: 24,
+        }))
+        .unwrap();
+        let mut c = KvCoordinator::new(manager, vec![FULL, carved]).unwrap();
+        let drop = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let tier = MemoryTier {
+            link,
+            held: Default::default(),
+            drop: drop.clone(),
+            loads: Vec::new(),
+        };
+        c.attach_tier(Box::new(tier)).unwrap();
+        let prompt: Vec<TokenId> = (0..11).collect();
+        admit(&mut c, 1, &prompt);
+        c.release_behind(1, 11).unwrap();
+        c.free(1).unwrap();
+        assert!(c.poll_tier().is_empty());
+        assert_eq!(c.manager().stats().cached_blocks, 0, "all offloaded");
+        let mut hashes = Vec::new();
+        c.extend_hashes(0, &mut hashes, &prompt[..10]);
+        // 8 tokens: the full group's blocks 0 and 1 and the sliding group's block 3 (tokens
+        // 6..8, the window of the query at 8) are loaded; sliding blocks 0..3 are not read.
+        let found = c.match_prefix(0, &hashes, 11);
+        let loads: Vec<usize> = found.iter().map(|f| f.tier_hashes.len()).collect();
+        assert_eq!(loads, [2, 1]);
+        assert_eq!(found[1].blocks, [RELEASED; 3]);
+        assert_eq!(c.admit(2, &prompt[..8], found).unwrap(), 0);
+        assert!(c.is_loading(2));
+        c.check_invariants().unwrap();
+        let ended = c.poll_tier();
+        assert_eq!((ended[0].seq, ended[0].num_tokens), (2, 8));
+        assert!(!c.is_loading(2));
+        assert_eq!(c.table(2, 1).unwrap().num_released(), 3);
+        c.check_invariants().unwrap();
+        c.free(2).unwrap();
+        // Offload again; then the full group's block 1 fails to load: the full table keeps 4
+        // tokens, whose window the sliding table (admitted from block 3) does not hold: both are
+        // cut to nothing, the prompt recomputed.
+        assert!(c.poll_tier().is_empty());
+        let found = c.match_prefix(0, &hashes, 11);
+        drop.lock().unwrap().push(found[0].tier_hashes[1]);
+        c.admit(3, &prompt[..8], found).unwrap();
+        let ended = c.poll_tier();
+        assert_eq!((ended[0].seq, ended[0].num_tokens), (3, 0));
+        for g in 0..2 {
+            assert_eq!(c.table(3, g).unwrap().num_tokens(), 0);
         }
+        c.check_invariants().unwrap();
+        c.free(3).unwrap();
+        assert_eq!(c.manager().stats().used_blocks, 0);
     }
 }

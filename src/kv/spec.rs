@@ -254,6 +254,21 @@ impl KvCacheConfig {
         })
     }
 
+    /// The layout in words, for a disk tier's identity: each group's attention, block size and
+    /// layers (`|groups full/16/[5, 11, 17] sliding512/8/[0, 1, 2, 3, 4, 6] ...`).
+    pub fn fingerprint(&self) -> String {
+        let groups: Vec<String> = (self.groups.iter())
+            .map(|g| {
+                let kind = match g.layer.attention {
+                    AttentionKind::Full => "full".to_string(),
+                    AttentionKind::Sliding { window } => format!("sliding{window}"),
+                };
+                format!("{kind}/{}/{:?}", g.block_size, g.layers)
+            })
+            .collect();
+        format!("|groups {}", groups.join(" "))
+    }
+
     /// Blocks each page of `group` is carved into.
     pub fn parts(&self, group: usize) -> usize {
         self.block_size / self.groups[group].block_size

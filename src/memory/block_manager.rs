@@ -336,6 +336,17 @@ impl BlockManager {
         self.pool.lookup(hash)
     }
 
+    /// Whether the attached tier holds (or is storing) the block of prefix hash `hash` (a hint,
+    /// as `KvTier::contains`); false without a tier.
+    pub fn tier_holds(&self, hash: BlockHash) -> bool {
+        self.tier.as_ref().is_some_and(|tier| tier.contains(hash))
+    }
+
+    /// How an attached tier is used.
+    pub fn tier_policy(&self) -> TierPolicy {
+        self.tier_policy
+    }
+
     /// The tier's own counters (zero without a tier).
     pub fn tier_counters(&self) -> TierCounters {
         self.tier.as_ref().map(|t| t.counters()).unwrap_or_default()
@@ -404,7 +415,8 @@ impl BlockManager {
                     .get_mut(&seq)
                     .expect("a loading sequence has a table");
                 if let Some(cut) = state.first_dropped {
-                    debug_assert_eq!(table.released, 0, "a loading sequence has run no step");
+                    // Loads follow the released entries (a window's) and the RAM hits.
+                    debug_assert!(cut >= table.released, "a load into a released entry");
                     for &block in table.blocks[cut..].iter().rev() {
                         self.pool.release(block);
                     }
@@ -562,10 +574,12 @@ impl BlockManager {
     }
 
     /// `admit` of one sequence's tables in several KV cache groups at once (`crate::kv::coordinator`):
-    /// table `seqs[g]` holds `tokens` over `found[g]`, all or none. Every match must serve the
-    /// same number of cached tokens, and tier hits are for one table only. Capacity is checked for
-    /// all together, and every table's hits are retained before any block is allocated, so no
-    /// allocation evicts another table's hit. The prefix figures count the tokens once.
+    /// table `seqs[g]` holds `tokens` over `found[g]`, all or none. Without tier hits every match
+    /// must serve the same number of cached tokens; with some, every match must cover exactly
+    /// `tokens` with its RAM and tier hits, and each table with tier hits is loading. Capacity is
+    /// checked for all together, and every table's hits are retained before any block is
+    /// allocated, so no allocation evicts another table's hit. Returns the tokens every table
+    /// serves from RAM; the prefix figures count them once.
     pub fn admit_tables(
         &mut self,
         seqs: &[SeqId],
@@ -575,7 +589,8 @@ impl BlockManager {
         ensure(!seqs.is_empty() && seqs.len() == found.len(), || {
             format!("{} tables but {} prefix matches", seqs.len(), found.len())
         })?;
-        let cached = found[0].num_cached_tokens();
+        let cached = found.iter().map(PrefixMatch::num_cached_tokens).min();
+        let cached = cached.expect("a table");
         for (index, &seq) in seqs.iter().enumerate() {
             if self.tables.contains_key(&seq) || seqs[..index].contains(&seq) {
                 return Err(Error::DuplicateSequence(seq.to_string()));
@@ -592,12 +607,12 @@ impl BlockManager {
                 )
             },
         )?;
-        ensure(
-            found.iter().all(|f| f.num_cached_tokens() == cached),
-            || "the tables' prefix matches differ in cached tokens".into(),
-        )?;
         let tier_hits = found.iter().any(|f| !f.tier_hashes.is_empty());
         if !tier_hits {
+            ensure(
+                found.iter().all(|f| f.num_cached_tokens() == cached),
+                || "the tables' prefix matches differ in cached tokens".into(),
+            )?;
             ensure(tokens.len() > cached, || {
                 format!(
                     "{} tokens do not extend the {cached} cached ones",
@@ -605,13 +620,12 @@ impl BlockManager {
                 )
             })?;
         } else {
-            let hit = found[0].num_hit_tokens();
             ensure(
-                self.tier.is_some() && found.len() == 1 && tokens.len() == hit,
+                self.tier.is_some() && found.iter().all(|f| f.num_hit_tokens() == tokens.len()),
                 || {
                     format!(
-                        "a match with tier hits admits exactly its {hit} hit tokens (with a tier, \
-                         one table), not {}",
+                        "a match with tier hits admits exactly its hit tokens in every table \
+                         (with a tier), not {}",
                         tokens.len()
                     )
                 },
@@ -833,6 +847,39 @@ impl BlockManager {
             }
         }
         Ok(())
+    }
+
+    /// Cuts `seq`'s table back to its first `num_tokens` tokens (a multiple of its block size, at
+    /// most what it holds), releasing the blocks after them: what a sequence of several tables
+    /// whose loads ended unequally keeps (`crate::kv::coordinator`). Returns how many it released.
+    /// Fails with `UnknownSequence`, or `InvalidArgument` for a loading sequence or a cut inside a
+    /// block or past the end, changing nothing.
+    pub fn truncate(&mut self, seq: SeqId, num_tokens: usize) -> Result<usize> {
+        self.ensure_not_loading(seq)?;
+        let table = self
+            .tables
+            .get_mut(&seq)
+            .ok_or_else(|| Error::UnknownSequence(seq.to_string()))?;
+        ensure(
+            num_tokens <= table.tokens.len() && num_tokens.is_multiple_of(table.block_size),
+            || {
+                format!(
+                    "sequence {seq}: cannot cut {} tokens in blocks of {} back to {num_tokens}",
+                    table.tokens.len(),
+                    table.block_size
+                )
+            },
+        )?;
+        let keep = num_tokens / table.block_size;
+        let gone: Vec<BlockId> = table.blocks[keep.max(table.released)..].to_vec();
+        table.blocks.truncate(keep);
+        table.hashes.truncate(keep);
+        table.tokens.truncate(num_tokens);
+        table.released = table.released.min(keep);
+        for &block in gone.iter().rev() {
+            self.pool.release(block);
+        }
+        Ok(gone.len())
     }
 
     fn ensure_not_loading(&self, seq: SeqId) -> Result<()> {

@@ -288,11 +288,12 @@ impl KvRuntime {
         ensure(!scheduler.block_manager().has_tier(), || {
             "a disk tier is attached already".into()
         })?;
-        // Refused before the tier's files are touched (`KvCoordinator::attach_tier` says why).
-        let groups = scheduler.kv_coordinator().num_groups();
-        ensure(groups == 1, || {
-            format!("a disk tier keeps one KV cache group; this model's layout has {groups}")
-        })?;
+        // A page's bytes mean what the layout says (which layer, which part): a tier recorded
+        // under another layout is another identity.
+        let mut identity = identity;
+        if let Some((_, layout)) = &self.kv {
+            identity.extend_from_slice(layout.fingerprint().as_bytes());
+        }
         let config = DiskTierConfig {
             identity,
             capacity_bytes,

@@ -67,7 +67,9 @@ use crate::error::{ensure, Error, Result};
 use crate::ids::{SeqId, TokenId};
 use crate::kv::coordinator::{capacity_tokens, group_blocks, KvCoordinator};
 use crate::kv::spec::{AttentionKind, GroupKeeping};
-use crate::memory::block_manager::{BlockManager, TierPolicy, DEFAULT_MIN_LOAD_BLOCKS};
+use crate::memory::block_manager::{
+    BlockManager, PrefixMatch, TierPolicy, DEFAULT_MIN_LOAD_BLOCKS,
+};
 use crate::memory::block_table::BlockTable;
 use crate::memory::events::{KvEvent, Medium};
 use crate::memory::eviction::EvictionPolicy;
@@ -304,6 +306,9 @@ struct Totals {
     finished_requests: u64,
     aborted_requests: u64,
     peak_running: usize,
+    /// Prompt tokens admitted to be loaded from the tier (in some group) rather than served
+    /// from RAM in all of them.
+    tier_hit_tokens: u64,
 }
 
 /// The continuous-batching scheduler.
@@ -795,7 +800,7 @@ impl Scheduler {
             window_released_blocks: blocks.window_released_blocks,
             num_loading: self.loading.len(),
             tier_hit_blocks: blocks.loads_issued,
-            tier_hit_tokens: blocks.loads_issued * self.config.block_size as u64,
+            tier_hit_tokens: t.tier_hit_tokens,
             loads_issued: blocks.loads_issued,
             loads_dropped: blocks.loads_dropped,
             offloads_issued: blocks.offloads_issued,
@@ -1063,10 +1068,12 @@ impl Scheduler {
             }
             let found =
                 (self.blocks).match_prefix(request.hash_root, &seq.prefix_hashes, num_tokens);
-            let cached = found[0].num_cached_tokens();
-            // With tier hits (one group only), only the hit blocks are admitted (and loaded); the
-            // sequence computes nothing this step.
-            let loads = found[0].tier_hashes.len();
+            // Tokens every group serves from RAM.
+            let cached = found.iter().map(PrefixMatch::num_cached_tokens).min();
+            let cached = cached.expect("a group");
+            // With tier hits (in any group), only the hit tokens are admitted (their blocks loaded);
+            // the sequence computes nothing this step.
+            let loads: usize = found.iter().map(|f| f.tier_hashes.len()).sum();
             let len = if loads > 0 {
                 0
             } else {
@@ -1101,6 +1108,7 @@ impl Scheduler {
             stats.num_admitted += 1;
             stats.prefix_queried_tokens += num_tokens as u64;
             stats.prefix_hit_tokens += cached as u64;
+            self.totals.tier_hit_tokens += (admitted - len - cached) as u64;
             stats.num_prefill_tokens += len;
             self.output.events.push(RequestEvent {
                 request_id: request.id.clone(),

@@ -224,10 +224,30 @@ def test_the_command_line_turns_the_hybrid_cache_off():
                            if k not in ("seed", "weight_dtype")}).hybrid_kv_cache is False
 
 
-def test_a_disk_tier_for_a_hybrid_cache_is_refused_before_its_files_are_made(tiny, tmp_path):
-    model, _ = tiny
-    directory = tmp_path / "tier"
-    with pytest.raises(InvalidArgumentError, match="one KV cache group"):
-        Engine(model, ByteTokenizer(), EngineConfig(num_blocks=64, block_size=4, kv_disk_path=directory),
-               weights_digest="0" * 64)
-    assert not directory.exists()
+@pytest.mark.parametrize("sliding_block_size", [4, 2])
+def test_a_warm_restart_loads_a_hybrid_prefix_from_the_disk_tier_in_every_group(tiny, tmp_path, sliding_block_size):
+    """The tier keeps the pages of both groups (the sliding one's in blocks of its own, carved or
+    not); after a restart, a prompt longer than the window is served from it — the full group's
+    blocks and the sliding group's window loaded — and decodes as the dense reference does."""
+    model, tensors = tiny
+    prompt = list(map(int, np.random.default_rng(6).integers(3, CONFIG.vocab_size, 27)))
+    config = EngineConfig(num_blocks=64, block_size=4, kv_disk_path=tmp_path / "tier", offload_watermark_blocks=64,
+                          sliding_block_size=sliding_block_size)
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    runs = []
+    for _ in range(2):
+        engine = Engine(model, ByteTokenizer(), config, weights_digest="0" * 64)
+        try:
+            tokens = engine.submit(prompt, params).result(timeout=120).outputs[0].token_ids
+            runs.append((tokens, engine.stats(), engine.core.disk_tier))
+        finally:
+            engine.shutdown(timeout=60)
+    reference = list(prompt)
+    for _ in range(6):
+        reference.append(int(np.argmax(dense_logits(CONFIG, tensors, reference)[-1])))
+    (cold, cold_stats, _), (warm, warm_stats, opened) = runs
+    assert cold == warm == reference[len(prompt):]
+    assert opened is not None and opened["recovered"] > 0 and not opened["cleared"]
+    assert cold_stats["disk_hit_tokens"] == 0
+    # 26 cacheable tokens: 24 in whole blocks of either size, all loaded.
+    assert warm_stats["disk_hit_tokens"] == 24 and warm_stats["disk_loads"] > 24 // 4
