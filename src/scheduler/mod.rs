@@ -852,10 +852,15 @@ impl Scheduler {
                 .seqs
                 .get(handle)
                 .ok_or("stale handle in the loading list")?;
+            // Its admitted tokens, in the groups still loading (a group whose loads ended with
+            // a drop holds fewer until all end: `KvCoordinator::poll_tier`).
+            let held = (0..self.blocks.num_groups())
+                .map(|g| self.blocks.table(seq.block_seq, g).map(|t| t.num_tokens()))
+                .collect::<Result<Vec<_>>>()
+                .map(|held| held.into_iter().max());
             if seq.status != SeqStatus::Loading
                 || !self.blocks.is_loading(seq.block_seq)
-                || self.blocks.table(seq.block_seq, 0).map(|t| t.num_tokens())
-                    != Ok(seq.num_computed)
+                || held != Ok(Some(seq.num_computed))
             {
                 return Err(format!(
                     "loading sequence {} has a table or loads that do not match it",

@@ -11,6 +11,9 @@
 //! The content model: RAM slot `p` of a sequence holds `kv(parent, tokens of its block up to p)`,
 //! a function of the whole prefix (as real K/V is), written by the "model" for every scheduled
 //! token; a sequence is never scheduled over a context slot that does not hold its own value.
+//! With several KV cache groups, each group's tables hold their own blocks (hashes chained from
+//! the group's root, blocks of the group's size carved from pages of `page` tokens): a block's
+//! cells are the first of its page's.
 
 use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex};
@@ -21,6 +24,7 @@ use rand::{Rng, SeedableRng};
 
 use super::*;
 use crate::ids::BlockId;
+use crate::kv::coordinator::{capacity_tokens, group_root};
 use crate::memory::block_manager::{LoadsEnded, TierPolicy};
 use crate::memory::prefix_cache::block_hashes;
 use crate::tier::{LoadDone, LoadJob, LoadOutcome, OffloadJob, TierCounters};
@@ -61,6 +65,7 @@ enum Job {
 struct Entry {
     parent: BlockHash,
     tokens: std::sync::Arc<[TokenId]>,
+    group: u32,
     content: Vec<Option<u64>>,
     corrupt: bool,
 }
@@ -68,7 +73,10 @@ struct Entry {
 /// The fake tier's state and the RAM content, shared by the test and the boxed tier.
 struct World {
     link: TierLink,
-    bs: usize,
+    /// Tokens per page (RAM cells per block id).
+    page: usize,
+    /// The scheduler's KV cache groups.
+    groups: Vec<GroupKeeping>,
     ram: Vec<Option<u64>>,
     store: HashMap<BlockHash, Entry>,
     order: VecDeque<BlockHash>,
@@ -86,11 +94,12 @@ struct World {
 }
 
 impl World {
-    fn new(link: TierLink, num_blocks: usize, bs: usize, capacity: usize, seed: u64) -> Self {
+    fn new(link: TierLink, num_blocks: usize, page: usize, capacity: usize, seed: u64) -> Self {
         World {
             link,
-            bs,
-            ram: vec![None; num_blocks * bs],
+            page,
+            groups: vec![GroupKeeping::full(page)],
+            ram: vec![None; num_blocks * page],
             store: HashMap::new(),
             order: VecDeque::new(),
             capacity,
@@ -107,8 +116,14 @@ impl World {
     }
 
     fn slots(&mut self, block: BlockId) -> &mut [Option<u64>] {
-        let bs = self.bs;
-        &mut self.ram[block as usize * bs..][..bs]
+        let page = self.page;
+        &mut self.ram[block as usize * page..][..page]
+    }
+
+    /// The RAM cell of slot `slot` of group `group` (module doc).
+    fn cell(&self, group: usize, slot: usize) -> usize {
+        let bs = self.groups[group].block_size;
+        slot / bs * self.page + slot % bs
     }
 
     /// Runs the first `jobs` queued jobs.
@@ -130,7 +145,7 @@ impl World {
     }
 
     fn run_offload(&mut self, job: OffloadJob) {
-        let content = self.slots(job.block).to_vec();
+        let content = self.slots(job.block)[..job.key.tokens.len()].to_vec();
         if content != block_kv(job.key.parent, &job.key.tokens) {
             self.errors.push(format!(
                 "block {} offloaded as {:x} does not hold its tokens",
@@ -148,9 +163,9 @@ impl World {
         }
         while self.store.len() >= self.capacity {
             let victim = self.order.pop_front().expect("a full store has entries");
-            if self.store.remove(&victim).is_some() {
+            if let Some(entry) = self.store.remove(&victim) {
                 self.counters.evictions += 1;
-                self.removed(victim);
+                self.removed(victim, entry.group);
             }
         }
         let corrupt = self.rng.random_range(0..100) < self.corrupt_percent;
@@ -161,13 +176,14 @@ impl World {
         self.events.push(KvEvent::BlockStored {
             key: job.key.clone(),
             medium: Medium::Disk,
-            group: 0,
+            group: job.group,
         });
         self.store.insert(
             job.key.hash,
             Entry {
                 parent: job.key.parent,
                 tokens: job.key.tokens,
+                group: job.group,
                 content,
                 corrupt,
             },
@@ -176,11 +192,11 @@ impl World {
         self.counters.blocks = self.store.len() as u64;
     }
 
-    fn removed(&mut self, hash: BlockHash) {
+    fn removed(&mut self, hash: BlockHash, group: u32) {
         self.events.push(KvEvent::BlockRemoved {
             hash,
             medium: Medium::Disk,
-            group: 0,
+            group,
         });
         self.counters.blocks = self.store.len() as u64;
     }
@@ -188,18 +204,18 @@ impl World {
     fn run_load(&mut self, job: LoadJob) {
         self.counters.loads += 1;
         let verified = self.store.get(&job.key.hash).and_then(|e| {
-            (!e.corrupt && e.parent == job.key.parent && e.tokens == job.key.tokens)
-                .then(|| e.content.clone())
+            let same = e.parent == job.key.parent && e.tokens == job.key.tokens;
+            (!e.corrupt && same && e.group == job.group).then(|| e.content.clone())
         });
         let outcome = match verified {
             Some(content) => {
-                self.slots(job.block).copy_from_slice(&content);
+                self.slots(job.block)[..content.len()].copy_from_slice(&content);
                 LoadOutcome::Loaded
             }
             None => {
-                if self.store.remove(&job.key.hash).is_some() {
+                if let Some(entry) = self.store.remove(&job.key.hash) {
                     self.counters.dropped_corrupt += 1;
-                    self.removed(job.key.hash);
+                    self.removed(job.key.hash, entry.group);
                 }
                 // A torn read leaves garbage behind.
                 self.slots(job.block).fill(Some(0xdead));
@@ -219,36 +235,50 @@ impl World {
             let src = self.slots(pair[0] as BlockId).to_vec();
             self.slots(pair[1] as BlockId).copy_from_slice(&src);
         }
+        let t = step.num_tokens();
         for (row, (id, &index)) in step.request_ids.iter().zip(&step.seq_indices).enumerate() {
-            let expected =
-                expected_kvs(roots[&**id], s.sequence_tokens(id, index).unwrap(), self.bs);
-            let (q0, q1) = (
-                step.query_start_loc[row] as usize,
-                step.query_start_loc[row + 1] as usize,
-            );
-            for q in q0..q1 {
-                let p = step.positions[q] as usize;
-                self.ram[step.slot_mapping[q] as usize] = Some(expected[p]);
+            let tokens = s.sequence_tokens(id, index).unwrap();
+            for (g, kept) in self.groups.clone().into_iter().enumerate() {
+                let root = group_root(roots[&**id], g);
+                let expected = expected_kvs(root, tokens, kept.block_size);
+                let (q0, q1) = (
+                    step.query_start_loc[row] as usize,
+                    step.query_start_loc[row + 1] as usize,
+                );
+                for q in q0..q1 {
+                    let p = step.positions[q] as usize;
+                    let cell = self.cell(g, step.slot_mapping[g * t + q] as usize);
+                    self.ram[cell] = Some(expected[p]);
+                }
             }
         }
     }
 
-    /// Checks that every row's context (the slots before its first scheduled token) holds its own
-    /// values.
+    /// Checks that every row's context (the slots before its first scheduled token that its
+    /// queries read, in every group) holds its own values.
     fn check_contexts(&self, s: &Scheduler, step: &StepOutput, roots: &HashMap<String, BlockHash>) {
-        let width = step.block_table_width;
+        let (width, rows) = (step.block_table_width, step.num_seqs());
         for (row, (id, &index)) in step.request_ids.iter().zip(&step.seq_indices).enumerate() {
-            let expected =
-                expected_kvs(roots[&**id], s.sequence_tokens(id, index).unwrap(), self.bs);
+            let tokens = s.sequence_tokens(id, index).unwrap();
             let start = step.positions[step.query_start_loc[row] as usize] as usize;
-            for (p, &value) in expected[..start].iter().enumerate() {
-                let block = step.block_tables[row * width + p / self.bs];
-                let slot = block as usize * self.bs + p % self.bs;
-                assert_eq!(
-                    self.ram[slot],
-                    Some(value),
-                    "{id}/{index} scheduled over block {block} whose position {p} is not its own"
-                );
+            for (g, kept) in self.groups.iter().enumerate() {
+                let bs = kept.block_size;
+                let expected = expected_kvs(group_root(roots[&**id], g), tokens, bs);
+                let read_from = match kept.attention {
+                    AttentionKind::Full => 0,
+                    AttentionKind::Sliding { window } => (start + 1).saturating_sub(window),
+                };
+                let table = &step.block_tables[(g * rows + row) * width..][..width];
+                for (p, &value) in expected[..start].iter().enumerate().skip(read_from) {
+                    let block = table[p / bs];
+                    let cell = block as usize * self.page + p % bs;
+                    assert_eq!(
+                        self.ram[cell],
+                        Some(value),
+                        "{id}/{index} scheduled over block {block} of group {g} whose position \
+                         {p} is not its own"
+                    );
+                }
             }
         }
     }
@@ -287,7 +317,11 @@ impl KvTier for FakeTier {
     }
     fn stored_blocks(&self) -> Vec<(BlockHash, u32)> {
         let world = self.0.lock().unwrap();
-        world.store.keys().map(|&hash| (hash, 0)).collect()
+        world
+            .store
+            .iter()
+            .map(|(&hash, e)| (hash, e.group))
+            .collect()
     }
     fn drain_events(&mut self, out: &mut Vec<KvEvent>) {
         out.append(&mut self.0.lock().unwrap().events);
@@ -522,14 +556,26 @@ fn scheduler_with_tier(
     capacity: usize,
     seed: u64,
 ) -> (Scheduler, Arc<Mutex<World>>) {
-    let mut s = Scheduler::new(cfg).unwrap();
-    let world = World::new(
+    let full = GroupKeeping::full(cfg.block_size);
+    scheduler_with_tier_keeping(cfg, vec![full], capacity, seed)
+}
+
+/// `scheduler_with_tier` for a scheduler keeping KV cache groups `groups`.
+fn scheduler_with_tier_keeping(
+    cfg: SchedulerConfig,
+    groups: Vec<GroupKeeping>,
+    capacity: usize,
+    seed: u64,
+) -> (Scheduler, Arc<Mutex<World>>) {
+    let mut s = Scheduler::keeping(cfg, groups.clone()).unwrap();
+    let mut world = World::new(
         s.tier_link(),
         s.config().num_blocks,
         s.config().block_size,
         capacity,
         seed,
     );
+    world.groups = groups;
     let world = Arc::new(Mutex::new(world));
     s.attach_tier(Box::new(FakeTier(world.clone()))).unwrap();
     (s, world)
@@ -543,12 +589,13 @@ fn tier_step(
     known: &mut Known,
 ) -> UpdateOutput {
     let out = s.schedule().unwrap().clone();
+    let groups = world.lock().unwrap().groups.clone();
     for (id, &index) in out.request_ids.iter().zip(&out.seq_indices) {
         learn(
             known,
             roots[&**id],
             s.sequence_tokens(id, index).unwrap(),
-            4,
+            &groups,
         );
     }
     {
@@ -789,6 +836,9 @@ struct Workload {
     events: bool,
     slru: bool,
     seed: u64,
+    /// A sliding-window group beside the full one: its window and its block size (a divisor of
+    /// the pages' 4 tokens); none: one full group.
+    sliding: Option<(usize, usize)>,
 }
 
 fn workload() -> impl Strategy<Value = Workload> {
@@ -796,12 +846,14 @@ fn workload() -> impl Strategy<Value = Workload> {
         proptest::collection::vec(spec(), 4..20),
         (10..16usize, 1..24usize, 0..40u32, 1..3usize, 0..4usize),
         (4..40usize, any::<bool>(), any::<bool>(), any::<u64>()),
+        proptest::option::of((2..12usize, proptest::sample::select(vec![1usize, 2, 4]))),
     )
         .prop_map(
             |(
                 specs,
                 (num_blocks, capacity, corrupt_percent, min_load_blocks, watermark),
                 (budget, events, slru, seed),
+                sliding,
             )| Workload {
                 specs,
                 num_blocks,
@@ -813,11 +865,13 @@ fn workload() -> impl Strategy<Value = Workload> {
                 events,
                 slru,
                 seed,
+                sliding,
             },
         )
 }
 
-/// Random workloads over a tiny RAM pool and a fake tier whose jobs run after random delays,
+/// Random workloads over a tiny RAM pool — one full KV cache group, or a sliding-window group
+/// beside it whose blocks may carve the pages — and a fake tier whose jobs run after random delays,
 /// some of its blocks corrupt or evicted (their loads dropped): no sequence is ever scheduled over
 /// a block that does not hold its own KV, no offloaded block is reused before it is copied out, a
 /// hash findable in RAM and in the tier has the same content in both, invariants hold after every
@@ -838,25 +892,29 @@ fn random_workloads_with_a_tier_serve_only_their_own_kv() {
             proptest::test_runner::RngAlgorithm::ChaCha,
         ),
     );
-    let totals = std::cell::Cell::new([0u64; 4]);
+    // Per layout (one full group; a sliding group beside it).
+    let totals = std::cell::Cell::new([[0u64; 4]; 2]);
     let result = runner.run(&workload(), |w| {
         let stats = run_workload(&w)?;
-        let mut t = totals.get();
+        let mut all = totals.get();
+        let t = &mut all[usize::from(w.sliding.is_some())];
         t[0] += stats.loads_issued;
         t[1] += stats.loads_dropped;
         t[2] += stats.offloads_issued;
         t[3] += stats.evictions_without_offload;
-        totals.set(t);
+        totals.set(all);
         Ok(())
     });
     if let Err(e) = result {
         panic!("{e}");
     }
-    let [loads, dropped, offloads, drops] = totals.get();
-    assert!(
-        loads > 0 && dropped > 0 && offloads > 0 && drops > 0,
-        "loads {loads}, dropped {dropped}, offloads {offloads}, evictions without offload {drops}"
-    );
+    for [loads, dropped, offloads, drops] in totals.get() {
+        assert!(
+            loads > 0 && dropped > 0 && offloads > 0 && drops > 0,
+            "loads {loads}, dropped {dropped}, offloads {offloads}, evictions without offload \
+             {drops}"
+        );
+    }
 }
 
 fn run_workload(w: &Workload) -> std::result::Result<SchedulerStats, TestCaseError> {
@@ -871,11 +929,19 @@ fn run_workload(w: &Workload) -> std::result::Result<SchedulerStats, TestCaseErr
         events,
         slru,
         seed,
+        sliding,
     } = *w;
+    let mut groups = vec![GroupKeeping::full(4)];
+    if let Some((window, block_size)) = sliding {
+        groups.push(GroupKeeping {
+            attention: AttentionKind::Sliding { window },
+            block_size,
+        });
+    }
     let mut cfg = SchedulerConfig::new(num_blocks, 4);
     cfg.max_num_batched_tokens = budget;
     cfg.max_num_seqs = 4;
-    cfg.max_model_len = 40;
+    cfg.max_model_len = 40.min(capacity_tokens(&groups, num_blocks, budget));
     cfg.emit_kv_events = events;
     cfg.min_load_blocks = min_load_blocks;
     cfg.offload_watermark_blocks = watermark;
@@ -884,7 +950,8 @@ fn run_workload(w: &Workload) -> std::result::Result<SchedulerStats, TestCaseErr
     } else {
         EvictionPolicy::Lru
     };
-    let (mut s, world) = scheduler_with_tier(cfg, capacity, seed);
+    let max_model_len = cfg.max_model_len;
+    let (mut s, world) = scheduler_with_tier_keeping(cfg, groups.clone(), capacity, seed);
     {
         let mut w = world.lock().unwrap();
         w.auto = true;
@@ -905,7 +972,7 @@ fn run_workload(w: &Workload) -> std::result::Result<SchedulerStats, TestCaseErr
                     .collect();
                 let salt = spec.salted.then(|| b"tenant".to_vec());
                 roots.insert(id.clone(), root_hash(salt.as_deref()));
-                learn(&mut known, roots[&id], &prompt, 4);
+                learn(&mut known, roots[&id], &prompt, &groups);
                 let params = SamplingParams {
                     max_tokens: spec.max_tokens,
                     n: spec.n,
@@ -915,8 +982,15 @@ fn run_workload(w: &Workload) -> std::result::Result<SchedulerStats, TestCaseErr
                     cache_salt: salt,
                     ..Default::default()
                 };
-                s.add_request(&id, prompt, params, options).unwrap();
-                outcome.insert(id.clone(), "pending");
+                let len = prompt.len();
+                match s.add_request(&id, prompt, params, options) {
+                    Ok(()) => outcome.insert(id.clone(), "pending"),
+                    Err(_) => {
+                        // A sliding group's pages leave fewer tokens to a sequence of a tiny pool.
+                        prop_assert!(len >= max_model_len, "{len} tokens refused");
+                        outcome.insert(id.clone(), "rejected")
+                    }
+                };
             }
             if spec.abort_at == Some(t) && s.contains(&id) {
                 s.abort(&id).unwrap();
@@ -981,11 +1055,14 @@ fn run_workload(w: &Workload) -> std::result::Result<SchedulerStats, TestCaseErr
 /// The parent and tokens of every full block a sequence ever had, by hash.
 type Known = HashMap<BlockHash, (BlockHash, Vec<TokenId>)>;
 
-fn learn(known: &mut Known, root: BlockHash, tokens: &[TokenId], bs: usize) {
-    let hashes = block_hashes(root, tokens, bs);
-    for (i, &hash) in hashes.iter().enumerate() {
-        let parent = if i == 0 { root } else { hashes[i - 1] };
-        known.insert(hash, (parent, tokens[i * bs..][..bs].to_vec()));
+fn learn(known: &mut Known, root: BlockHash, tokens: &[TokenId], groups: &[GroupKeeping]) {
+    for (g, kept) in groups.iter().enumerate() {
+        let (root, bs) = (group_root(root, g), kept.block_size);
+        let hashes = block_hashes(root, tokens, bs);
+        for (i, &hash) in hashes.iter().enumerate() {
+            let parent = if i == 0 { root } else { hashes[i - 1] };
+            known.insert(hash, (parent, tokens[i * bs..][..bs].to_vec()));
+        }
     }
 }
 
@@ -994,14 +1071,13 @@ fn learn(known: &mut Known, root: BlockHash, tokens: &[TokenId], bs: usize) {
 fn check_one_content_per_hash(s: &Scheduler, world: &Mutex<World>, known: &Known) {
     let findable = s.kv_blocks(); // before locking: it asks the tier
     let w = world.lock().unwrap();
-    let bs = w.bs;
     for (hash, medium, _) in findable {
         let (parent, tokens) = &known[&hash];
         let claimed = block_kv(*parent, tokens);
         let held = match medium {
             Medium::Ram => {
                 let block = s.block_manager().cached_block(hash).expect("findable");
-                w.ram[block as usize * bs..][..bs].to_vec()
+                w.ram[block as usize * w.page..][..tokens.len()].to_vec()
             }
             Medium::Disk if w.store[&hash].corrupt => continue,
             Medium::Disk => w.store[&hash].content.clone(),
