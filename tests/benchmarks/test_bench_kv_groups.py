@@ -14,10 +14,11 @@ from lab.__main__ import main
 def test_bench_kv_groups_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench", "kv-groups", "--contexts", "512,8192", "--budget-mib", "256", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
-    # Pages of 16 tokens of 3 layers: the full group, two sliding groups carving theirs into
-    # blocks of 8 tokens of 6 layers, and the last 3 sliding layers in whole pages.
+    # Pages of 16 tokens of 3 layers: the full group (first: group 0 is the one a router hashes),
+    # two sliding groups carving theirs into blocks of 8 tokens of 6 layers, and the last 3
+    # sliding layers in whole pages.
     layout = [(len(g["layers"]), g["window"], g["block_size"]) for g in report["layout"]]
-    assert layout == [(6, 512, 8), (3, None, 16), (6, 512, 8), (3, 512, 16)]
+    assert layout == [(3, None, 16), (6, 512, 8), (6, 512, 8), (3, 512, 16)]
     short, long = report["bytes_per_sequence"]
     # Within one window the sliding groups keep everything: the layouts hold the same tokens.
     assert short["hybrid_bytes"] <= short["uniform_bytes"]
