@@ -44,7 +44,7 @@ use crate::scheduler::{
     RequestOptions, SamplingParams, Scheduler, SchedulerConfig, StepOutput, UpdateOutput,
 };
 use crate::store::dtype::KvDtype;
-use crate::store::kv_cache::{KvCache, KvShape, PagePart};
+use crate::store::kv_cache::{KvCache, KvShape, LayerPart, PagePart};
 use crate::tier::disk::{DiskTier, DiskTierConfig, Opened};
 use crate::tier::TierCounters;
 use gate::StepGate;
@@ -211,7 +211,11 @@ impl KvRuntime {
         self.through(step, |c| {
             let (place, part) = self.place(layer)?;
             let slots = step.group_slots(place.group);
-            c.write_part(place.page_layer, part, keys, values, slots)
+            let layer = LayerPart {
+                layer: place.page_layer,
+                part,
+            };
+            c.write(layer, keys, values, slots)
         })
     }
 
@@ -247,8 +251,11 @@ impl KvRuntime {
                 context_lens: &step.context_lens,
                 query_start_loc: &step.query_start_loc,
             };
-            let layer = (place.page_layer, part);
-            attention::paged_attention_part(
+            let layer = LayerPart {
+                layer: place.page_layer,
+                part,
+            };
+            attention::paged_attention_with(
                 path, c, layer, query, num_heads, &batch, scale, window, out,
             )
         })

@@ -200,6 +200,23 @@ impl PagePart {
     pub const WHOLE: PagePart = PagePart { index: 0, of: 1 };
 }
 
+/// A store layer, or one part of each of its blocks: what a reader addresses (a bare layer
+/// number is the whole of it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LayerPart {
+    pub layer: usize,
+    pub part: PagePart,
+}
+
+impl From<usize> for LayerPart {
+    fn from(layer: usize) -> Self {
+        LayerPart {
+            layer,
+            part: PagePart::WHOLE,
+        }
+    }
+}
+
 /// Where (slot, head) of one [`PagePart`] lies in a layer buffer: slot `s` is row
 /// `s % block_size` of block `s / block_size`, blocks `page_elems` apart, the part `base`
 /// elements into its page.
@@ -454,28 +471,17 @@ impl KvCache {
     }
 
     /// Stores rows `keys[i]`, `values[i]` (each `[num_kv_heads, head_dim]`, f32) at `slots[i]` of
-    /// `layer`. Every value must stay finite in the cache's dtype (see the module invariants).
-    /// Nothing is written unless every argument is valid.
+    /// `layer` (or of one part of each of its blocks, whose slots count blocks of
+    /// `block_size / part.of` tokens). Every value must stay finite in the cache's dtype (see the
+    /// module invariants). Nothing is written unless every argument is valid.
     pub fn write(
         &mut self,
-        layer: usize,
+        layer: impl Into<LayerPart>,
         keys: &[f32],
         values: &[f32],
         slots: &[i64],
     ) -> Result<()> {
-        self.write_part(layer, PagePart::WHOLE, keys, values, slots)
-    }
-
-    /// [`KvCache::write`] into `part` of every block of `layer`, whose slots count blocks of
-    /// `block_size / part.of` tokens.
-    pub fn write_part(
-        &mut self,
-        layer: usize,
-        part: PagePart,
-        keys: &[f32],
-        values: &[f32],
-        slots: &[i64],
-    ) -> Result<()> {
+        let LayerPart { layer, part } = layer.into();
         self.check_layer(layer)?;
         let carved = self.shape.carved(part)?;
         let row = self.shape.row_elems();
@@ -529,26 +535,16 @@ impl KvCache {
         Ok(())
     }
 
-    /// Reads back the first `num_tokens` K and V rows of a sequence through its block table
-    /// (padding past the used entries is never read), as f32 `[num_tokens, num_kv_heads,
-    /// head_dim]` each.
+    /// Reads back the first `num_tokens` K and V rows of a sequence through its block table of
+    /// `layer` (or of one part of each of its blocks), padding past the used entries never read,
+    /// as f32 `[num_tokens, num_kv_heads, head_dim]` each.
     pub fn gather(
         &self,
-        layer: usize,
+        layer: impl Into<LayerPart>,
         block_table: &[i32],
         num_tokens: usize,
     ) -> Result<(Vec<f32>, Vec<f32>)> {
-        self.gather_part(layer, PagePart::WHOLE, block_table, num_tokens)
-    }
-
-    /// [`KvCache::gather`] from `part` of every block of `layer` (a table of its blocks).
-    pub fn gather_part(
-        &self,
-        layer: usize,
-        part: PagePart,
-        block_table: &[i32],
-        num_tokens: usize,
-    ) -> Result<(Vec<f32>, Vec<f32>)> {
+        let LayerPart { layer, part } = layer.into();
         self.check_layer(layer)?;
         let address = self.shape.part(part);
         let used = self
@@ -740,6 +736,38 @@ mod tests {
             num_kv_heads: heads,
             head_dim: 8,
         }
+    }
+
+    #[test]
+    fn the_parts_of_a_carved_layer_hold_their_own_rows_at_the_same_slots() {
+        // Blocks of 4 tokens carved into 2 parts of 2: each part numbers its own 2-token slots.
+        let mut cache = KvCache::new(shape(1, 4, 4, 2), KvDtype::F32).unwrap();
+        let halves = [0, 1].map(|index| LayerPart {
+            layer: 0,
+            part: PagePart { index, of: 2 },
+        });
+        let rows = |base: f32| -> Vec<f32> { (0..4 * 16).map(|i| base + i as f32).collect() };
+        let slots = [0, 1, 6, 7]; // blocks 0 and 3 of each part
+        for (k, &half) in halves.iter().enumerate() {
+            let base = 1000.0 * (k + 1) as f32;
+            cache
+                .write(half, &rows(base), &rows(-base), &slots)
+                .unwrap();
+        }
+        for (k, &half) in halves.iter().enumerate() {
+            let base = 1000.0 * (k + 1) as f32;
+            let (keys, values) = cache.gather(half, &[0, 3], 4).unwrap();
+            assert_eq!((keys, values), (rows(base), rows(-base)), "part {k}");
+        }
+        // A part has 4 blocks of 2 slots; an uneven carving is refused, nothing written.
+        let refused = cache.write(halves[0], &rows(0.0)[..16], &rows(0.0)[..16], &[8]);
+        assert!(matches!(refused, Err(Error::InvalidArgument(_))));
+        let uneven = LayerPart {
+            layer: 0,
+            part: PagePart { index: 0, of: 3 },
+        };
+        assert!(cache.gather(uneven, &[0], 1).is_err());
+        assert_eq!(cache.gather(halves[1], &[0, 3], 4).unwrap().0, rows(2000.0));
     }
 
     #[test]

@@ -30,7 +30,7 @@ use crate::compute::cpu::{num_threads, pool, Isa};
 
 use crate::error::{Error, Result};
 use crate::store::dtype::{KvDtype, KvElement};
-use crate::store::kv_cache::{KvBuffer, KvCache, KvShape, PagePart};
+use crate::store::kv_cache::{KvBuffer, KvCache, KvShape, LayerPart};
 use compute::{merge_group, partial_slot_len, run_item, SharedOut};
 use layout::{Contiguous, KvLayout, Paged};
 use plan::Plan;
@@ -84,12 +84,15 @@ pub fn paged_attention(
     )
 }
 
-/// [`paged_attention`] on a chosen instruction set (tests compare every one with the portable one).
+/// [`paged_attention`] on a chosen instruction set (tests compare every one with the portable
+/// one), over a store layer or one part of each of its blocks (a KV cache group carving its
+/// pages, `crate::kv::spec`; the tables then count blocks of that part's tokens). The same loop
+/// either way: a tile is a part's block, read as contiguously as a whole block.
 #[allow(clippy::too_many_arguments)]
 pub fn paged_attention_with(
     path: Isa,
     cache: &KvCache,
-    layer: usize,
+    layer: impl Into<LayerPart>,
     q: &[f32],
     num_heads: usize,
     batch: &AttentionBatch<'_>,
@@ -97,25 +100,7 @@ pub fn paged_attention_with(
     window: Option<usize>,
     out: &mut [f32],
 ) -> Result<()> {
-    let layer = (layer, PagePart::WHOLE);
-    paged_attention_part(path, cache, layer, q, num_heads, batch, scale, window, out)
-}
-
-/// [`paged_attention_with`] over part `layer.1` of every block of store layer `layer.0` (a KV
-/// cache group carving its pages, `crate::kv::spec`), the tables counting blocks of that part's
-/// tokens. The same loop: a tile is a part's block, read as contiguously as a whole block.
-#[allow(clippy::too_many_arguments)]
-pub fn paged_attention_part(
-    path: Isa,
-    cache: &KvCache,
-    (layer, part): (usize, PagePart),
-    q: &[f32],
-    num_heads: usize,
-    batch: &AttentionBatch<'_>,
-    scale: f32,
-    window: Option<usize>,
-    out: &mut [f32],
-) -> Result<()> {
+    let LayerPart { layer, part } = layer.into();
     let shape = cache.shape().carved(part)?;
     let address = cache.shape().part(part);
     let (keys, values) = cache.layer(layer)?;
