@@ -8,7 +8,7 @@
 use pyo3::prelude::*;
 use pyo3::types::{PyList, PyTuple};
 
-use super::args::arg;
+use super::args::{arg, opt};
 use super::errors::IntoPyResult;
 use crate::ids::TokenId;
 use crate::memory::events::{KvEvent, Medium};
@@ -41,13 +41,13 @@ pub struct PyBlockStored {
 #[pymethods]
 impl PyBlockStored {
     #[new]
-    #[pyo3(signature = (block_hash, parent_block_hash, token_ids, medium, group=0))]
+    #[pyo3(signature = (block_hash, parent_block_hash, token_ids, medium, group=None))]
     fn new(
         block_hash: &Bound<'_, PyAny>,
         parent_block_hash: &Bound<'_, PyAny>,
         token_ids: &Bound<'_, PyAny>,
         medium: &Bound<'_, PyAny>,
-        group: u32,
+        group: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         let tokens: Vec<TokenId> = arg(token_ids, "token_ids")?;
         Ok(PyBlockStored {
@@ -57,7 +57,7 @@ impl PyBlockStored {
                 tokens: tokens.into(),
             },
             medium: self::medium(medium)?,
-            group,
+            group: opt(group, "group")?.unwrap_or(0),
         })
     }
 
@@ -125,12 +125,16 @@ pub struct PyBlockRemoved {
 #[pymethods]
 impl PyBlockRemoved {
     #[new]
-    #[pyo3(signature = (block_hash, medium, group=0))]
-    fn new(block_hash: &Bound<'_, PyAny>, medium: &Bound<'_, PyAny>, group: u32) -> PyResult<Self> {
+    #[pyo3(signature = (block_hash, medium, group=None))]
+    fn new(
+        block_hash: &Bound<'_, PyAny>,
+        medium: &Bound<'_, PyAny>,
+        group: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Self> {
         Ok(PyBlockRemoved {
             block_hash: arg(block_hash, "block_hash")?,
             medium: self::medium(medium)?,
-            group,
+            group: opt(group, "group")?.unwrap_or(0),
         })
     }
 

@@ -253,9 +253,21 @@ impl PyScheduler {
     }
 
     /// The blocks findable now by prefix lookup, as `(block_hash, medium)` pairs (a block may be
-    /// held in both media): of KV cache group `group`, or of every group (None).
+    /// held in both media): of KV cache group `group`, or of every group (None). Raises
+    /// InvalidArgumentError for a group the layout does not have.
     #[pyo3(signature = (group=None))]
-    fn kv_blocks<'py>(&self, py: Python<'py>, group: Option<u32>) -> PyResult<Bound<'py, PyList>> {
+    fn kv_blocks<'py>(
+        &self,
+        py: Python<'py>,
+        group: Option<&Bound<'py, PyAny>>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        let group: Option<u32> = opt(group, "group")?;
+        let groups = self.read(py, |s| s.kv_coordinator().num_groups())?;
+        if let Some(g) = group.filter(|&g| g as usize >= groups) {
+            return Err(invalid(format!(
+                "group {g} outside the layout's 0..{groups}"
+            )));
+        }
         let held = self.run(py, KvRuntime::kv_blocks)?;
         tier::blocks(py, &held, group)
     }

@@ -122,6 +122,9 @@ def test_a_sliding_group_carves_its_pages_into_smaller_blocks_and_attends_throug
     for bad in [3, 0, 8]:
         with pytest.raises(InvalidArgumentError, match="must divide"):
             Scheduler(num_blocks=32, block_size=4, kv_spec=KvSpec(layers, sliding_block_size=bad))
+    for bad in [-1, 2**64, "2", 2.0, True]:
+        with pytest.raises(InvalidArgumentError, match="sliding_block_size"):
+            KvSpec(layers, sliding_block_size=bad)
 
 
 def test_a_steps_attention_applies_the_window_of_its_spec() -> None:

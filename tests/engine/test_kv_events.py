@@ -211,3 +211,11 @@ def test_a_hybrid_layouts_events_name_their_group_and_group_0_is_the_one_a_route
     removed = BlockRemoved(7, "ram", group=1)
     assert removed.group == 1 and repr(removed) == "BlockRemoved(block_hash=7, medium='ram', group=1)"
     assert pickle.loads(pickle.dumps(removed)) == removed != BlockRemoved(7, "ram")
+    for bad in (-1, 2**32, "1", 1.0, True):
+        with pytest.raises(InvalidArgumentError, match="group"):
+            BlockRemoved(7, "ram", bad)
+        with pytest.raises(InvalidArgumentError, match="group"):
+            BlockStored(7, 0, (1,), "ram", bad)
+    for bad in (2, -1, "0", 2**64):
+        with pytest.raises(InvalidArgumentError, match="group"):
+            s.kv_blocks(bad)
