@@ -124,7 +124,7 @@ fn an_io_thread_returns_offloaded_blocks_while_the_scheduler_allocates() {
         pool.keep_content(1).unwrap();
         let a = pool.allocate().unwrap();
         let b = pool.allocate().unwrap();
-        pool.register(a, 7, 0, &[1]);
+        pool.register(a, 7, 0, &[1], 0);
         pool.release(a);
         let job = pool.start_offload().expect("a is cached");
         let link = pool.tier_link();
@@ -158,7 +158,7 @@ fn returned_counts_never_run_ahead_of_the_list() {
         pool.keep_content(1).unwrap();
         for hash in [1, 2] {
             let block = pool.allocate().unwrap();
-            pool.register(block, hash, 0, &[hash as u32]);
+            pool.register(block, hash, 0, &[hash as u32], 0);
         }
         pool.release(0);
         pool.release(1);
