@@ -135,6 +135,7 @@ def test_the_engine_decodes_batched_chunked_prompts_as_the_reference_does(tiny, 
     # keeps every layer's K/V whole (the sliding layers still attend over their window: same tokens).
     expected = [([1, 3], "full"), ([0, 2], "sliding:5")] if hybrid else [([0, 1, 2, 3], "full")]
     assert [(g.layers, g.attention, g.blocks_in_use) for g in groups] == [(*group, 0) for group in expected]
+    assert all(g.block_size == 4 for g in groups)  # 2 sliding layers: too few to carve pages of 4
     assert (stats["window_released_blocks"] > 0) == hybrid
     for index, (_, kind) in enumerate(expected):
         assert f'kv_cache_group_usage_perc{{attention="{kind}",group="{index}",model_name=' in metrics

@@ -273,6 +273,7 @@ def test_a_disconnected_stream_returns_its_blocks(server):
         # The tiny model's layout is one full-attention group of its layers, holding every block.
         [group] = busy["kv_groups"]
         assert group["attention"] == "full" and group["blocks_in_use"] == busy["blocks_in_use"]
+        assert group["block_size"] == 16
     server.wait_idle(timeout=2.0)
 
 

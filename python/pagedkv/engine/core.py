@@ -98,11 +98,13 @@ _LOAD_WAIT_SECONDS = 0.0002
 @dataclass(frozen=True)
 class KvGroup:
     """One KV cache group of the model's layout, now: its layers, its window (None: it keeps every
-    token) and the blocks its tables hold."""
+    token), the blocks its tables hold, and the tokens a block of it holds (a sliding group's
+    blocks may be smaller than the configured size: its pages carved, ``KvSpec``)."""
 
     layers: list[int]
     window: int | None
     blocks_in_use: int
+    block_size: int
 
     @property
     def attention(self) -> str:
@@ -480,7 +482,8 @@ class EngineCore:
         """The KV cache groups of the model's layout (``Scheduler.kv_groups``): what each keeps and
         the blocks it holds now; empty for a runner without K/V."""
         groups, blocks = self.scheduler.kv_groups, self.scheduler.kv_group_blocks
-        return [KvGroup(group.layers, group.layer.window, held) for group, held in zip(groups, blocks, strict=False)]
+        return [KvGroup(group.layers, group.layer.window, held, group.block_size)
+                for group, held in zip(groups, blocks, strict=False)]
 
     def kv_group_usage(self) -> list[float]:
         """The fraction of the pool each KV cache group holds now, in group order."""

@@ -79,7 +79,8 @@ class LocalEngine:
             "num_blocks": num_blocks,
             "blocks_in_use": num_blocks - scheduler.num_free_blocks,
             # Per KV cache group (a hybrid model's full and sliding-window layers).
-            "kv_groups": [{"layers": g.layers, "attention": g.attention, "blocks_in_use": g.blocks_in_use}
+            "kv_groups": [{"layers": g.layers, "attention": g.attention, "blocks_in_use": g.blocks_in_use,
+                           "block_size": g.block_size}
                           for g in self.engine.core.kv_groups()],
         }
 
