@@ -219,7 +219,7 @@ impl KvCoordinator {
                 .match_prefix_hashes(root, hashes_of(0), num_tokens)];
         }
         // A prefix ends on a block boundary of every group: in steps of `unit` tokens.
-        let unit = self.groups.iter().fold(1, |l, g| lcm(l, g.block_size));
+        let unit = self.unit();
         let cacheable = if self.manager.prefix_caching_enabled() && num_tokens > 0 {
             (num_tokens - 1) / unit * unit
         } else {
@@ -328,6 +328,11 @@ impl KvCoordinator {
             true => Some((in_ram, rest.len())),
             false => None,
         }
+    }
+
+    /// The tokens a prefix is a multiple of: a block of every group (their sizes' LCM).
+    fn unit(&self) -> usize {
+        self.groups.iter().fold(1, |l, g| lcm(l, g.block_size))
     }
 
     /// One full group in blocks of the pages' size: the block manager's own case (its prefix
@@ -492,7 +497,7 @@ impl KvCoordinator {
         if held.iter().all(|&n| n == longest) {
             return longest;
         }
-        let unit = self.groups.iter().fold(1, |l, g| lcm(l, g.block_size));
+        let unit = self.unit();
         let mut tokens = longest / unit * unit;
         let windows_held = (0..self.groups.len()).all(|g| {
             let table = self.table(seq, g).expect("a live sequence");
