@@ -4,7 +4,8 @@
 //! Invariants:
 //! - A kernel runs on an [`Isa`] only when [`Isa::available`] says this CPU has its features:
 //!   that is the safety contract of every `#[target_feature]` function behind it.
-//! - A family implements a subset of the sets (attention: AVX2 and portable; linear: all three);
+//! - A family implements a subset of the sets (attention: AVX2 and portable; dense linear: AVX-512,
+//!   AVX2 and portable; quantized linear: AVX-512 VNNI, AVX2 and portable);
 //!   its default is the best set it implements that the CPU has, at most [`ceiling`].
 //! - [`ceiling`] is `PAGEDKV_ISA` (a name below) when set, valid and available, else the best set
 //!   this CPU has; read once. Tests and benchmarks use it to force every family down a path;
@@ -26,11 +27,14 @@ pub enum Isa {
     Avx2,
     /// x86-64 AVX-512F (with AVX2 + FMA + F16C).
     Avx512,
+    /// x86-64 AVX-512F, BW and VL with VNNI (`vpdpbusd`, an 8-bit dot product into 32-bit sums)
+    /// (Ice Lake, Zen 4 and later): what the quantized-weight kernels need beyond AVX-512F.
+    Avx512Vnni,
 }
 
 impl Isa {
     /// Every set, best first.
-    pub const ALL: [Isa; 3] = [Isa::Avx512, Isa::Avx2, Isa::Portable];
+    pub const ALL: [Isa; 4] = [Isa::Avx512Vnni, Isa::Avx512, Isa::Avx2, Isa::Portable];
 
     /// Whether this CPU has the set's features.
     pub fn available(self) -> bool {
@@ -44,6 +48,13 @@ impl Isa {
             }
             #[cfg(target_arch = "x86_64")]
             Isa::Avx512 => is_x86_feature_detected!("avx512f") && Isa::Avx2.available(),
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512Vnni => {
+                Isa::Avx512.available()
+                    && is_x86_feature_detected!("avx512bw")
+                    && is_x86_feature_detected!("avx512vl")
+                    && is_x86_feature_detected!("avx512vnni")
+            }
             #[cfg(not(target_arch = "x86_64"))]
             _ => false,
         }
@@ -57,12 +68,13 @@ impl Isa {
             .unwrap_or(Isa::Portable)
     }
 
-    /// Lower-case name: "avx512", "avx2" or "portable".
+    /// Lower-case name: "avx512vnni", "avx512", "avx2" or "portable".
     pub fn name(self) -> &'static str {
         match self {
             Isa::Portable => "portable",
             Isa::Avx2 => "avx2",
             Isa::Avx512 => "avx512",
+            Isa::Avx512Vnni => "avx512vnni",
         }
     }
 
@@ -122,7 +134,7 @@ impl std::str::FromStr for Isa {
             .find(|isa| isa.name() == name)
             .ok_or_else(|| {
                 Error::InvalidArgument(format!(
-                    "unknown instruction set {name:?}; expected avx512, avx2 or portable"
+                    "unknown instruction set {name:?}; expected avx512vnni, avx512, avx2 or portable"
                 ))
             })
     }
@@ -151,7 +163,9 @@ mod tests {
             assert_eq!(isa.name().parse::<Isa>().unwrap(), isa);
         }
         assert!("sse".parse::<Isa>().is_err());
-        assert!(Isa::Portable < Isa::Avx2 && Isa::Avx2 < Isa::Avx512);
+        assert!(
+            Isa::Portable < Isa::Avx2 && Isa::Avx2 < Isa::Avx512 && Isa::Avx512 < Isa::Avx512Vnni
+        );
         assert!(Isa::Portable.available() && Isa::best().available());
     }
 

@@ -35,6 +35,7 @@
 //! (K-blocking, a 2-deep software pipeline) is the open step for prefill.
 
 mod kernels;
+pub mod quant;
 #[cfg(test)]
 mod tests;
 
@@ -46,27 +47,35 @@ use crate::compute::cpu::Isa;
 use crate::error::{Error, Result};
 use crate::store::dtype::{KvDtype, KvElement};
 use kernels::{max_rows, panels_for, Ahead, MAX_TILE, PANEL};
+use quant::{QuantFormat, QuantMatrix};
 
-/// The instruction sets linear has tiles for: every one.
-pub const ISAS: [Isa; 3] = Isa::ALL;
+/// The instruction sets the dense (f32, f16, bf16) tiles are written for.
+pub const ISAS: [Isa; 3] = [Isa::Avx512, Isa::Avx2, Isa::Portable];
 
 /// The instruction set calls take by default: the best this CPU has under `cpu::ceiling`.
 pub fn default_isa() -> Isa {
     Isa::default_of(&ISAS)
 }
 
-/// The packed weight in its storage type.
+/// The weight in its storage type: packed panels of a float type, or GGUF's quantized rows.
+enum Weight {
+    Dense(Panels),
+    Quantized(QuantMatrix),
+}
+
+/// The packed panels of a float weight.
 enum Panels {
     F32(Vec<f32>),
     F16(Vec<f16>),
     Bf16(Vec<bf16>),
 }
 
-/// A weight `W[K, N]` packed for `y = x · W`; immutable once built.
+/// A weight `W[K, N]` for `y = x · W`, packed in a float type or kept quantized
+/// ([`quant`]); immutable once built.
 pub struct Linear {
     in_features: usize,
     out_features: usize,
-    panels: Panels,
+    weight: Weight,
 }
 
 impl Linear {
@@ -96,15 +105,26 @@ impl Linear {
                 weight.len()
             )));
         }
-        let panels = match dtype {
+        let weight = Weight::Dense(match dtype {
             KvDtype::F32 => Panels::F32(pack(weight, k, n, strides)),
             KvDtype::F16 => Panels::F16(pack(weight, k, n, strides)),
             KvDtype::Bf16 => Panels::Bf16(pack(weight, k, n, strides)),
-        };
+        });
         Ok(Linear {
             in_features: k,
             out_features: n,
-            panels,
+            weight,
+        })
+    }
+
+    /// A weight kept in GGUF's quantized formats: `W`'s transpose, `[N, K]`, given as segments
+    /// of whole output rows in the file's layout ([`QuantMatrix::new`]).
+    pub fn quantized(in_features: usize, parts: Vec<(QuantFormat, Vec<u8>)>) -> Result<Self> {
+        let matrix = QuantMatrix::new(in_features, parts)?;
+        Ok(Linear {
+            in_features,
+            out_features: matrix.out_features(),
+            weight: Weight::Quantized(matrix),
         })
     }
 
@@ -118,31 +138,85 @@ impl Linear {
         self.out_features
     }
 
-    /// The storage type of the weight.
-    pub fn dtype(&self) -> KvDtype {
-        match self.panels {
-            Panels::F32(_) => KvDtype::F32,
-            Panels::F16(_) => KvDtype::F16,
-            Panels::Bf16(_) => KvDtype::Bf16,
+    /// The storage type of the weight: "float32", "float16", "bfloat16", or the quantized
+    /// formats of its segments joined by "+" (each once, in row order: "q5_0+q8_0").
+    pub fn storage(&self) -> String {
+        match &self.weight {
+            Weight::Dense(panels) => panels.dtype().name().to_string(),
+            Weight::Quantized(matrix) => {
+                let mut names: Vec<&str> = Vec::new();
+                for format in matrix.formats() {
+                    if !names.contains(&format.name()) {
+                        names.push(format.name());
+                    }
+                }
+                names.join("+")
+            }
         }
     }
 
-    /// Bytes of packed weight (what one call with M ≤ 6 streams from memory).
+    /// Bytes of the stored weight (what one call with M ≤ 6 streams from memory).
     pub fn nbytes(&self) -> usize {
-        self.num_panels() * PANEL * self.in_features * self.dtype().size_of()
+        match &self.weight {
+            Weight::Dense(panels) => {
+                self.out_features.div_ceil(PANEL)
+                    * PANEL
+                    * self.in_features
+                    * panels.dtype().size_of()
+            }
+            Weight::Quantized(matrix) => matrix.nbytes(),
+        }
     }
 
-    fn num_panels(&self) -> usize {
-        self.out_features.div_ceil(PANEL)
+    /// The instruction sets this weight's kernels are written for.
+    pub fn isas(&self) -> &'static [Isa] {
+        match self.weight {
+            Weight::Dense(_) => &ISAS,
+            Weight::Quantized(_) => &quant::ISAS,
+        }
     }
 
-    /// `y = x · W` for `x` row-major `[m, K]` into `y` row-major `[m, N]`, on [`default_isa`].
+    /// The instruction set calls take by default: the best of [`Linear::isas`] this CPU has
+    /// under `cpu::ceiling`.
+    pub fn default_isa(&self) -> Isa {
+        Isa::default_of(self.isas())
+    }
+
+    /// Rows `ids` of `Wᵀ` (output features) as f32 into `out` (`ids.len() · K`), for a
+    /// quantized weight: a tied embedding table gathers its rows from its lm_head. A float
+    /// weight is `InvalidArgument` (its panels are laid out for products, not rows).
+    pub fn dequantize_rows(&self, ids: &[usize], out: &mut [f32]) -> Result<()> {
+        match &self.weight {
+            Weight::Quantized(matrix) => matrix.dequantize_rows(ids, out),
+            Weight::Dense(_) => Err(Error::InvalidArgument(format!(
+                "dequantize_rows reads quantized weights; this one is {}",
+                self.storage()
+            ))),
+        }
+    }
+
+    /// `y = x · W` for `x` row-major `[m, K]` into `y` row-major `[m, N]`, on
+    /// [`Linear::default_isa`].
     pub fn forward(&self, x: &[f32], m: usize, y: &mut [f32]) -> Result<()> {
-        self.forward_with(default_isa(), x, m, y)
+        self.forward_with(self.default_isa(), x, m, y)
     }
 
     /// [`Linear::forward`] on a chosen instruction set.
     pub fn forward_with(&self, isa: Isa, x: &[f32], m: usize, y: &mut [f32]) -> Result<()> {
+        match &self.weight {
+            Weight::Dense(panels) => self.forward_dense(panels, isa, x, m, y),
+            Weight::Quantized(matrix) => matrix.forward_with(isa, x, m, y),
+        }
+    }
+
+    fn forward_dense(
+        &self,
+        panels: &Panels,
+        isa: Isa,
+        x: &[f32],
+        m: usize,
+        y: &mut [f32],
+    ) -> Result<()> {
         let (k, n) = (self.in_features, self.out_features);
         if Some(x.len()) != m.checked_mul(k) || Some(y.len()) != m.checked_mul(n) {
             return Err(Error::Shape(format!(
@@ -163,10 +237,20 @@ impl Linear {
             n,
             y: SharedOut(y.as_mut_ptr()),
         };
-        match &self.panels {
+        match panels {
             Panels::F32(w) => run.all(w),
             Panels::F16(w) => run.all(w),
             Panels::Bf16(w) => run.all(w),
+        }
+    }
+}
+
+impl Panels {
+    fn dtype(&self) -> KvDtype {
+        match self {
+            Panels::F32(_) => KvDtype::F32,
+            Panels::F16(_) => KvDtype::F16,
+            Panels::Bf16(_) => KvDtype::Bf16,
         }
     }
 }
