@@ -663,9 +663,13 @@ def available_kernels() -> list[str]:
 
 def default_isas() -> list[tuple[str, str]]:
     """What the kernels run on by default: ``[("ceiling", ...), ("attention", ...), ("linear",
-    ...)]``. The ceiling is ``PAGEDKV_ISA`` ("avx512", "avx2" or "portable") when set, valid and
+    ...), ("quantized", ...)]`` (linear: float weights; quantized: GGUF-format weights). The
+    ceiling is ``PAGEDKV_ISA`` ("avx512vnni", "avx512", "avx2" or "portable") when set, valid and
     available, else the best set this CPU has (read once per process); each family takes the
     best set it has kernels for, at most the ceiling."""
+
+def available_isas() -> list[str]:
+    """Every instruction set this CPU runs, best first: the values ``PAGEDKV_ISA`` may take here."""
 
 def measure_read_bandwidth(nbytes: int, sweeps: int = 5) -> list[float]:
     """GB/s of each read-only sweep over a freshly written ``nbytes`` buffer, on the attention
@@ -704,25 +708,44 @@ def attention_kernel_seconds(
 @final
 class Linear:
     """A weight ``W`` ``[in_features, out_features]`` stored as float32, float16 or bfloat16
-    (rounded to nearest), and ``x @ W`` for float32 ``x`` ``[M, in_features]``, summed in float32
-    on the worker pool. A C- or Fortran-ordered float32 weight is packed without a copy of
-    its own (``w.T`` of an ``[out, in]`` checkpoint matrix is Fortran-ordered); other layouts are
-    read in C order. ``ShapeError`` for a wrong ndim, dtype or extent, ``InvalidArgumentError``
-    for an unknown dtype or kernel."""
+    (rounded to nearest), or kept in GGUF's quantized formats (:meth:`quantized`), and ``x @ W``
+    for float32 ``x`` ``[M, in_features]``, summed in float32 on the worker pool. A C- or
+    Fortran-ordered float32 weight is packed without a copy of its own (``w.T`` of an ``[out, in]``
+    checkpoint matrix is Fortran-ordered); other layouts are read in C order. ``ShapeError`` for a
+    wrong ndim, dtype or extent, ``InvalidArgumentError`` for an unknown dtype, format or kernel.
+
+    A quantized weight's product quantizes each row of ``x`` per 32 values to int8 (scale
+    ``max|x|/127``) and takes exact integer dot products with the weight's blocks: the result is
+    within ``Σ_blocks scale/2 · Σ|w|`` of the float32 product over the dequantized weight."""
 
     in_features: int
     out_features: int
     dtype: str
+    """"float32", "float16", "bfloat16", or a quantized weight's formats joined by "+"
+    ("q4_1", "q5_0+q8_0")."""
     nbytes: int
+    kernels: list[str]
+    """The kernels this CPU runs for this weight, best first (quantized: "avx512vnni", "avx2",
+    "portable"; float: "avx512", "avx2", "portable")."""
 
     def __new__(cls, weight: npt.NDArray[np.float32], dtype: str = "float32") -> Self: ...
+    @staticmethod
+    def quantized(in_features: int, parts: list[tuple[str, npt.NDArray[np.uint8]]]) -> Linear:
+        """A weight kept as a GGUF file ships it: ``parts`` are ``(format, rows)`` segments of
+        ``W``'s transpose stacked in order, each ``rows`` a uint8 ``[n, row bytes]`` array of whole
+        rows of ``in_features`` weights in ``format`` ("q8_0", "q4_0", "q4_1", "q5_0", "q4_k",
+        "q6_k"). Several segments make one fused projection of mixed formats."""
+    def dequantize_rows(self, ids: npt.NDArray[np.int64]) -> npt.NDArray[np.float32]:
+        """Rows ``ids`` of a quantized weight's transpose (output features) as float32
+        ``[len(ids), in_features]``, bit-exact with ggml's dequantization (a tied embedding
+        gathers its rows here); ``InvalidArgumentError`` for a float weight or a row out of range."""
     def __call__(self, x: npt.NDArray[np.float32], kernel: str | None = None) -> npt.NDArray[np.float32]:
-        """``x @ W`` as a new float32 ``[M, out_features]`` array; ``kernel`` ("avx512", "avx2" or
-        "portable") forces a path (``InvalidArgumentError`` if this CPU cannot run it)."""
+        """``x @ W`` as a new float32 ``[M, out_features]`` array; ``kernel`` (one of
+        :attr:`kernels`) forces a path (``InvalidArgumentError`` if this CPU cannot run it)."""
 
 def available_linear_kernels() -> list[str]:
-    """The instruction sets linear has kernels for that this CPU runs, best first, e.g.
-    ``["avx2", "portable"]``."""
+    """The instruction sets float-weight linear has kernels for that this CPU runs, best first,
+    e.g. ``["avx2", "portable"]`` (a quantized weight's are its :attr:`Linear.kernels`)."""
 
 SAMPLING_COLUMNS: list[str]
 # The defaults of ``Scheduler(...)``, set once in the core (``SchedulerConfig::new``): block_size,

@@ -80,15 +80,26 @@ fn available_kernels() -> Vec<&'static str> {
 }
 
 /// What each kernel family runs on by default: `{"ceiling": ..., "attention": ..., "linear":
-/// ...}`, the ceiling being `PAGEDKV_ISA` when set, valid and available, else the best set this
-/// CPU has (read once per process).
+/// ..., "quantized": ...}` (linear: float weights; quantized: GGUF-format weights), the ceiling
+/// being `PAGEDKV_ISA` when set, valid and available, else the best set this CPU has (read once
+/// per process).
 #[pyfunction]
 fn default_isas() -> Vec<(&'static str, &'static str)> {
     vec![
         ("ceiling", cpu::ceiling().name()),
         ("attention", attention::default_isa().name()),
         ("linear", crate::compute::linear::default_isa().name()),
+        ("quantized", crate::compute::linear::quant::default_isa().name()),
     ]
+}
+
+/// Every instruction set this CPU runs, best first: the values `PAGEDKV_ISA` may take here.
+#[pyfunction]
+fn available_isas() -> Vec<&'static str> {
+    Isa::available_of(&Isa::ALL)
+        .into_iter()
+        .map(Isa::name)
+        .collect()
 }
 
 /// Read-only memory bandwidth in GB/s of each of `sweeps` sweeps over a fresh `nbytes` buffer, on
@@ -235,6 +246,7 @@ pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(get_num_threads, m)?)?;
     m.add_function(wrap_pyfunction!(available_kernels, m)?)?;
     m.add_function(wrap_pyfunction!(default_isas, m)?)?;
+    m.add_function(wrap_pyfunction!(available_isas, m)?)?;
     m.add_function(wrap_pyfunction!(measure_read_bandwidth, m)?)?;
     m.add_function(wrap_pyfunction!(measure_fma_peak, m)?)?;
     m.add_function(wrap_pyfunction!(attention_kernel_seconds, m)?)?;

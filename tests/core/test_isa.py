@@ -13,9 +13,10 @@ import sys
 import numpy as np
 import pytest
 
-from pagedkv._core import available_kernels, available_linear_kernels
+from pagedkv._core import Linear, available_isas, available_kernels, available_linear_kernels
 
-SETS = available_linear_kernels()  # linear has a kernel for every set: all this CPU runs
+SETS = available_isas()
+QUANTIZED_SETS = Linear.quantized(32, [("q8_0", np.zeros((1, 34), np.uint8))]).kernels
 
 CHILD = """
 import json, sys
@@ -51,7 +52,8 @@ def test_each_set_caps_every_family_and_computes_the_same_model(isa: str, tmp_pa
     assert defaults == {
         "ceiling": isa,
         "attention": expected_default(available_kernels(), isa),
-        "linear": isa,
+        "linear": expected_default(available_linear_kernels(), isa),
+        "quantized": expected_default(QUANTIZED_SETS, isa),
     }
     _, best = run_under(SETS[0], tmp_path)
     np.testing.assert_allclose(result, best, rtol=0, atol=2e-4)
@@ -59,4 +61,5 @@ def test_each_set_caps_every_family_and_computes_the_same_model(isa: str, tmp_pa
 
 def test_an_unknown_set_leaves_the_best(tmp_path) -> None:
     defaults, _ = run_under("sse9", tmp_path)
-    assert defaults == {"ceiling": SETS[0], "attention": available_kernels()[0], "linear": SETS[0]}
+    assert defaults == {"ceiling": SETS[0], "attention": available_kernels()[0],
+                        "linear": available_linear_kernels()[0], "quantized": QUANTIZED_SETS[0]}
