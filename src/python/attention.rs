@@ -89,7 +89,10 @@ fn default_isas() -> Vec<(&'static str, &'static str)> {
         ("ceiling", cpu::ceiling().name()),
         ("attention", attention::default_isa().name()),
         ("linear", crate::compute::linear::default_isa().name()),
-        ("quantized", crate::compute::linear::quant::default_isa().name()),
+        (
+            "quantized",
+            crate::compute::linear::quant::default_isa().name(),
+        ),
     ]
 }
 

@@ -88,7 +88,9 @@ impl PyLinear {
         let mut out = vec![0.0f32; ids.len() * k];
         py.detach(|| self.inner.dequantize_rows(&ids, &mut out))
             .py_err()?;
-        Ok(PyArray1::from_vec(py, out).reshape([ids.len(), k])?.into_any())
+        Ok(PyArray1::from_vec(py, out)
+            .reshape([ids.len(), k])?
+            .into_any())
     }
 
     /// `x @ W` as a new float32 array `[M, out_features]`; `x` is float32 `[M, in_features]` of

@@ -15,7 +15,7 @@
 //! - A path other than [`Isa::Portable`] runs only when [`Isa::available`] says its CPU features
 //!   are present: that is the safety contract of the `unsafe` functions here.
 
-use super::format::Format;
+use super::format::{Format, SoftHalf};
 use crate::compute::cpu::Isa;
 
 /// Activation rows one weight sub-block is decoded for at most.
@@ -133,7 +133,8 @@ pub(super) unsafe fn columns<F: Format>(
 fn portable_rows<F: Format>(row: &[u8], acts: &Activations, first: usize, out: &mut [f32]) {
     out.fill(0.0);
     for (b, block) in row.chunks_exact(F::BYTES).enumerate() {
-        let header = F::header(block);
+        // SAFETY: the software conversion runs everywhere.
+        let header = unsafe { F::header::<SoftHalf>(block) };
         for j in 0..F::SUBS {
             let scales = F::scales(&header, j);
             let quants = F::quants(block, j);
@@ -200,7 +201,7 @@ macro_rules! simd_path {
         mod $name {
             use std::arch::x86_64::*;
 
-            use super::super::format::Format;
+            use super::super::format::{F16c, Format};
             use super::{offset, Activations, MAX_ROWS};
             use crate::compute::cpu::vmath::avx2::hsum;
 
@@ -215,7 +216,7 @@ macro_rules! simd_path {
                 let mut acc = [_mm256_setzero_ps(); R];
                 let mut offsets = [0.0f32; R];
                 for (b, block) in row.chunks_exact(F::BYTES).enumerate() {
-                    let header = F::header(block);
+                    let header = F::header::<F16c>(block);
                     for j in 0..F::SUBS {
                         let scales = F::scales(&header, j);
                         let quants = F::quants_avx2(block.as_ptr(), j);

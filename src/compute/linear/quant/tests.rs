@@ -275,3 +275,26 @@ fn bad_shapes_and_bytes_are_typed_errors() {
     assert!("q3_k".parse::<QuantFormat>().is_err());
     assert_eq!("Q4_K".parse::<QuantFormat>().unwrap(), QuantFormat::Q4K);
 }
+
+#[test]
+fn every_f16_scale_converts_exactly() {
+    use format::Half;
+    let f16c = Isa::Avx2.available();
+    for bits in 0..=u16::MAX {
+        let theirs = f16::from_bits(bits).to_f32();
+        // SAFETY: the software conversion runs everywhere; F16C only where AVX2 (with it) is.
+        let ours = unsafe { format::SoftHalf::to_f32(bits) };
+        assert!(
+            ours.to_bits() == theirs.to_bits() || (ours.is_nan() && theirs.is_nan()),
+            "{bits:#06x}"
+        );
+        #[cfg(target_arch = "x86_64")]
+        if f16c {
+            let ours = unsafe { format::F16c::to_f32(bits) };
+            assert!(
+                ours.to_bits() == theirs.to_bits() || (ours.is_nan() && theirs.is_nan()),
+                "{bits:#06x}"
+            );
+        }
+    }
+}
