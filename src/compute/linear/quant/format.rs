@@ -115,15 +115,12 @@ pub(crate) trait Format {
     type Header: Copy;
 
     /// The header of `block` (`BYTES` long).
-    #[inline(always)]
     unsafe fn header<H: Half>(block: &[u8]) -> Self::Header;
 
     /// Sub-block `j`'s scales.
-    #[inline(always)]
     fn scales(header: &Self::Header, j: usize) -> Scales;
 
     /// Sub-block `j`'s 32 quants, in weight order.
-    #[inline(always)]
     fn quants(block: &[u8], j: usize) -> [u8; 32];
 
     /// [`Format::quants`] in one AVX2 register.
@@ -279,7 +276,6 @@ impl Format for Q8_0 {
     fn scales(d: &f32, _: usize) -> Scales {
         plain(*d)
     }
-    #[inline(always)]
     fn quants(block: &[u8], _: usize) -> [u8; 32] {
         block[2..34]
             .try_into()
@@ -314,7 +310,6 @@ impl Format for Q4_0 {
     fn scales(d: &f32, _: usize) -> Scales {
         plain(*d)
     }
-    #[inline(always)]
     fn quants(block: &[u8], _: usize) -> [u8; 32] {
         nibbles16(&block[2..18])
     }
@@ -349,7 +344,6 @@ impl Format for Q4_1 {
     fn scales(header: &Scales, _: usize) -> Scales {
         *header
     }
-    #[inline(always)]
     fn quants(block: &[u8], _: usize) -> [u8; 32] {
         nibbles16(&block[4..20])
     }
@@ -382,7 +376,6 @@ impl Format for Q5_0 {
     fn scales(d: &f32, _: usize) -> Scales {
         plain(*d)
     }
-    #[inline(always)]
     fn quants(block: &[u8], _: usize) -> [u8; 32] {
         let qh = u32::from_le_bytes([block[2], block[3], block[4], block[5]]);
         let mut q = nibbles16(&block[6..22]);
@@ -415,7 +408,6 @@ impl Format for Q4K {
     const SPLIT: bool = false;
     type Header = [Scales; 8];
 
-    #[inline(always)]
     unsafe fn header<H: Half>(block: &[u8]) -> [Scales; 8] {
         let (d, dmin) = (f16_at::<H>(block, 0), f16_at::<H>(block, 2));
         let s = &block[4..16];
@@ -440,10 +432,15 @@ impl Format for Q4K {
     fn scales(header: &[Scales; 8], j: usize) -> Scales {
         header[j]
     }
-    #[inline(always)]
     fn quants(block: &[u8], j: usize) -> [u8; 32] {
         let qs = &block[16 + 32 * (j / 2)..][..32];
-        std::array::from_fn(|i| if j % 2 == 0 { qs[i] & 0x0F } else { qs[i] >> 4 })
+        std::array::from_fn(|i| {
+            if j.is_multiple_of(2) {
+                qs[i] & 0x0F
+            } else {
+                qs[i] >> 4
+            }
+        })
     }
     #[cfg(target_arch = "x86_64")]
     #[inline]
@@ -468,7 +465,6 @@ impl Format for Q6K {
     const SPLIT: bool = true;
     type Header = [f32; 16];
 
-    #[inline(always)]
     unsafe fn header<H: Half>(block: &[u8]) -> [f32; 16] {
         let d = f16_at::<H>(block, 208);
         std::array::from_fn(|i| d * f32::from(block[192 + i] as i8))
@@ -482,7 +478,6 @@ impl Format for Q6K {
             min: [0.0; 2],
         }
     }
-    #[inline(always)]
     fn quants(block: &[u8], j: usize) -> [u8; 32] {
         let (n, s) = (j / 4, j % 4);
         let ql = &block[64 * n + 32 * (s % 2)..][..32];

@@ -98,10 +98,10 @@ fn known_blocks_dequantize_as_ggml_defines_them() {
     block.extend(0xAAAA_AAAAu32.to_le_bytes());
     block.extend((0..16u8).map(|i| i | ((15 - i) << 4)));
     format::dequantize::<format::Q5_0>(&block, &mut out);
-    for i in 0..32 {
+    for (i, &value) in out.iter().enumerate() {
         let nibble = if i < 16 { i } else { 15 - (i - 16) } as f32;
         let high = if i % 2 == 1 { 16.0 } else { 0.0 };
-        assert_eq!(out[i], 0.25 * (nibble + high - 16.0), "weight {i}");
+        assert_eq!(value, 0.25 * (nibble + high - 16.0), "weight {i}");
     }
     // Q6_K: every quant 33 (low nibble 1, pair 2), scale i = i − 8, d = 2.
     let mut block = vec![0x11u8; 128];
