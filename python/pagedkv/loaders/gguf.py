@@ -29,6 +29,7 @@ from pagedkv.loaders.gguf_gemma3 import gemma3_config_from_gguf, gemma3_tensor, 
 from pagedkv.loaders.tokenizers import tokenizer_from_gguf_metadata
 from pagedkv.models.config import LlamaConfig, RopeScaling, _Fields, union_token_ids
 from pagedkv.models.gemma3 import Gemma3Config
+from pagedkv.models.layers import Tensor, float_tensor
 from pagedkv.models.weights import LlamaWeights, expected_names, expected_shape, num_expected
 from pagedkv.text.tokenizer import HFTokenizer
 
@@ -61,12 +62,16 @@ def load_gguf(path: PathLike) -> tuple[LlamaWeights, HFTokenizer]:
     config, tokenizer, tensors = stream_gguf(path)
     if not isinstance(config, LlamaConfig):
         raise CheckpointError(Path(path), "not a Llama model: load_gguf gives Llama weights (load_model loads any)")
-    return LlamaWeights.from_named_tensors(config, dict(tensors)), tokenizer
+    return LlamaWeights.from_named_tensors(config, {n: float_tensor(t, n) for n, t in tensors}), tokenizer
 
 
-def stream_gguf(path: PathLike) -> tuple[LlamaConfig | Gemma3Config, HFTokenizer, Iterator[tuple[str, np.ndarray]]]:
+def stream_gguf(
+    path: PathLike, keep_quantized: bool = False
+) -> tuple[LlamaConfig | Gemma3Config, HFTokenizer, Iterator[tuple[str, Tensor]]]:
     """The config and tokenizer of a Llama or Gemma 3 GGUF file, and its tensors as ``(Hugging
-    Face name, float32 array)``, each read and dequantized only when the iterator reaches it.
+    Face name, float32 array)``, each read and dequantized only when the iterator reaches it (with
+    ``keep_quantized``, a projection of a type the kernels read comes as a
+    :class:`~pagedkv.models.layers.QuantizedTensor`, its rows as shipped).
     Every check of :func:`load_gguf` is made before this returns; reading raises
     :class:`CheckpointError` only if the file changes meanwhile."""
     gguf = read_gguf(path)
@@ -93,7 +98,8 @@ def stream_gguf(path: PathLike) -> tuple[LlamaConfig | Gemma3Config, HFTokenizer
     # Python strings) is dropped once the tokenizer is built, not held through the whole load.
     tensor_file = dataclasses.replace(gguf, metadata={})
     if isinstance(config, Gemma3Config):
-        tensors = ((names[name], gemma3_tensor(names[name], array)) for name, array in tensor_file.stream(list(names)))
+        tensors = ((names[name], gemma3_tensor(names[name], array))
+                   for name, array in tensor_file.stream(list(names), keep_quantized=keep_quantized))
         return config, tokenizer, tensors
     heads = {"attn_q.weight": config.num_heads, "attn_k.weight": config.num_kv_heads}
 
@@ -101,7 +107,8 @@ def stream_gguf(path: PathLike) -> tuple[LlamaConfig | Gemma3Config, HFTokenizer
         layer = _LAYER_NAME.fullmatch(name)
         return unpermute_qk(raw, heads[layer[2]]) if layer and layer[2] in heads else raw
 
-    return config, tokenizer, ((names[name], array) for name, array in tensor_file.stream(list(names), transform=unpermute))
+    streamed = tensor_file.stream(list(names), transform=unpermute, keep_quantized=keep_quantized)
+    return config, tokenizer, ((names[name], array) for name, array in streamed)
 
 
 def config_from_gguf(gguf: GGUFFile) -> LlamaConfig | Gemma3Config:

@@ -1,6 +1,6 @@
 """The GGUF file format (llama.cpp's single-file checkpoints): :func:`read_gguf` parses the header
 (metadata and tensor directory) and :meth:`GGUFFile.stream` reads tensors dequantized to float32,
-one at a time.
+or a projection kept in its quantized format as shipped, one at a time.
 
 The header is parsed here rather than by ``gguf.GGUFReader``: that reader makes several numpy
 memmap views per string, and SmolLM2's header (49,152 tokens, 48,900 merges) took it 9 to 15 s
@@ -32,6 +32,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, quants
 
 from pagedkv.errors import CheckpointError
 from pagedkv.loaders.files import CheckpointFile
+from pagedkv.models.layers import QuantizedTensor, Tensor
 
 __all__ = ["GGUFFile", "GGUFTensor", "MAX_METADATA_ITEMS", "read_gguf", "SUPPORTED_TYPES"]
 
@@ -56,6 +57,14 @@ SUPPORTED_TYPES = frozenset({
     GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16,
     GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q5_1,
     GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q5_K, GGMLQuantizationType.Q6_K,
+})
+
+# The types the quantized kernels read as shipped (``pagedkv._core.Linear.quantized``): every
+# quantized type of the registry's SmolLM2 (Q4_1, Q8_0) and Gemma 3 (Q4_K_M: Q4_K, Q5_0, Q6_K,
+# Q8_0) files, and Q4_0. Q5_1 and Q5_K are still dequantized.
+KEPT_QUANTIZED = frozenset({
+    GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q5_0,
+    GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K,
 })
 
 # Fixed-size metadata value types -> struct format (little-endian).
@@ -88,10 +97,13 @@ class GGUFFile:
     tensors: Mapping[str, GGUFTensor]
 
     def stream(
-        self, names: list[str], transform: Callable[[str, np.ndarray], np.ndarray] | None = None
-    ) -> Iterator[tuple[str, np.ndarray]]:
+        self, names: list[str], transform: Callable[[str, np.ndarray], np.ndarray] | None = None,
+        keep_quantized: bool = False,
+    ) -> Iterator[tuple[str, Tensor]]:
         """The named tensors in turn, each as ``(name, float32 array of its numpy shape)``, the
-        file opened once for the whole iteration.
+        file opened once for the whole iteration; with ``keep_quantized``, a 2-D tensor of a type
+        in :data:`KEPT_QUANTIZED` comes as a :class:`~pagedkv.models.layers.QuantizedTensor` of
+        its raw rows instead.
 
         ``transform(name, raw)`` may reorder the raw rows (a ``[rows, bytes per row]`` uint8
         array) before they are dequantized; it must keep their shape. A tensor's bytes are read
@@ -111,6 +123,10 @@ class GGUFFile:
                     raise CheckpointError(self.file.path, f"tensor {name} is cut short (the file changed while read?)")
                 if transform is not None:
                     raw = transform(name, raw)
+                if keep_quantized and tensor.type in KEPT_QUANTIZED and len(tensor.shape) == 2:
+                    yield name, QuantizedTensor(tensor.type.name.lower(), tensor.shape, raw)
+                    del raw
+                    continue
                 # gguf.quants is vectorized over blocks; F32 comes back as a view of raw, uncopied.
                 values = quants.dequantize(raw, tensor.type).reshape(tensor.shape)
                 del raw
@@ -118,8 +134,8 @@ class GGUFFile:
                 del values
 
     def read(self, names: list[str], transform: Callable[[str, np.ndarray], np.ndarray] | None = None) -> dict[str, np.ndarray]:
-        """All of :meth:`stream` at once, as a dict."""
-        return dict(self.stream(names, transform))
+        """All of :meth:`stream` at once, as a dict of float32 arrays."""
+        return {name: values for name, values in self.stream(names, transform) if isinstance(values, np.ndarray)}
 
 
 def read_gguf(path: str | Path) -> GGUFFile:

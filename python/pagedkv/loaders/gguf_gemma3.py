@@ -23,6 +23,7 @@ from pagedkv.errors import InvalidArgumentError
 from pagedkv.loaders.gguf_file import GGUFFile
 from pagedkv.models.config import _Fields, union_token_ids
 from pagedkv.models.gemma3 import GEMMA3_LAYER_TENSORS, Gemma3Config, expected_gemma3_shape
+from pagedkv.models.layers import Tensor
 
 __all__ = ["gemma3_config_from_gguf", "gemma3_tensor_names", "gemma3_tensor", "num_gemma3_tensors"]
 
@@ -98,9 +99,11 @@ def gemma3_tensor_names(gguf: GGUFFile, config: Gemma3Config) -> dict[str, str]:
     return names
 
 
-def gemma3_tensor(hf_name: str, values: np.ndarray) -> np.ndarray:
-    """A tensor as the model takes it: a norm weight back from llama.cpp's ``1 + weight``."""
-    return values - np.float32(1.0) if hf_name.endswith("norm.weight") else values
+def gemma3_tensor(hf_name: str, values: Tensor) -> Tensor:
+    """A tensor as the model takes it: a norm weight (float32) back from llama.cpp's ``1 + weight``."""
+    if isinstance(values, np.ndarray) and hf_name.endswith("norm.weight"):
+        return values - np.float32(1.0)
+    return values
 
 
 def num_gemma3_tensors(config: Gemma3Config) -> int:

@@ -24,6 +24,7 @@ from collections.abc import Iterable, Iterator
 import numpy as np
 
 from pagedkv.models.config import LlamaConfig
+from pagedkv.models.layers import QuantizedTensor, Tensor
 
 __all__ = ["WeightsDigest", "kv_identity"]
 
@@ -38,17 +39,19 @@ class WeightsDigest:
         self._hash = hashlib.blake2b(digest_size=16)
         self.tensors = 0
 
-    def wrap(self, tensors: Iterable[tuple[str, np.ndarray]]) -> Iterator[tuple[str, np.ndarray]]:
+    def wrap(self, tensors: Iterable[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
         """Yields ``tensors`` unchanged, hashing each on the way."""
         for name, array in tensors:
             self.update(name, array)
             yield name, array
 
-    def update(self, name: str, array: np.ndarray) -> None:
-        """Hashes one tensor: its name, dtype and shape (length-prefixed), then its bytes in C order."""
-        header = json.dumps([name, array.dtype.str, list(array.shape)]).encode()
+    def update(self, name: str, tensor: Tensor) -> None:
+        """Hashes one tensor: its name, dtype (a quantized one's format) and shape
+        (length-prefixed), then its bytes (a quantized one's rows as shipped) in C order."""
+        dtype, data = (tensor.format, tensor.rows) if isinstance(tensor, QuantizedTensor) else (tensor.dtype.str, tensor)
+        header = json.dumps([name, dtype, list(tensor.shape)]).encode()
         self._hash.update(len(header).to_bytes(8, "little") + header)
-        self._hash.update(memoryview(np.ascontiguousarray(array)).cast("B"))
+        self._hash.update(memoryview(np.ascontiguousarray(data)).cast("B"))
         self.tensors += 1
 
     def hexdigest(self) -> str:

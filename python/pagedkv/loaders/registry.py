@@ -23,8 +23,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-
 from pagedkv.errors import CheckpointError
 from pagedkv.loaders.checkpoint import stream_checkpoint
 from pagedkv.loaders.identity import WeightsDigest
@@ -32,6 +30,7 @@ from pagedkv.loaders.tokenizers import load_tokenizer
 from pagedkv.models.config import LlamaConfig
 from pagedkv.models.decoder import PagedDecoder
 from pagedkv.models.gemma3 import Gemma3Config, Gemma3Model
+from pagedkv.models.layers import AUTO_WEIGHT_DTYPE, Tensor, float_tensor
 from pagedkv.models.llama import DEFAULT_WEIGHT_DTYPE, LlamaModel
 from pagedkv.models.weights import LlamaWeights
 from pagedkv.text.tokenizer import Tokenizer
@@ -151,7 +150,7 @@ def load_pretrained(name_or_path: PathLike = "tiny", *, seed: int = 0) -> tuple[
     config, tokenizer, tensors = _stream(name_or_path, seed)
     if not isinstance(config, LlamaConfig):
         raise CheckpointError(str(name_or_path), "not a Llama model: load_pretrained gives Llama weights (load_model loads any)")
-    return LlamaWeights.from_named_tensors(config, dict(tensors)), tokenizer
+    return LlamaWeights.from_named_tensors(config, {n: float_tensor(t, n) for n, t in tensors}), tokenizer
 
 
 def load_model(
@@ -163,22 +162,26 @@ def load_model(
 ) -> tuple[PagedDecoder, Tokenizer]:
     """The model :func:`load_pretrained` names (or a Gemma 3 GGUF file or ``"gemma3-270m"``),
     packed as a :class:`LlamaModel` or :class:`Gemma3Model` with its
-    projections stored in ``weight_dtype`` ("float32", "float16" or "bfloat16"), streamed tensor
+    projections stored in ``weight_dtype`` ("float32", "float16", "bfloat16", or "auto": a GGUF
+    file's quantized projections and embedding kept as shipped), streamed tensor
     by tensor (see the module doc), and its tokenizer. With a ``digest``, every tensor is hashed
     into it as it streams past (the model's identity, :mod:`pagedkv.loaders.identity`). Raises
     :class:`CheckpointError` as :func:`load_pretrained` does, :class:`InvalidArgumentError` for an
     unknown ``weight_dtype`` (before any tensor is read)."""
     LlamaModel.check_weight_dtype(weight_dtype)
-    config, tokenizer, tensors = _stream(name_or_path, seed)
+    config, tokenizer, tensors = _stream(name_or_path, seed, keep_quantized=weight_dtype == AUTO_WEIGHT_DTYPE)
     if digest is not None:
         tensors = digest.wrap(tensors)
     architecture = Gemma3Model if isinstance(config, Gemma3Config) else LlamaModel
     return architecture.from_tensors(config, tensors, weight_dtype=weight_dtype), tokenizer
 
 
-def _stream(name_or_path: PathLike, seed: int) -> tuple[LlamaConfig | Gemma3Config, Tokenizer, Iterator[tuple[str, np.ndarray]]]:
+def _stream(
+    name_or_path: PathLike, seed: int, keep_quantized: bool = False
+) -> tuple[LlamaConfig | Gemma3Config, Tokenizer, Iterator[tuple[str, Tensor]]]:
     """The config, tokenizer and lazily read tensors of a model named as :func:`load_pretrained`
-    takes it; every check is made before this returns."""
+    takes it (a GGUF file's projections kept quantized with ``keep_quantized``); every check is
+    made before this returns."""
     text = str(name_or_path)
     if text == "tiny":
         weights = LlamaWeights.random(LlamaConfig.tiny(), seed=seed)
@@ -190,6 +193,6 @@ def _stream(name_or_path: PathLike, seed: int) -> tuple[LlamaConfig | Gemma3Conf
     if path.suffix == ".gguf":
         from pagedkv.loaders.gguf import stream_gguf  # imports the optional gguf package
 
-        return stream_gguf(path)
+        return stream_gguf(path, keep_quantized=keep_quantized)
     names = ", ".join(["tiny", *REGISTRY])
     raise CheckpointError(path, f"not a model: expected one of {names}, a .gguf file or a checkpoint directory")

@@ -18,7 +18,7 @@ from threadpoolctl import ThreadpoolController
 
 from pagedkv._core import KVCache, KvSpec, Linear
 from pagedkv.errors import InvalidArgumentError, ShapeError
-from pagedkv.models.layers import check_weight_dtype
+from pagedkv.models.layers import canonical_weight_dtype, check_weight_dtype
 from pagedkv.models.step import ModelStep
 
 __all__ = ["PagedDecoder"]
@@ -42,15 +42,14 @@ class PagedDecoder:
         if blas_threads is not None and blas_threads < 1:
             raise InvalidArgumentError(f"blas_threads must be ≥ 1 or None, got {blas_threads}")
         self.config = config
-        # Linear is the one validator of storage types; its dtype is the canonical name ("bf16" -> "bfloat16").
-        self.weight_dtype = Linear(np.zeros((1, 1), np.float32), weight_dtype).dtype
+        self.weight_dtype = canonical_weight_dtype(weight_dtype)
         self._blas_threads = blas_threads
         self._blas = ThreadpoolController() if blas_threads is not None else None
 
     @staticmethod
     def check_weight_dtype(weight_dtype: str) -> None:
         """Raises :class:`InvalidArgumentError` unless ``weight_dtype`` is a storage type of the
-        projections (:func:`pagedkv.models.layers.check_weight_dtype`)."""
+        projections or "auto" (:func:`pagedkv.models.layers.check_weight_dtype`)."""
         check_weight_dtype(weight_dtype)
 
     def kv_spec(self, dtype: str | None = None) -> KvSpec:

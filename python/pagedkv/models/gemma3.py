@@ -32,7 +32,7 @@ import numpy as np
 from pagedkv._core import KvSpec, LayerSpec, Linear
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.models.decoder import PagedDecoder
-from pagedkv.models.layers import gelu_tanh, packed_linear, rms_norm
+from pagedkv.models.layers import Embedding, Tensor, float_tensor, fused_linear, gelu_tanh, packed_linear, rms_norm
 from pagedkv.models.rope import apply_rope, inverse_frequencies, rope_cos_sin
 from pagedkv.models.step import ModelStep
 
@@ -138,9 +138,10 @@ class Gemma3Model(PagedDecoder):
 
     Projections are packed as :class:`~pagedkv._core.Linear` of ``weight_dtype``, ``[q|k|v]`` and
     ``[gate|up]`` fused; the output projection is the embedding table's (tied). The embedding
-    table itself stays float32 for the gather."""
+    table stays float32 for the gather, or, kept quantized ("auto"), is the output projection's
+    own rows dequantized on gather."""
 
-    def __init__(self, config: Gemma3Config, tensors: Iterable[tuple[str, np.ndarray]], *,
+    def __init__(self, config: Gemma3Config, tensors: Iterable[tuple[str, Tensor]], *,
                  blas_threads: int | None = 1, weight_dtype: str = "float32") -> None:
         """A model from Hugging Face-named float32 tensors (norm weights as transformers holds
         them: the multiplier is ``1 + weight``), consumed one at a time. Raises
@@ -155,16 +156,16 @@ class Gemma3Model(PagedDecoder):
         self._pack(tensors)
 
     @classmethod
-    def from_tensors(cls, config: Gemma3Config, tensors: Iterable[tuple[str, np.ndarray]], *,
+    def from_tensors(cls, config: Gemma3Config, tensors: Iterable[tuple[str, Tensor]], *,
                      blas_threads: int | None = 1, weight_dtype: str = "float32") -> Gemma3Model:
         """The model of ``config`` from streamed tensors (the loaders' entry point)."""
         return cls(config, tensors, blas_threads=blas_threads, weight_dtype=weight_dtype)
 
-    def _pack(self, tensors: Iterable[tuple[str, np.ndarray]]) -> None:
+    def _pack(self, tensors: Iterable[tuple[str, Tensor]]) -> None:
         c = self.config
-        pending: dict[int, dict[str, np.ndarray]] = {}
+        pending: dict[int, dict[str, Tensor]] = {}
         layers: dict[int, _Gemma3Layer] = {}
-        found: dict[str, np.ndarray] = {}
+        found: dict[str, Tensor] = {}
         for name, array in tensors:
             expected = expected_gemma3_shape(c, name)
             if expected is None:
@@ -184,18 +185,20 @@ class Gemma3Model(PagedDecoder):
         missing += [n for n in ("model.embed_tokens.weight", "model.norm.weight") if n not in found]
         if missing:
             raise InvalidArgumentError(f"tensors missing: {', '.join(missing)}")
-        self._embed = found["model.embed_tokens.weight"]
-        self._final_norm = _multiplier(found["model.norm.weight"])
-        self._lm_head = packed_linear(self._embed, self.weight_dtype, "model.embed_tokens.weight")
+        table = found["model.embed_tokens.weight"]
+        self._final_norm = _multiplier(float_tensor(found["model.norm.weight"], "model.norm.weight"))
+        self._lm_head = packed_linear(table, self.weight_dtype, "model.embed_tokens.weight")
+        self._embed = Embedding.of(table, self._lm_head)
         self._layers = [layers[i] for i in range(c.num_layers)]
 
     @property
     def nbytes(self) -> int:
         """Bytes of every parameter as held: the packed projections, the output projection, the
-        float32 embedding table and norms."""
+        embedding table (float32, or the output projection's own quantized rows) and norms."""
         norms = [self._final_norm, *(getattr(layer, n) for layer in self._layers for n in _NORMS)]
         linears = [self._lm_head, *(w for layer in self._layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down))]
-        return self._embed.nbytes + sum(a.nbytes for a in norms) + sum(w.nbytes for w in linears)
+        embed = 0 if self._embed.table is self._lm_head else self._embed.nbytes
+        return embed + sum(a.nbytes for a in norms) + sum(w.nbytes for w in linears)
 
     def kv_spec(self, dtype: str | None = None) -> KvSpec:
         """The config's (:meth:`Gemma3Config.kv_spec`): in pages of 16 tokens of 3 layers, its
@@ -210,7 +213,7 @@ class Gemma3Model(PagedDecoder):
         step.copy_blocks()
         rotations = {True: rope_cos_sin(self._local_frequencies, positions),
                      False: rope_cos_sin(self._global_frequencies, positions)}
-        hidden = self._embed[input_ids] * self._embed_scale
+        hidden = self._embed(input_ids) * self._embed_scale
         for index, layer in enumerate(self._layers):
             x = rms_norm(hidden, layer.input_layernorm, c.rms_norm_eps)
             q, k, v = self._split_qkv(layer.qkv(x))
@@ -244,14 +247,14 @@ class _Gemma3Layer(NamedTuple):
     post_feedforward_layernorm: np.ndarray
 
 
-def _pack_layer(parts: dict[str, np.ndarray], weight_dtype: str, index: int) -> _Gemma3Layer:
+def _pack_layer(parts: dict[str, Tensor], weight_dtype: str, index: int) -> _Gemma3Layer:
     layer = f"model.layers.{index}"
     return _Gemma3Layer(
-        qkv=packed_linear(np.concatenate((parts["q_proj"], parts["k_proj"], parts["v_proj"])), weight_dtype, f"{layer}.qkv"),
+        qkv=fused_linear([parts["q_proj"], parts["k_proj"], parts["v_proj"]], weight_dtype, f"{layer}.qkv"),
         o=packed_linear(parts["o_proj"], weight_dtype, f"{layer}.o_proj"),
-        gate_up=packed_linear(np.concatenate((parts["gate_proj"], parts["up_proj"])), weight_dtype, f"{layer}.gate_up"),
+        gate_up=fused_linear([parts["gate_proj"], parts["up_proj"]], weight_dtype, f"{layer}.gate_up"),
         down=packed_linear(parts["down_proj"], weight_dtype, f"{layer}.down_proj"),
-        **{name: _multiplier(parts[name]) for name in _NORMS},
+        **{name: _multiplier(float_tensor(parts[name], f"{layer}.{name}")) for name in _NORMS},
     )
 
 

@@ -27,15 +27,16 @@ from pagedkv._core import KvSpec, LayerSpec, Linear
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.models.config import LlamaConfig
 from pagedkv.models.decoder import PagedDecoder
-from pagedkv.models.layers import packed_linear, rms_norm, silu
+from pagedkv.models.layers import Embedding, Tensor, float_tensor, fused_linear, packed_linear, rms_norm, silu
 from pagedkv.models.rope import apply_rope, rope_cos_sin, rope_frequencies
 from pagedkv.models.step import ModelStep
 from pagedkv.models.weights import LAYER_TENSORS, LlamaWeights
 
 __all__ = ["LlamaModel", "DEFAULT_WEIGHT_DTYPE", "WEIGHT_DTYPES"]
 
-WEIGHT_DTYPES = ("float32", "float16", "bfloat16")
-"""The storage types :class:`LlamaModel` packs its projections in."""
+WEIGHT_DTYPES = ("float32", "float16", "bfloat16", "auto")
+"""The storage types :class:`LlamaModel` packs its projections in; "auto" keeps a GGUF file's
+quantized projections as shipped (:func:`~pagedkv.models.layers.fused_linear`)."""
 
 # float16 is the default, measured on SmolLM2-135M (2-core AVX2 machine, load average 10-12, so
 # the ratios within one run are what count): it halves the bytes a decode step streams as
@@ -72,7 +73,7 @@ class LlamaModel(PagedDecoder):
     def from_tensors(
         cls,
         config: LlamaConfig,
-        tensors: Iterable[tuple[str, np.ndarray]],
+        tensors: Iterable[tuple[str, Tensor]],
         *,
         blas_threads: int | None = 1,
         weight_dtype: str = "float32",
@@ -93,11 +94,11 @@ class LlamaModel(PagedDecoder):
         self._scale = float(c.head_dim) ** -0.5
         self._rope_frequencies = rope_frequencies(c)
 
-    def _pack(self, tensors: Iterable[tuple[str, np.ndarray]]) -> None:
+    def _pack(self, tensors: Iterable[tuple[str, Tensor]]) -> None:
         c, weight_dtype = self.config, self.weight_dtype
-        pending: dict[int, dict[str, np.ndarray]] = {}
+        pending: dict[int, dict[str, Tensor]] = {}
         layers: dict[int, _FusedLayer] = {}
-        found: dict[str, np.ndarray] = {}
+        found: dict[str, Tensor] = {}
         lm_head: Linear | None = None
         for name, array in tensors:
             index, _, suffix = name.removeprefix("model.layers.").partition(".")
@@ -117,19 +118,20 @@ class LlamaModel(PagedDecoder):
         missing += [n for n in ("model.embed_tokens.weight", "model.norm.weight") if n not in found]
         if lm_head is None or missing:
             raise InvalidArgumentError(f"tensors missing: {', '.join(missing or ['lm_head.weight'])}")
-        self._embed = found["model.embed_tokens.weight"]
-        self._final_norm = found["model.norm.weight"]
+        self._embed = Embedding.of(found["model.embed_tokens.weight"], lm_head if c.tie_word_embeddings else None)
+        self._final_norm = float_tensor(found["model.norm.weight"], "model.norm.weight")
         self._lm_head = lm_head
         self._layers = [layers[i] for i in range(c.num_layers)]
 
     @property
     def nbytes(self) -> int:
-        """Bytes of every parameter as held: the packed projections and lm_head, the float32
-        embedding table and norms."""
-        arrays = [self._embed, self._final_norm, *(layer.input_norm for layer in self._layers),
+        """Bytes of every parameter as held: the packed projections and lm_head, the embedding
+        table (float32, or quantized and shared with a tied lm_head) and norms."""
+        arrays = [self._final_norm, *(layer.input_norm for layer in self._layers),
                   *(layer.post_norm for layer in self._layers)]
         linears = [self._lm_head, *(w for layer in self._layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down))]
-        return sum(a.nbytes for a in arrays) + sum(w.nbytes for w in linears)
+        embed = 0 if self._embed.table is self._lm_head else self._embed.nbytes
+        return embed + sum(a.nbytes for a in arrays) + sum(w.nbytes for w in linears)
 
     def kv_spec(self, dtype: str | None = None) -> KvSpec:
         """What this model keeps of K/V, layer by layer (every Llama layer attends over every
@@ -147,7 +149,7 @@ class LlamaModel(PagedDecoder):
         step.copy_blocks()
 
         cos, sin = rope_cos_sin(self._rope_frequencies, positions)
-        hidden = self._embed[input_ids]
+        hidden = self._embed(input_ids)
         for index, layer in enumerate(self._layers):
             x = rms_norm(hidden, layer.input_norm, c.rms_norm_eps)
             q, k, v = self._split_qkv(layer.qkv(x))
@@ -173,15 +175,15 @@ class _FusedLayer(NamedTuple):
     down: Linear
 
 
-def _fuse(parts: dict[str, np.ndarray], weight_dtype: str, index: int) -> _FusedLayer:
-    """Layer ``index``'s tensors (LayerWeights fields -> arrays) packed, ``[q|k|v]`` and
+def _fuse(parts: dict[str, Tensor], weight_dtype: str, index: int) -> _FusedLayer:
+    """Layer ``index``'s tensors (LayerWeights fields -> tensors) packed, ``[q|k|v]`` and
     ``[gate|up]`` fused."""
     layer = f"model.layers.{index}"
     return _FusedLayer(
-        input_norm=parts["input_layernorm"],
-        qkv=packed_linear(np.concatenate((parts["q_proj"], parts["k_proj"], parts["v_proj"])), weight_dtype, f"{layer}.qkv"),
+        input_norm=float_tensor(parts["input_layernorm"], f"{layer}.input_layernorm"),
+        qkv=fused_linear([parts["q_proj"], parts["k_proj"], parts["v_proj"]], weight_dtype, f"{layer}.qkv"),
         o=packed_linear(parts["o_proj"], weight_dtype, f"{layer}.o_proj"),
-        post_norm=parts["post_attention_layernorm"],
-        gate_up=packed_linear(np.concatenate((parts["gate_proj"], parts["up_proj"])), weight_dtype, f"{layer}.gate_up"),
+        post_norm=float_tensor(parts["post_attention_layernorm"], f"{layer}.post_attention_layernorm"),
+        gate_up=fused_linear([parts["gate_proj"], parts["up_proj"]], weight_dtype, f"{layer}.gate_up"),
         down=packed_linear(parts["down_proj"], weight_dtype, f"{layer}.down_proj"),
     )
