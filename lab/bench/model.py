@@ -46,7 +46,6 @@ BATCH_PROMPT_TOKENS = 40
 NEW_TOKENS = 64
 PRECISIONS = ("Q4_1", "F16", "F32")
 REPO = Path(__file__).resolve().parents[3]
-BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 MIB = 1 << 20
 
 
@@ -65,11 +64,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # ---- the machine's limits -------------------------------------------------------------------
-
-
-def weight_bytes_per_token(config: LlamaConfig, bytes_per_weight: float) -> float:
-    """Bytes of weights one decode step reads: every layer's matrices and the output projection."""
-    return _matrix_params(config, with_lm_head=True) * bytes_per_weight
 
 
 def prompt_flops_per_token(config: LlamaConfig, prompt_tokens: int) -> float:
@@ -232,7 +226,7 @@ def run(args) -> int:
     model, _ = load_model(MODEL, weight_dtype=args.weight_dtype)
     config = model.config
     weight_dtype = model.weight_dtype  # the precision the products read
-    decode_bytes = weight_bytes_per_token(config, BYTES[weight_dtype])
+    decode_bytes = model.projection_nbytes
     prompt_flops = prompt_flops_per_token(config, PROMPT_TOKENS)
     probe = pagedkv.ReadBandwidthProbe(256 * MIB)
     rng = np.random.default_rng(0)

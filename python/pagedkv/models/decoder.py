@@ -52,6 +52,16 @@ class PagedDecoder:
         projections or "auto" (:func:`pagedkv.models.layers.check_weight_dtype`)."""
         check_weight_dtype(weight_dtype)
 
+    def linears(self) -> list[Linear]:
+        """Every projection a decode step multiplies by, the lm_head included."""
+        raise NotImplementedError
+
+    @property
+    def projection_nbytes(self) -> int:
+        """Bytes of weights one decode step streams: every projection and the lm_head as stored
+        (what a single-stream decode's bandwidth limit divides by)."""
+        return sum(linear.nbytes for linear in self.linears())
+
     def kv_spec(self, dtype: str | None = None) -> KvSpec:
         """What this model keeps of K/V, layer by layer, stored as ``dtype`` (None: the core's
         default): what a :class:`~pagedkv.Scheduler` given it (``kv_spec=``) derives its KV

@@ -196,9 +196,12 @@ class Gemma3Model(PagedDecoder):
         """Bytes of every parameter as held: the packed projections, the output projection, the
         embedding table (float32, or the output projection's own quantized rows) and norms."""
         norms = [self._final_norm, *(getattr(layer, n) for layer in self._layers for n in _NORMS)]
-        linears = [self._lm_head, *(w for layer in self._layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down))]
         embed = 0 if self._embed.table is self._lm_head else self._embed.nbytes
-        return embed + sum(a.nbytes for a in norms) + sum(w.nbytes for w in linears)
+        return embed + sum(a.nbytes for a in norms) + self.projection_nbytes
+
+    def linears(self) -> list[Linear]:
+        """Every projection a decode step multiplies by, the lm_head included."""
+        return [self._lm_head, *(w for layer in self._layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down))]
 
     def kv_spec(self, dtype: str | None = None) -> KvSpec:
         """The config's (:meth:`Gemma3Config.kv_spec`): in pages of 16 tokens of 3 layers, its

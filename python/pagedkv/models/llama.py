@@ -129,9 +129,12 @@ class LlamaModel(PagedDecoder):
         table (float32, or quantized and shared with a tied lm_head) and norms."""
         arrays = [self._final_norm, *(layer.input_norm for layer in self._layers),
                   *(layer.post_norm for layer in self._layers)]
-        linears = [self._lm_head, *(w for layer in self._layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down))]
         embed = 0 if self._embed.table is self._lm_head else self._embed.nbytes
-        return embed + sum(a.nbytes for a in arrays) + sum(w.nbytes for w in linears)
+        return embed + sum(a.nbytes for a in arrays) + self.projection_nbytes
+
+    def linears(self) -> list[Linear]:
+        """Every projection a decode step multiplies by, the lm_head included."""
+        return [self._lm_head, *(w for layer in self._layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down))]
 
     def kv_spec(self, dtype: str | None = None) -> KvSpec:
         """What this model keeps of K/V, layer by layer (every Llama layer attends over every
