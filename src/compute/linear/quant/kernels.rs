@@ -21,71 +21,139 @@ use crate::compute::cpu::Isa;
 /// Activation rows one weight sub-block is decoded for at most.
 pub(super) const MAX_ROWS: usize = 8;
 
-/// `x` quantized: per row, per 32 values, i8 quants, a scale and the scaled sums of each half.
+/// A tile of activation rows: `rows` (8, 4, 2 or 1) rows from `first`; the `index`-th tile.
+#[derive(Clone, Copy)]
+pub(super) struct Tile {
+    index: usize,
+    first: usize,
+    rows: usize,
+}
+
+/// `x` quantized per row and 32 values to i8 quants and a scale, laid out tile by tile so that a
+/// kernel reads what one weight sub-block meets as consecutive memory.
+///
+/// Within a tile of `R` rows from row `f` (`subs = k / 32`):
+/// - the quants of row `f + r`, sub-block `j` are the 32 at `f·k + (j·R + r)·32`;
+/// - its scale is at `f·subs + j·R + r`;
+/// - the scaled sums of its halves `h` are at `(index·subs + j)·16 + 8h + r`, 8 lanes per half
+///   with the rows past `R` zero, so one vector FMA adds a sub-block's offset to every row.
 pub(super) struct Activations {
     k: usize,
+    tiles: Vec<Tile>,
     quants: Vec<i8>,
     scales: Vec<f32>,
-    half_sums: Vec<[f32; 2]>,
+    half_sums: Vec<f32>,
 }
 
 impl Activations {
     /// Row-major `x` `[m, k]`, `k` a multiple of 32.
     pub(super) fn quantize(x: &[f32], m: usize, k: usize) -> Self {
-        let blocks = m * k / 32;
+        let subs = k / 32;
+        let mut tiles = Vec::new();
+        let mut first = 0;
+        while first < m {
+            let rows = match m - first {
+                left if left >= 8 => 8,
+                left if left >= 4 => 4,
+                left if left >= 2 => 2,
+                _ => 1,
+            };
+            tiles.push(Tile {
+                index: tiles.len(),
+                first,
+                rows,
+            });
+            first += rows;
+        }
         let mut acts = Activations {
             k,
             quants: vec![0; m * k],
-            scales: Vec::with_capacity(blocks),
-            half_sums: Vec::with_capacity(blocks),
+            scales: vec![0.0; m * subs],
+            half_sums: vec![0.0; tiles.len() * subs * 16],
+            tiles,
         };
-        for (values, quants) in x.chunks_exact(32).zip(acts.quants.chunks_exact_mut(32)) {
-            let max = values.iter().fold(0.0f32, |max, v| max.max(v.abs()));
-            let scale = max / 127.0;
-            let inverse = if max > 0.0 { 127.0 / max } else { 0.0 };
-            let mut sums = [0i32; 2];
-            for (i, (q, &v)) in quants.iter_mut().zip(values).enumerate() {
-                // |v · inverse| ≤ 127 up to rounding; `as` saturates what rounding adds.
-                *q = (v * inverse).round_ties_even() as i8;
-                sums[i / 16] += i32::from(*q);
+        for tile in acts.tiles.clone() {
+            for r in 0..tile.rows {
+                let row = &x[(tile.first + r) * k..][..k];
+                for (j, values) in row.chunks_exact(32).enumerate() {
+                    let max = values.iter().fold(0.0f32, |max, v| max.max(v.abs()));
+                    let scale = max / 127.0;
+                    let inverse = if max > 0.0 { 127.0 / max } else { 0.0 };
+                    let at = tile.first * k + (j * tile.rows + r) * 32;
+                    let mut sums = [0i32; 2];
+                    for (i, (q, &v)) in acts.quants[at..at + 32].iter_mut().zip(values).enumerate() {
+                        // |v · inverse| ≤ 127 up to rounding; `as` saturates what rounding adds.
+                        *q = (v * inverse).round_ties_even() as i8;
+                        sums[i / 16] += i32::from(*q);
+                    }
+                    acts.scales[tile.first * subs + j * tile.rows + r] = scale;
+                    let at = (tile.index * subs + j) * 16 + r;
+                    acts.half_sums[at] = scale * sums[0] as f32;
+                    acts.half_sums[at + 8] = scale * sums[1] as f32;
+                }
             }
-            acts.scales.push(scale);
-            acts.half_sums
-                .push([scale * sums[0] as f32, scale * sums[1] as f32]);
         }
         acts
     }
 
-    /// Row `row`'s 32 quants of sub-block `sub`.
-    #[inline(always)]
-    fn block(&self, row: usize, sub: usize) -> &[i8] {
-        &self.quants[row * self.k + 32 * sub..][..32]
+    /// The tiles, in row order.
+    pub(super) fn tiles(&self) -> &[Tile] {
+        &self.tiles
     }
 
-    /// Index of row `row`'s sub-block `sub` in `scales` and `half_sums`.
-    #[inline(always)]
-    fn at(&self, row: usize, sub: usize) -> usize {
-        row * self.k / 32 + sub
+    fn subs(&self) -> usize {
+        self.k / 32
     }
 
-    fn rows(&self) -> usize {
-        self.quants.len() / self.k
+    /// The 32 quants of row `first + r` of `tile`, sub-block `sub`.
+    #[inline(always)]
+    fn block(&self, tile: Tile, sub: usize, r: usize) -> &[i8] {
+        &self.quants[tile.first * self.k + (sub * tile.rows + r) * 32..][..32]
+    }
+
+    /// The scale of row `first + r` of `tile`, sub-block `sub`.
+    #[inline(always)]
+    fn scale(&self, tile: Tile, sub: usize, r: usize) -> f32 {
+        self.scales[tile.first * self.subs() + sub * tile.rows + r]
+    }
+
+    /// The scaled sums of `tile`'s rows in sub-block `sub`: half 0 in lanes 0..8, half 1 in
+    /// lanes 8..16, one lane per row (zero past the tile's rows).
+    #[inline(always)]
+    fn half_sums(&self, tile: Tile, sub: usize) -> &[f32] {
+        &self.half_sums[(tile.index * self.subs() + sub) * 16..][..16]
+    }
+
+    /// Where sub-block `sub` of `tile` starts in each array, unchecked (the SIMD loops' form of
+    /// [`Activations::block`], [`Activations::scale`] and [`Activations::half_sums`]: the rows'
+    /// quants are 32 apart, their scales consecutive).
+    ///
+    /// # Safety
+    /// `tile` is one of [`Activations::tiles`] and `sub < k / 32`.
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn pointers(&self, tile: Tile, sub: usize) -> (*const i8, *const f32, *const f32) {
+        let subs = self.subs();
+        (
+            self.quants.as_ptr().add(tile.first * self.k + sub * tile.rows * 32),
+            self.scales.as_ptr().add(tile.first * subs + sub * tile.rows),
+            self.half_sums.as_ptr().add((tile.index * subs + sub) * 16),
+        )
     }
 }
 
-/// The f32 term of a sub-block that is not the integer dot: `Σ_h (min[h] − Z·scale[h])·s·Σ a`.
+/// The coefficients of a sub-block's two halves' scaled activation sums in its result:
+/// `min[h] − Z·scale[h]` (none when the format has neither a min nor a zero).
 #[inline(always)]
-fn offset<F: Format>(scales: &super::format::Scales, half_sums: [f32; 2]) -> f32 {
+fn offsets<F: Format>(scales: &super::format::Scales) -> Option<[f32; 2]> {
     if !F::HAS_MIN && F::ZERO == 0 {
-        return 0.0;
+        return None;
     }
     let zero = F::ZERO as f32;
-    if F::SPLIT {
-        (scales.min[0] - zero * scales.scale[0]) * half_sums[0]
-            + (scales.min[1] - zero * scales.scale[1]) * half_sums[1]
-    } else {
-        (scales.min[0] - zero * scales.scale[0]) * (half_sums[0] + half_sums[1])
-    }
+    Some([
+        scales.min[0] - zero * scales.scale[0],
+        scales.min[1] - zero * scales.scale[1],
+    ])
 }
 
 /// Writes `y[r][column + i] = x_r · W_i` for the weight rows `rows` (each `row_bytes` of `F`
@@ -103,34 +171,26 @@ pub(super) unsafe fn columns<F: Format>(
     n: usize,
     column: usize,
 ) {
-    let m = acts.rows();
     let mut out = [0.0f32; MAX_ROWS];
-    for (i, row) in rows.chunks_exact(row_bytes).enumerate() {
-        let mut first = 0;
-        while first < m {
-            let tile = match m - first {
-                left if left >= 8 => 8,
-                left if left >= 4 => 4,
-                left if left >= 2 => 2,
-                _ => 1,
-            };
+    // Tiles outside, weight rows inside: a tile's activations (≤ 8 rows) stay in L1 while the
+    // task's weight rows come again from L2. The other order streamed every tile past each
+    // weight row: a 512-token prompt's activations (~300 KB) from L2 once per row.
+    for &tile in acts.tiles() {
+        for (i, row) in rows.chunks_exact(row_bytes).enumerate() {
             match isa {
                 #[cfg(target_arch = "x86_64")]
-                Isa::Avx2 | Isa::Avx512Vnni => {
-                    simd_rows::<F>(isa, tile, row, acts, first, &mut out)
-                }
-                _ => portable_rows::<F>(row, acts, first, &mut out[..tile]),
+                Isa::Avx2 | Isa::Avx512Vnni => simd_rows::<F>(isa, tile, row, acts, &mut out),
+                _ => portable_rows::<F>(row, acts, tile, &mut out[..tile.rows]),
             }
-            for (r, &value) in out[..tile].iter().enumerate() {
-                *y.add((first + r) * n + column + i) = value;
+            for (r, &value) in out[..tile.rows].iter().enumerate() {
+                *y.add((tile.first + r) * n + column + i) = value;
             }
-            first += tile;
         }
     }
 }
 
-/// The portable kernel, the reference of the others: `out[r] = x_{first + r} · row`.
-fn portable_rows<F: Format>(row: &[u8], acts: &Activations, first: usize, out: &mut [f32]) {
+/// The portable kernel, the reference of the others: `out[r] = x_{tile.first + r} · row`.
+fn portable_rows<F: Format>(row: &[u8], acts: &Activations, tile: Tile, out: &mut [f32]) {
     out.fill(0.0);
     for (b, block) in row.chunks_exact(F::BYTES).enumerate() {
         // SAFETY: the software conversion runs everywhere.
@@ -139,10 +199,10 @@ fn portable_rows<F: Format>(row: &[u8], acts: &Activations, first: usize, out: &
             let scales = F::scales(&header, j);
             let quants = F::quants(block, j);
             let sub = b * F::SUBS + j;
+            let sums = acts.half_sums(tile, sub);
             for (r, out) in out.iter_mut().enumerate() {
-                let a = acts.block(first + r, sub);
                 let mut dot = [0i32; 2];
-                for (i, (&q, &a)) in quants.iter().zip(a).enumerate() {
+                for (i, (&q, &a)) in quants.iter().zip(acts.block(tile, sub, r)).enumerate() {
                     let q = if F::SIGNED {
                         i32::from(q as i8)
                     } else {
@@ -150,39 +210,35 @@ fn portable_rows<F: Format>(row: &[u8], acts: &Activations, first: usize, out: &
                     };
                     dot[i / 16] += q * i32::from(a);
                 }
-                let at = acts.at(first + r, sub);
-                let s = acts.scales[at];
-                let dot = if F::SPLIT {
-                    scales.scale[0] * s * dot[0] as f32 + scales.scale[1] * s * dot[1] as f32
-                } else {
-                    scales.scale[0] * s * (dot[0] + dot[1]) as f32
-                };
-                *out += dot + offset::<F>(&scales, acts.half_sums[at]);
+                let s = acts.scale(tile, sub, r);
+                *out += scales.scale[0] * s * dot[0] as f32 + scales.scale[1] * s * dot[1] as f32;
+                if let Some(c) = offsets::<F>(&scales) {
+                    *out += c[0] * sums[r] + c[1] * sums[8 + r];
+                }
             }
         }
     }
 }
 
-/// One of the SIMD paths for a tile of `tile` rows (8, 4, 2 or 1).
+/// One of the SIMD paths for a tile of 8, 4, 2 or 1 rows.
 ///
 /// # Safety
 /// `isa` (AVX2 or AVX-512 VNNI) runs on this CPU.
 #[cfg(target_arch = "x86_64")]
 unsafe fn simd_rows<F: Format>(
     isa: Isa,
-    tile: usize,
+    tile: Tile,
     row: &[u8],
     acts: &Activations,
-    first: usize,
     out: &mut [f32; MAX_ROWS],
 ) {
     macro_rules! tiles {
         ($path:ident) => {
-            match tile {
-                8 => $path::rows::<F, 8>(row, acts, first, out),
-                4 => $path::rows::<F, 4>(row, acts, first, out),
-                2 => $path::rows::<F, 2>(row, acts, first, out),
-                _ => $path::rows::<F, 1>(row, acts, first, out),
+            match tile.rows {
+                8 => $path::rows::<F, 8>(row, acts, tile, out),
+                4 => $path::rows::<F, 4>(row, acts, tile, out),
+                2 => $path::rows::<F, 2>(row, acts, tile, out),
+                _ => $path::rows::<F, 1>(row, acts, tile, out),
             }
         };
     }
@@ -194,7 +250,9 @@ unsafe fn simd_rows<F: Format>(
 }
 
 /// A SIMD path: the same loop for AVX2 and AVX-512 VNNI, apart from the features it is compiled
-/// for and the instruction that forms the 8 partial dot products (`$dot`).
+/// for and the instruction that forms the 8 partial dot products (`$dot`). Per sub-block and row
+/// it is a dot, a conversion, a multiply of the sub-block's scales by the row's (a broadcast
+/// load) and an FMA; the offsets of all the tile's rows take one FMA per half.
 #[cfg(target_arch = "x86_64")]
 macro_rules! simd_path {
     ($name:ident, $features:literal, $dot:ident) => {
@@ -202,19 +260,19 @@ macro_rules! simd_path {
             use std::arch::x86_64::*;
 
             use super::super::format::{F16c, Format};
-            use super::{offset, Activations, MAX_ROWS};
+            use super::{offsets, Activations, Tile, MAX_ROWS};
             use crate::compute::cpu::vmath::avx2::hsum;
 
-            /// `out[r] = x_{first + r} · row` for `r < R`.
+            /// `out[r] = x_{tile.first + r} · row` for `r < R` (`R` = `tile.rows`).
             #[target_feature(enable = $features)]
             pub(super) unsafe fn rows<F: Format, const R: usize>(
                 row: &[u8],
                 acts: &Activations,
-                first: usize,
+                tile: Tile,
                 out: &mut [f32; MAX_ROWS],
             ) {
                 let mut acc = [_mm256_setzero_ps(); R];
-                let mut offsets = [0.0f32; R];
+                let mut offset = _mm256_setzero_ps();
                 for (b, block) in row.chunks_exact(F::BYTES).enumerate() {
                     let header = F::header::<F16c>(block);
                     for j in 0..F::SUBS {
@@ -226,30 +284,36 @@ macro_rules! simd_path {
                         } else {
                             quants
                         };
-                        let sub = b * F::SUBS + j;
+                        let weight_scale = if F::SPLIT {
+                            _mm256_setr_m128(
+                                _mm_set1_ps(scales.scale[0]),
+                                _mm_set1_ps(scales.scale[1]),
+                            )
+                        } else {
+                            _mm256_set1_ps(scales.scale[0])
+                        };
+                        // SAFETY: `tile` is one of the activations' and `sub` one of the row's
+                        // sub-blocks, whose count the call checked equals the activations'.
+                        let (quants_at, scales_at, sums) = acts.pointers(tile, b * F::SUBS + j);
                         for r in 0..R {
-                            let a = _mm256_loadu_si256(acts.block(first + r, sub).as_ptr().cast());
+                            let a = _mm256_loadu_si256(quants_at.add(32 * r).cast());
                             let a = if F::SIGNED {
                                 _mm256_sign_epi8(a, quants)
                             } else {
                                 a
                             };
-                            let at = acts.at(first + r, sub);
-                            let s = *acts.scales.get_unchecked(at);
-                            let factor = if F::SPLIT {
-                                _mm256_setr_m128(
-                                    _mm_set1_ps(scales.scale[0] * s),
-                                    _mm_set1_ps(scales.scale[1] * s),
-                                )
-                            } else {
-                                _mm256_set1_ps(scales.scale[0] * s)
-                            };
                             let dot = _mm256_cvtepi32_ps(super::$dot(unsigned, a));
-                            acc[r] = _mm256_fmadd_ps(dot, factor, acc[r]);
-                            offsets[r] += offset::<F>(&scales, *acts.half_sums.get_unchecked(at));
+                            let row_scale = _mm256_broadcast_ss(&*scales_at.add(r));
+                            acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(weight_scale, row_scale), acc[r]);
+                        }
+                        if let Some(c) = offsets::<F>(&scales) {
+                            offset = _mm256_fmadd_ps(_mm256_set1_ps(c[0]), _mm256_loadu_ps(sums), offset);
+                            offset = _mm256_fmadd_ps(_mm256_set1_ps(c[1]), _mm256_loadu_ps(sums.add(8)), offset);
                         }
                     }
                 }
+                let mut offsets = [0.0f32; 8];
+                _mm256_storeu_ps(offsets.as_mut_ptr(), offset);
                 for r in 0..R {
                     out[r] = hsum(acc[r]) + offsets[r];
                 }
@@ -257,7 +321,6 @@ macro_rules! simd_path {
         }
     };
 }
-
 /// The 8 sums of 4 products `u_i · a_i` (unsigned by signed bytes) with AVX2.
 #[cfg(target_arch = "x86_64")]
 #[inline]
