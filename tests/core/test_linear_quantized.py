@@ -46,7 +46,7 @@ def test_rows_dequantize_bit_exactly_as_gguf_does(name: str) -> None:
 
 
 @pytest.mark.parametrize("name", FORMATS)
-@pytest.mark.parametrize("m", [1, 3, 8, 13])
+@pytest.mark.parametrize("m", [1, 3, 8, 13, 70])
 def test_every_kernel_is_within_the_activation_rounding_of_the_float_product(name: str, m: int) -> None:
     k, n = 512, 37
     raw = random_rows(name, n, k, seed=m)

@@ -49,6 +49,14 @@ use crate::store::dtype::{KvDtype, KvElement};
 use kernels::{max_rows, panels_for, Ahead, MAX_TILE, PANEL};
 use quant::{QuantFormat, QuantMatrix};
 
+/// Rows of `x` from which a quantized weight's product runs on dequantized f32 panels (see
+/// `Linear::forward_dequantized`).
+const DEQUANTIZED_FROM_ROWS: usize = 64;
+
+/// f32 weights one chunk of the dequantized path holds: 16 MB, so a 262,144-token lm_head is
+/// never dequantized whole.
+const DEQUANTIZED_CHUNK: usize = 1 << 22;
+
 /// The instruction sets the dense (f32, f16, bf16) tiles are written for.
 pub const ISAS: [Isa; 3] = [Isa::Avx512, Isa::Avx2, Isa::Portable];
 
@@ -203,20 +211,6 @@ impl Linear {
 
     /// [`Linear::forward`] on a chosen instruction set.
     pub fn forward_with(&self, isa: Isa, x: &[f32], m: usize, y: &mut [f32]) -> Result<()> {
-        match &self.weight {
-            Weight::Dense(panels) => self.forward_dense(panels, isa, x, m, y),
-            Weight::Quantized(matrix) => matrix.forward_with(isa, x, m, y),
-        }
-    }
-
-    fn forward_dense(
-        &self,
-        panels: &Panels,
-        isa: Isa,
-        x: &[f32],
-        m: usize,
-        y: &mut [f32],
-    ) -> Result<()> {
         let (k, n) = (self.in_features, self.out_features);
         if Some(x.len()) != m.checked_mul(k) || Some(y.len()) != m.checked_mul(n) {
             return Err(Error::Shape(format!(
@@ -225,24 +219,102 @@ impl Linear {
                 y.len()
             )));
         }
-        isa.check_for("linear", &ISAS)?;
-        if m == 0 {
-            return Ok(());
-        }
-        let run = Run {
-            isa,
-            x: &interleave(x, m, k, max_rows(isa)),
-            m,
-            k,
-            n,
-            y: SharedOut(y.as_mut_ptr()),
-        };
-        match panels {
-            Panels::F32(w) => run.all(w),
-            Panels::F16(w) => run.all(w),
-            Panels::Bf16(w) => run.all(w),
+        match &self.weight {
+            Weight::Dense(panels) => {
+                isa.check_for("linear", &ISAS)?;
+                match panels {
+                    Panels::F32(w) => multiply(w, k, n, isa, x, m, y, n),
+                    Panels::F16(w) => multiply(w, k, n, isa, x, m, y, n),
+                    Panels::Bf16(w) => multiply(w, k, n, isa, x, m, y, n),
+                }
+            }
+            Weight::Quantized(matrix) if m >= DEQUANTIZED_FROM_ROWS => {
+                isa.check_for("quantized linear", &quant::ISAS)?;
+                forward_dequantized(matrix, isa, x, m, y, DEQUANTIZED_CHUNK)
+            }
+            Weight::Quantized(matrix) => matrix.forward_with(isa, x, m, y),
         }
     }
+}
+
+/// `y = x · W` for packed f32/f16/bf16 panels of a `[k, n]` weight, row `r` of the result at
+/// `y[r · y_stride ..][.. n]` (`y_stride ≥ n`: the columns of a wider output), the shapes and
+/// `isa` checked by the caller.
+#[allow(clippy::too_many_arguments)]
+fn multiply<T: KvElement>(
+    packed: &[T],
+    k: usize,
+    n: usize,
+    isa: Isa,
+    x: &[f32],
+    m: usize,
+    y: &mut [f32],
+    y_stride: usize,
+) -> Result<()> {
+    debug_assert!(m == 0 || y.len() >= (m - 1) * y_stride + n);
+    if m == 0 {
+        return Ok(());
+    }
+    let run = Run {
+        isa,
+        x: &interleave(x, m, k, max_rows(isa)),
+        m,
+        k,
+        n,
+        y: SharedOut(y.as_mut_ptr()),
+        y_stride,
+    };
+    run.all(packed)
+}
+
+/// A quantized weight's product for many rows of `x` (a prompt), the shapes and `isa` checked
+/// by the caller: the weight dequantized, chunk by chunk of output rows, straight into f32
+/// panels (in parallel, a panel per task) and multiplied by the dense tiles, which are near the
+/// FMA peak there, while the int8 products decode each weight block once per tile of 8 rows.
+/// At most `chunk_floats` dequantized weights are held at once.
+fn forward_dequantized(
+    matrix: &QuantMatrix,
+    isa: Isa,
+    x: &[f32],
+    m: usize,
+    y: &mut [f32],
+    chunk_floats: usize,
+) -> Result<()> {
+    let (k, n) = (matrix.in_features(), matrix.out_features());
+    // The dense tiles' counterpart of the quantized path's instruction set.
+    let dense_isa = match isa {
+        Isa::Avx512Vnni => Isa::Avx512,
+        other => other,
+    };
+    // Whole panels per chunk, so a chunk's columns start on a panel.
+    let chunk = (chunk_floats / k / PANEL).max(1) * PANEL;
+    let mut panels = vec![0.0f32; chunk.min(n.next_multiple_of(PANEL)) * k];
+    let pool = pool()?;
+    for start in (0..n).step_by(chunk) {
+        let count = chunk.min(n - start);
+        let packed = &mut panels[..count.div_ceil(PANEL) * PANEL * k];
+        pool.install(|| {
+            packed
+                .par_chunks_mut(PANEL * k)
+                .enumerate()
+                .try_for_each_init(
+                    || vec![0.0f32; k],
+                    |row, (p, panel)| {
+                        panel.fill(0.0);
+                        let first = start + p * PANEL;
+                        for j in 0..PANEL.min(start + count - first) {
+                            matrix.dequantize_rows(&[first + j], row)?;
+                            for (kk, &value) in row.iter().enumerate() {
+                                panel[kk * PANEL + j] = value;
+                            }
+                        }
+                        Ok::<(), Error>(())
+                    },
+                )
+        })?;
+        multiply(packed, k, count, dense_isa, x, m, &mut y[start..], n)?;
+    }
+    Ok(())
 }
 
 impl Panels {
@@ -300,6 +372,7 @@ struct Run<'a> {
     k: usize,
     n: usize,
     y: SharedOut,
+    y_stride: usize,
 }
 
 impl Run<'_> {
@@ -425,7 +498,7 @@ impl Run<'_> {
             unsafe {
                 std::ptr::copy_nonoverlapping(
                     src.as_ptr(),
-                    self.y.0.add((row0 + r) * self.n + col0 + first),
+                    self.y.0.add((row0 + r) * self.y_stride + col0 + first),
                     count,
                 )
             };

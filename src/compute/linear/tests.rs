@@ -186,3 +186,45 @@ fn avx512_runs_when_the_cpu_has_it_and_matches_portable() {
         }
     }
 }
+
+#[test]
+fn a_quantized_weight_many_rows_deep_is_the_float_product_of_its_dequantized_rows() {
+    // Q8_0 rows of 64 weights: scale 1/64, quants from the test values.
+    let (k, n, m) = (64, 37, DEQUANTIZED_FROM_ROWS + 3);
+    let mut bytes = Vec::new();
+    for (i, v) in values(n * k, 9).into_iter().enumerate() {
+        if i % 32 == 0 {
+            bytes.extend(f16::from_f32(1.0 / 64.0).to_le_bytes());
+        }
+        bytes.push((v * 127.0) as i8 as u8);
+    }
+    let matrix = QuantMatrix::new(k, vec![(QuantFormat::Q8_0, bytes.clone())]).unwrap();
+    let linear = Linear::quantized(k, vec![(QuantFormat::Q8_0, bytes)]).unwrap();
+    let mut w = vec![0.0; n * k];
+    linear
+        .dequantize_rows(&(0..n).collect::<Vec<_>>(), &mut w)
+        .unwrap();
+    let x = values(m * k, 10);
+    // W as `[k, n]` for the reference; f32 sums of 64 terms: within 1e-5 of |x|·|w|.
+    let wt: Vec<f32> = (0..k * n).map(|i| w[(i % n) * k + i / n]).collect();
+    let exact = reference(&x, &wt, m, k, n, KvDtype::F32);
+    for isa in Isa::available_of(&quant::ISAS) {
+        // One chunk, and chunks of one panel each (a tail of 5 columns).
+        for chunk in [DEQUANTIZED_CHUNK, 16 * k] {
+            let mut y = vec![f32::NAN; m * n];
+            forward_dequantized(&matrix, isa, &x, m, &mut y, chunk).unwrap();
+            for (got, want) in y.iter().zip(&exact) {
+                assert!(
+                    (f64::from(*got) - want).abs() <= 1e-4,
+                    "{isa:?} chunk {chunk}: {got} vs {want}"
+                );
+            }
+        }
+        let mut y = vec![f32::NAN; m * n];
+        linear.forward_with(isa, &x, m, &mut y).unwrap();
+        assert!(y
+            .iter()
+            .zip(&exact)
+            .all(|(got, want)| (f64::from(*got) - want).abs() <= 1e-4));
+    }
+}

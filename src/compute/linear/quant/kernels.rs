@@ -81,7 +81,8 @@ impl Activations {
                     let inverse = if max > 0.0 { 127.0 / max } else { 0.0 };
                     let at = tile.first * k + (j * tile.rows + r) * 32;
                     let mut sums = [0i32; 2];
-                    for (i, (q, &v)) in acts.quants[at..at + 32].iter_mut().zip(values).enumerate() {
+                    for (i, (q, &v)) in acts.quants[at..at + 32].iter_mut().zip(values).enumerate()
+                    {
                         // |v · inverse| ≤ 127 up to rounding; `as` saturates what rounding adds.
                         *q = (v * inverse).round_ties_even() as i8;
                         sums[i / 16] += i32::from(*q);
@@ -135,8 +136,12 @@ impl Activations {
     unsafe fn pointers(&self, tile: Tile, sub: usize) -> (*const i8, *const f32, *const f32) {
         let subs = self.subs();
         (
-            self.quants.as_ptr().add(tile.first * self.k + sub * tile.rows * 32),
-            self.scales.as_ptr().add(tile.first * subs + sub * tile.rows),
+            self.quants
+                .as_ptr()
+                .add(tile.first * self.k + sub * tile.rows * 32),
+            self.scales
+                .as_ptr()
+                .add(tile.first * subs + sub * tile.rows),
             self.half_sums.as_ptr().add((tile.index * subs + sub) * 16),
         )
     }
@@ -304,11 +309,23 @@ macro_rules! simd_path {
                             };
                             let dot = _mm256_cvtepi32_ps(super::$dot(unsigned, a));
                             let row_scale = _mm256_broadcast_ss(&*scales_at.add(r));
-                            acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(weight_scale, row_scale), acc[r]);
+                            acc[r] = _mm256_fmadd_ps(
+                                dot,
+                                _mm256_mul_ps(weight_scale, row_scale),
+                                acc[r],
+                            );
                         }
                         if let Some(c) = offsets::<F>(&scales) {
-                            offset = _mm256_fmadd_ps(_mm256_set1_ps(c[0]), _mm256_loadu_ps(sums), offset);
-                            offset = _mm256_fmadd_ps(_mm256_set1_ps(c[1]), _mm256_loadu_ps(sums.add(8)), offset);
+                            offset = _mm256_fmadd_ps(
+                                _mm256_set1_ps(c[0]),
+                                _mm256_loadu_ps(sums),
+                                offset,
+                            );
+                            offset = _mm256_fmadd_ps(
+                                _mm256_set1_ps(c[1]),
+                                _mm256_loadu_ps(sums.add(8)),
+                                offset,
+                            );
                         }
                     }
                 }
