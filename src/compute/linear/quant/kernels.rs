@@ -18,6 +18,10 @@
 use super::format::{Format, SoftHalf};
 use crate::compute::cpu::Isa;
 
+/// 1.5·2²³: added to an f32 of magnitude < 2²² it leaves no fraction bits, so the sum is that
+/// value rounded to nearest even (the default rounding mode).
+const ROUNDING: f32 = 12_582_912.0;
+
 /// Activation rows one weight sub-block is decoded for at most.
 pub(super) const MAX_ROWS: usize = 8;
 
@@ -83,8 +87,10 @@ impl Activations {
                     let mut sums = [0i32; 2];
                     for (i, (q, &v)) in acts.quants[at..at + 32].iter_mut().zip(values).enumerate()
                     {
-                        // |v · inverse| ≤ 127 up to rounding; `as` saturates what rounding adds.
-                        *q = (v * inverse).round_ties_even() as i8;
+                        // Rounded to nearest even by adding and removing 1.5·2²³ (exact for
+                        // |v · inverse| ≤ 127): `round_ties_even` is a libm call per value on the
+                        // baseline target (2% of a decode step in perf). `as` saturates.
+                        *q = ((v * inverse + ROUNDING) - ROUNDING) as i8;
                         sums[i / 16] += i32::from(*q);
                     }
                     acts.scales[tile.first * subs + j * tile.rows + r] = scale;
@@ -108,7 +114,7 @@ impl Activations {
 
     /// The 32 quants of row `first + r` of `tile`, sub-block `sub`.
     #[inline(always)]
-    fn block(&self, tile: Tile, sub: usize, r: usize) -> &[i8] {
+    pub(super) fn block(&self, tile: Tile, sub: usize, r: usize) -> &[i8] {
         &self.quants[tile.first * self.k + (sub * tile.rows + r) * 32..][..32]
     }
 

@@ -298,3 +298,16 @@ fn every_f16_scale_converts_exactly() {
         }
     }
 }
+
+#[test]
+fn activations_round_to_nearest_even_like_ggml() {
+    // max |x| = 127, so the scale is 1 and each value is its own quant, ties to even.
+    let mut x = vec![0.0f32; 32];
+    x[..8].copy_from_slice(&[127.0, 0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.49]);
+    let acts = kernels::Activations::quantize(&x, 1, 32);
+    let tile = acts.tiles()[0];
+    assert_eq!(
+        &acts.block(tile, 0, 0)[..8],
+        &[127, 0, 2, 2, 0, -2, -2, 126]
+    );
+}
