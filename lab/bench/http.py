@@ -68,7 +68,7 @@ from pagedkv.cli import add_engine_arguments, engine_kwargs, positive_float, pos
 from pagedkv.errors import InvalidArgumentError, PagedKVError
 from pagedkv.traces import SHIPPED_TRACES, load_trace
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]
 PEERS = ("llama-server",)
 TARGET_OVERHEAD = 1.10
 BLOCK_SIZE = 16  # the engine's block size (EngineConfig's default, which add_engine_arguments keeps)

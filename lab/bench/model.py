@@ -45,7 +45,7 @@ PROMPT_TOKENS = 512
 BATCH_PROMPT_TOKENS = 40
 NEW_TOKENS = 64
 PRECISIONS = ("Q4_1", "F16", "F32")
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]
 MIB = 1 << 20
 
 

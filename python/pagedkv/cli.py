@@ -202,7 +202,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser, *, default_model: str 
         "--weight-dtype",
         default=DEFAULT_WEIGHT_DTYPE,
         choices=WEIGHT_DTYPES,
-        help=f"storage of the projections (default {DEFAULT_WEIGHT_DTYPE}; float32 doubles the bytes read per token)",
+        help=f"storage of the projections (default {DEFAULT_WEIGHT_DTYPE}; float32 doubles the bytes read per token; "
+        "auto runs a GGUF file's quantized tensors as shipped)",
     )
     parser.add_argument(
         "--eviction-policy",

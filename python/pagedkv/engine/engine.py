@@ -149,7 +149,8 @@ class Engine:
         built-in ``"tiny"`` (seeded random weights), a registry name such as ``"smollm2-135m"``, a
         ``.gguf`` file, or a Hugging Face Llama checkpoint directory, loaded tensor by tensor
         (:func:`pagedkv.loaders.load_model`) with its projections stored as ``weight_dtype``
-        ("float32", "float16" or "bfloat16"). Keyword arguments go to :class:`EngineConfig` or the
+        ("float32", "float16", "bfloat16", or "auto": a GGUF file's quantized tensors as shipped).
+        Keyword arguments go to :class:`EngineConfig` or the
         engine: ``kv_disk_path=DIR, kv_disk_bytes=N`` add a disk tier for this model (its
         identity: the config, a digest of the tensors as loaded, the weight and KV dtypes and the
         block size; a tier written for another is cleared). A directory's
