@@ -1,7 +1,14 @@
-//! Linear layers: `y[M, N] = x[M, K] · W[K, N]` with `W` stored in f32, f16 or bf16 and `x`, `y`
-//! and every sum in f32, on the attention thread pool.
+//! Linear layers: `y[M, N] = x[M, K] · W[K, N]` with `W` stored in f32, f16 or bf16, or kept in
+//! GGUF's quantized formats ([`quant`]), and `x`, `y` and every sum in f32, on the attention
+//! thread pool.
 //!
 //! Invariants:
+//! - A quantized weight's product runs the int8 kernels of [`quant`] below
+//!   `DEQUANTIZED_FROM_ROWS` rows of `x`; from there (a prompt) the weight is dequantized, chunk
+//!   by chunk of output rows, into f32 panels for the tiles below. Measured on Zen 4: SmolLM2's
+//!   gate projection (Q4_1, 576 × 1536) took 1,086 µs on the int8 path at 63 rows and 1,188 µs
+//!   dequantized at 64 (the crossover); a 512-token prompt ran at 323 tok/s on the int8 path and
+//!   516 dequantized (`python -m lab bench model --quick --weight-dtype auto`).
 //! - `W` is packed once, at construction, into panels of 16 columns: panel `p` holds
 //!   `W[k][16p + j]` at `p·K·16 + k·16 + j`, zero past column `N`. A tile reads each weight once
 //!   per `R` rows of `x` from one contiguous stream per panel, and never a padding column into `y`.
