@@ -219,13 +219,7 @@ impl Linear {
     /// [`Linear::forward`] on a chosen instruction set.
     pub fn forward_with(&self, isa: Isa, x: &[f32], m: usize, y: &mut [f32]) -> Result<()> {
         let (k, n) = (self.in_features, self.out_features);
-        if Some(x.len()) != m.checked_mul(k) || Some(y.len()) != m.checked_mul(n) {
-            return Err(Error::Shape(format!(
-                "linear [{k}, {n}] on {} inputs into {} outputs: expected {m} × {k} and {m} × {n}",
-                x.len(),
-                y.len()
-            )));
-        }
+        check_shapes(k, n, x, m, y)?;
         match &self.weight {
             Weight::Dense(panels) => {
                 isa.check_for("linear", &ISAS)?;
@@ -242,6 +236,18 @@ impl Linear {
             Weight::Quantized(matrix) => matrix.forward_with(isa, x, m, y),
         }
     }
+}
+
+/// `Shape` unless `x` holds `m` rows of `k` and `y` `m` rows of `n`.
+fn check_shapes(k: usize, n: usize, x: &[f32], m: usize, y: &[f32]) -> Result<()> {
+    if Some(x.len()) != m.checked_mul(k) || Some(y.len()) != m.checked_mul(n) {
+        return Err(Error::Shape(format!(
+            "linear [{k}, {n}] on {} inputs into {} outputs: expected {m} × {k} and {m} × {n}",
+            x.len(),
+            y.len()
+        )));
+    }
+    Ok(())
 }
 
 /// `y = x · W` for packed f32/f16/bf16 panels of a `[k, n]` weight, row `r` of the result at
@@ -362,9 +368,16 @@ fn interleave(x: &[f32], m: usize, k: usize, tile_rows: usize) -> Vec<f32> {
     tiles
 }
 
-/// `y`'s base pointer, shared by the tasks of one call.
+/// `y`'s base pointer, shared by the tasks of one call (here and in [`quant`]).
 #[derive(Clone, Copy)]
 struct SharedOut(*mut f32);
+
+impl SharedOut {
+    /// The pointer (a method, so closures capture the `Sync` wrapper, not its field).
+    fn get(self) -> *mut f32 {
+        self.0
+    }
+}
 
 // SAFETY: tasks write disjoint column ranges of `y` (see the module invariants), and the call
 // that owns `&mut y` waits for all of them.

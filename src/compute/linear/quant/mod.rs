@@ -22,6 +22,7 @@ mod kernels;
 
 use rayon::prelude::*;
 
+use super::{check_shapes, SharedOut};
 use crate::compute::cpu::{pool, Isa};
 use crate::error::{Error, Result};
 pub use format::QuantFormat;
@@ -189,13 +190,7 @@ impl QuantMatrix {
     /// [`QuantMatrix::forward`] on a chosen instruction set.
     pub fn forward_with(&self, isa: Isa, x: &[f32], m: usize, y: &mut [f32]) -> Result<()> {
         let (k, n) = (self.in_features, self.out_features);
-        if Some(x.len()) != m.checked_mul(k) || Some(y.len()) != m.checked_mul(n) {
-            return Err(Error::Shape(format!(
-                "linear [{k}, {n}] on {} inputs into {} outputs: expected {m} × {k} and {m} × {n}",
-                x.len(),
-                y.len()
-            )));
-        }
+        check_shapes(k, n, x, m, y)?;
         isa.check_for("quantized linear", &ISAS)?;
         if m == 0 {
             return Ok(());
@@ -235,22 +230,6 @@ impl QuantMatrix {
             }
         }
         tasks
-    }
-}
-
-/// `y`'s base pointer, shared by the tasks of one call.
-#[derive(Clone, Copy)]
-struct SharedOut(*mut f32);
-
-// SAFETY: tasks write disjoint columns of `y` (see the module invariants), and the call that owns
-// `&mut y` waits for all of them.
-unsafe impl Send for SharedOut {}
-unsafe impl Sync for SharedOut {}
-
-impl SharedOut {
-    /// The pointer (a method, so closures capture the `Sync` wrapper, not its field).
-    fn get(self) -> *mut f32 {
-        self.0
     }
 }
 
