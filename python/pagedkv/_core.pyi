@@ -37,6 +37,7 @@ __all__ = [
     "ReadBandwidthProbe",
     "set_num_threads",
     "get_num_threads",
+    "available_isas",
     "available_kernels",
     "default_isas",
     "measure_read_bandwidth",
@@ -663,7 +664,8 @@ def available_kernels() -> list[str]:
 
 def default_isas() -> list[tuple[str, str]]:
     """What the kernels run on by default: ``[("ceiling", ...), ("attention", ...), ("linear",
-    ...), ("quantized", ...)]`` (linear: float weights; quantized: GGUF-format weights). The
+    ...), ("quantized", ...), ("sampling", ...)]`` (linear: float weights; quantized: GGUF-format
+    weights). The
     ceiling is ``PAGEDKV_ISA`` ("avx512vnni", "avx512", "avx2" or "portable") when set, valid and
     available, else the best set this CPU has (read once per process); each family takes the
     best set it has kernels for, at most the ceiling."""

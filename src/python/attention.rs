@@ -80,7 +80,8 @@ fn available_kernels() -> Vec<&'static str> {
 }
 
 /// What each kernel family runs on by default: `{"ceiling": ..., "attention": ..., "linear":
-/// ..., "quantized": ...}` (linear: float weights; quantized: GGUF-format weights), the ceiling
+/// ..., "quantized": ..., "sampling": ...}` (linear: float weights; quantized: GGUF-format
+/// weights), the ceiling
 /// being `PAGEDKV_ISA` when set, valid and available, else the best set this CPU has (read once
 /// per process).
 #[pyfunction]
@@ -93,6 +94,7 @@ fn default_isas() -> Vec<(&'static str, &'static str)> {
             "quantized",
             crate::compute::linear::quant::default_isa().name(),
         ),
+        ("sampling", crate::compute::sampling::default_isa().name()),
     ]
 }
 

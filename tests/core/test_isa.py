@@ -17,6 +17,7 @@ from pagedkv._core import Linear, available_isas, available_kernels, available_l
 
 SETS = available_isas()
 QUANTIZED_SETS = Linear.quantized(32, [("q8_0", np.zeros((1, 34), np.uint8))]).kernels
+SAMPLING_SETS = available_linear_kernels()  # the sampler is compiled for the dense linear's sets
 
 CHILD = """
 import json, sys
@@ -54,6 +55,7 @@ def test_each_set_caps_every_family_and_computes_the_same_model(isa: str, tmp_pa
         "attention": expected_default(available_kernels(), isa),
         "linear": expected_default(available_linear_kernels(), isa),
         "quantized": expected_default(QUANTIZED_SETS, isa),
+        "sampling": expected_default(SAMPLING_SETS, isa),
     }
     _, best = run_under(SETS[0], tmp_path)
     np.testing.assert_allclose(result, best, rtol=0, atol=2e-4)
@@ -62,4 +64,5 @@ def test_each_set_caps_every_family_and_computes_the_same_model(isa: str, tmp_pa
 def test_an_unknown_set_leaves_the_best(tmp_path) -> None:
     defaults, _ = run_under("sse9", tmp_path)
     assert defaults == {"ceiling": SETS[0], "attention": available_kernels()[0],
-                        "linear": available_linear_kernels()[0], "quantized": QUANTIZED_SETS[0]}
+                        "linear": available_linear_kernels()[0], "quantized": QUANTIZED_SETS[0],
+                        "sampling": SAMPLING_SETS[0]}

@@ -54,6 +54,7 @@ pub fn exp_sub_sum(row: &mut [f32], max: f32) -> f32 {
 }
 
 /// The sum of `values`, in 32 lanes.
+#[inline(always)]
 pub fn sum(values: &[f32]) -> f32 {
     let mut lanes = [0.0f32; 32];
     let chunks = values.chunks_exact(32);
