@@ -1,4 +1,5 @@
-"""A real model end to end: pagedkv on SmolLM2-135M beside llama.cpp and transformers.
+"""A real model end to end: pagedkv on SmolLM2-135M (or Gemma 3 270M, ``--model``) beside llama.cpp
+and transformers.
 
 For pagedkv (``EngineCore`` stepped here, greedy, eos ignored, prefix caching off and random
 prompts so that nothing is shared) it measures single-request decode tokens/s, prompt tokens/s on
@@ -40,17 +41,19 @@ from pagedkv.loaders.registry import locate_registered
 from pagedkv.models import DEFAULT_WEIGHT_DTYPE, WEIGHT_DTYPES, LlamaConfig, LlamaModel
 from pagedkv.sampling import SamplingParams
 
-MODEL = "smollm2-135m"
+MODELS = ("smollm2-135m", "gemma3-270m")
 PROMPT_TOKENS = 512
 BATCH_PROMPT_TOKENS = 40
 NEW_TOKENS = 64
-PRECISIONS = ("Q4_1", "F16", "F32")
+
 REPO = Path(__file__).resolve().parents[2]
 MIB = 1 << 20
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON only on stdout (the table goes to stderr)")
+    parser.add_argument("--model", default=MODELS[0], choices=MODELS,
+                        help="the registry model (default smollm2-135m; gemma3-270m's peer is llama.cpp on its Q4_K_M file)")
     parser.add_argument("--weight-dtype", default=DEFAULT_WEIGHT_DTYPE, choices=WEIGHT_DTYPES,
                         help=f"storage of pagedkv's projections (default {DEFAULT_WEIGHT_DTYPE})")
     parser.add_argument("--quick", action="store_true", help="one round, batches 4 and 16 only, no peers unless --peers")
@@ -101,7 +104,16 @@ class Rates:
 
 def pagedkv_rates(model: LlamaModel, n: int, prompt_tokens: int, new_tokens: int, rng: np.random.Generator) -> Rates:
     """``n`` requests of random ``prompt_tokens``-token prompts generating ``new_tokens`` each."""
-    blocks = n * (-(-(prompt_tokens + new_tokens) // 16) + 1)
+    # Pages per request: the fewest that hold one whole request (a hybrid cache, Gemma 3's,
+    # spends pages on each of its groups), found by bisection on the spec's capacity.
+    spec, need = model.kv_spec(), prompt_tokens + new_tokens + 16
+    low, high = 0, 1
+    while spec.capacity_tokens(high, 16, 2048) < need:
+        low, high = high, 2 * high
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (low, middle) if spec.capacity_tokens(middle, 16, 2048) >= need else (middle, high)
+    blocks = n * high
     config = EngineConfig(num_blocks=blocks, block_size=16, max_num_seqs=max(n, 1),
                           max_num_batched_tokens=max(2048, n * prompt_tokens), enable_prefix_caching=False)
     core = EngineCore(PagedModelRunner(model), config)
@@ -132,9 +144,17 @@ def _run_json_lines(command: list[str]) -> list[dict]:
     return [json.loads(line) for line in result.stdout.splitlines() if line.startswith(("{", "["))]
 
 
-def llama_bench(peers: Path, precision: str, threads: int) -> dict[str, float]:
+def peer_files(model: str, peers: Path) -> dict[str, Path]:
+    """The GGUF files llama.cpp runs, by precision: SmolLM2's shipped Q4_1 and the F16 / F32 that
+    `make peers` requantizes; Gemma 3's shipped Q4_K_M file."""
+    if model == "gemma3-270m":
+        return {"Q4_K_M": locate_registered(model)}
+    return {precision: peers / "models" / f"smollm2-{precision}.gguf" for precision in ("Q4_1", "F16", "F32")}
+
+
+def llama_bench(peers: Path, gguf: Path, threads: int) -> dict[str, float]:
     """llama-bench pp512 and tg64, one repetition."""
-    rows = _run_json_lines([str(peers / "bin" / "llama-bench"), "-m", str(peers / "models" / f"smollm2-{precision}.gguf"),
+    rows = _run_json_lines([str(peers / "bin" / "llama-bench"), "-m", str(gguf),
                             "-p", str(PROMPT_TOKENS), "-n", str(NEW_TOKENS), "-r", "1", "-t", str(threads), "-o", "jsonl"])
     out = {}
     for row in rows:
@@ -142,7 +162,7 @@ def llama_bench(peers: Path, precision: str, threads: int) -> dict[str, float]:
     return out
 
 
-def llama_batched_bench(peers: Path, precision: str, threads: int, batches: tuple[int, ...]) -> dict[str, float]:
+def llama_batched_bench(peers: Path, gguf: Path, threads: int, batches: tuple[int, ...]) -> dict[str, float]:
     """llama-batched-bench S_TG (aggregate decode tokens/s) at each batch."""
     # Its cache is split evenly between the max(batches) sequences: room for 40 + 64 tokens each.
     context = max(batches) * (BATCH_PROMPT_TOKENS + NEW_TOKENS + 16)
@@ -150,7 +170,7 @@ def llama_batched_bench(peers: Path, precision: str, threads: int, batches: tupl
         [
             str(peers / "bin" / "llama-batched-bench"),
             "-m",
-            str(peers / "models" / f"smollm2-{precision}.gguf"),
+            str(gguf),
             "-c",
             str(context),
             "-b",
@@ -223,7 +243,7 @@ def run(args) -> int:
     table = sys.stderr if args.json else sys.stdout
     threads = pagedkv.get_num_threads()
 
-    model, _ = load_model(MODEL, weight_dtype=args.weight_dtype)
+    model, _ = load_model(args.model, weight_dtype=args.weight_dtype)
     config = model.config
     weight_dtype = model.weight_dtype  # the precision the products read
     decode_bytes = model.projection_nbytes
@@ -261,17 +281,18 @@ def run(args) -> int:
     if use_peers:
         peers = args.peers_dir
         peers_info["llama.cpp"] = (peers / "version.txt").read_text().strip() if (peers / "version.txt").exists() else None
-        for precision in PRECISIONS:
+        for precision, path in peer_files(args.model, peers).items():
 
-            def llama_round(precision=precision) -> None:
+            def llama_round(precision=precision, path=path) -> None:
                 record(
                     f"llama.cpp {precision}",
-                    {**llama_bench(peers, precision, threads), **llama_batched_bench(peers, precision, threads, batches)},
+                    {**llama_bench(peers, path, threads), **llama_batched_bench(peers, path, threads, batches)},
                 )
 
             contenders.append((f"llama.cpp {precision}", llama_round))
-        gguf = locate_registered(MODEL)
-        for torch_threads in (1, 0):
+        gguf = locate_registered(args.model)
+        # transformers reads SmolLM2's GGUF (scripts/bench_transformers.py); Gemma 3 has no such peer.
+        for torch_threads in ((1, 0) if args.model == MODELS[0] else ()):
             peer = TransformersPeer(args.peers_venv, gguf, torch_threads, batches)
             transformers_peers.append(peer)
             name = f"transformers f32 {peer.info['threads']}t"
@@ -314,7 +335,7 @@ def run(args) -> int:
             if peer not in ("limits", f"pagedkv {weight_dtype}") and key in figs
         }
     report = {
-        "model": MODEL,
+        "model": args.model,
         "weight_dtype": weight_dtype,
         "threads": threads,
         "samples": samples,
@@ -337,7 +358,7 @@ def _print_table(report: dict, file) -> None:
     keys = list(figures[f"pagedkv {report['weight_dtype']}"])
     limits = figures["limits"]
     print(
-        f"SmolLM2-135M, {report['threads']} threads, medians of {report['samples']} round(s); "
+        f"{report['model']}, {report['threads']} threads, medians of {report['samples']} round(s); "
         f"bandwidth {limits['bandwidth_gbps']['median']:.1f} GB/s, FMA peak {limits['fma_peak_gflops']['median']:.0f} GFLOP/s "
         f"(load {limits['bandwidth_gbps']['load_avg']:.1f})",
         file=file,
