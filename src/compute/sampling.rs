@@ -207,27 +207,24 @@ unsafe fn sample_row_on(
 mod simd {
     use super::{sample_row, Bias, History, RowParams, Sampled, Scratch};
 
-    #[target_feature(enable = "avx512f,avx512bw,avx512vl,avx2,fma,f16c")]
-    pub(super) unsafe fn avx512(
-        row: &[f32],
-        p: &RowParams,
-        history: &History<'_>,
-        bias: &Bias<'_>,
-        s: &mut Scratch,
-    ) -> Sampled {
-        sample_row(row, p, history, bias, s)
+    /// [`sample_row`] compiled for `$features` as `$name`.
+    macro_rules! compiled_for {
+        ($name:ident, $features:literal) => {
+            #[target_feature(enable = $features)]
+            pub(super) unsafe fn $name(
+                row: &[f32],
+                p: &RowParams,
+                history: &History<'_>,
+                bias: &Bias<'_>,
+                s: &mut Scratch,
+            ) -> Sampled {
+                sample_row(row, p, history, bias, s)
+            }
+        };
     }
 
-    #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn avx2(
-        row: &[f32],
-        p: &RowParams,
-        history: &History<'_>,
-        bias: &Bias<'_>,
-        s: &mut Scratch,
-    ) -> Sampled {
-        sample_row(row, p, history, bias, s)
-    }
+    compiled_for!(avx512, "avx512f,avx512bw,avx512vl,avx2,fma,f16c");
+    compiled_for!(avx2, "avx2,fma,f16c");
 }
 
 #[inline(always)]

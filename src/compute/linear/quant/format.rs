@@ -102,15 +102,15 @@ pub(crate) trait Format {
     /// Bytes per block.
     const BYTES: usize;
     /// Sub-blocks of 32 per block.
-    const SUBS: usize;
+    const SUBS: usize = 1;
     /// Subtracted from every quant before scaling.
-    const ZERO: i32;
+    const ZERO: i32 = 0;
     /// The quants are signed bytes (Q8_0).
-    const SIGNED: bool;
+    const SIGNED: bool = false;
     /// The format adds a min (Q4_1, Q4_K).
-    const HAS_MIN: bool;
+    const HAS_MIN: bool = false;
     /// The two halves of a sub-block have their own scale (Q6_K).
-    const SPLIT: bool;
+    const SPLIT: bool = false;
     /// What a block's header decodes to once for all its sub-blocks.
     type Header: Copy;
 
@@ -261,11 +261,7 @@ pub(crate) struct Q8_0;
 
 impl Format for Q8_0 {
     const BYTES: usize = 34;
-    const SUBS: usize = 1;
-    const ZERO: i32 = 0;
     const SIGNED: bool = true;
-    const HAS_MIN: bool = false;
-    const SPLIT: bool = false;
     type Header = f32;
 
     #[inline(always)]
@@ -295,11 +291,7 @@ pub(crate) struct Q4_0;
 
 impl Format for Q4_0 {
     const BYTES: usize = 18;
-    const SUBS: usize = 1;
     const ZERO: i32 = 8;
-    const SIGNED: bool = false;
-    const HAS_MIN: bool = false;
-    const SPLIT: bool = false;
     type Header = f32;
 
     #[inline(always)]
@@ -326,11 +318,7 @@ pub(crate) struct Q4_1;
 
 impl Format for Q4_1 {
     const BYTES: usize = 20;
-    const SUBS: usize = 1;
-    const ZERO: i32 = 0;
-    const SIGNED: bool = false;
     const HAS_MIN: bool = true;
-    const SPLIT: bool = false;
     type Header = Scales;
 
     #[inline(always)]
@@ -361,11 +349,7 @@ pub(crate) struct Q5_0;
 
 impl Format for Q5_0 {
     const BYTES: usize = 22;
-    const SUBS: usize = 1;
     const ZERO: i32 = 16;
-    const SIGNED: bool = false;
-    const HAS_MIN: bool = false;
-    const SPLIT: bool = false;
     type Header = f32;
 
     #[inline(always)]
@@ -402,10 +386,7 @@ pub(crate) struct Q4K;
 impl Format for Q4K {
     const BYTES: usize = 144;
     const SUBS: usize = 8;
-    const ZERO: i32 = 0;
-    const SIGNED: bool = false;
     const HAS_MIN: bool = true;
-    const SPLIT: bool = false;
     type Header = [Scales; 8];
 
     unsafe fn header<H: Half>(block: &[u8]) -> [Scales; 8] {
@@ -460,8 +441,6 @@ impl Format for Q6K {
     const BYTES: usize = 210;
     const SUBS: usize = 8;
     const ZERO: i32 = 32;
-    const SIGNED: bool = false;
-    const HAS_MIN: bool = false;
     const SPLIT: bool = true;
     type Header = [f32; 16];
 
