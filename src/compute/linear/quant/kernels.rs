@@ -81,7 +81,10 @@ impl Activations {
                 let row = &x[(tile.first + r) * k..][..k];
                 for (j, values) in row.chunks_exact(32).enumerate() {
                     let max = values.iter().fold(0.0f32, |max, v| max.max(v.abs()));
-                    let scale = max / 127.0;
+                    // `max` skips NaN; a block holding one gets a NaN scale, so the NaN reaches
+                    // every output it touches, as in a float product, instead of becoming 0.
+                    let nan = values.iter().any(|v| v.is_nan());
+                    let scale = if nan { f32::NAN } else { max / 127.0 };
                     let inverse = if max > 0.0 { 127.0 / max } else { 0.0 };
                     let at = tile.first * k + (j * tile.rows + r) * 32;
                     let mut sums = [0i32; 2];

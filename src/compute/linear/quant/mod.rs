@@ -108,7 +108,14 @@ impl QuantMatrix {
                     format.block_elems()
                 )));
             }
-            let row_bytes = in_features / format.block_elems() * format.block_bytes();
+            // Checked: a row longer than memory could hold is refused, not wrapped.
+            let row_bytes = (in_features / format.block_elems())
+                .checked_mul(format.block_bytes())
+                .ok_or_else(|| {
+                    Error::Shape(format!(
+                        "rows of {in_features} weights do not fit in memory"
+                    ))
+                })?;
             if bytes.is_empty() || !bytes.len().is_multiple_of(row_bytes) {
                 return Err(Error::Shape(format!(
                     "{} bytes are not whole {} rows of {in_features} weights ({row_bytes} bytes each)",

@@ -311,3 +311,26 @@ fn activations_round_to_nearest_even_like_ggml() {
         &[127, 0, 2, 2, 0, -2, -2, 126]
     );
 }
+
+#[test]
+fn a_nan_activation_reaches_the_outputs_and_huge_rows_are_refused() {
+    let k = 64;
+    let matrix = QuantMatrix::new(
+        k,
+        vec![(QuantFormat::Q4_1, random_rows(QuantFormat::Q4_1, 3, k, 2))],
+    )
+    .unwrap();
+    let mut x = vec![0.5f32; 2 * k];
+    x[40] = f32::NAN; // row 0, second block
+    for isa in Isa::available_of(&ISAS) {
+        let mut y = vec![0.0; 2 * 3];
+        matrix.forward_with(isa, &x, 2, &mut y).unwrap();
+        assert!(y[..3].iter().all(|v| v.is_nan()), "{isa:?}: {y:?}");
+        assert!(y[3..].iter().all(|v| v.is_finite()), "{isa:?}: {y:?}");
+    }
+    let row = random_rows(QuantFormat::Q6K, 1, 256, 3);
+    assert!(matches!(
+        QuantMatrix::new(usize::MAX / 256 * 256, vec![(QuantFormat::Q6K, row)]),
+        Err(Error::Shape(_))
+    ));
+}
