@@ -15,8 +15,8 @@ use super::{pool, vmath, Isa};
 use crate::error::{ensure, Result};
 use crate::store::buffer;
 
-/// The instruction sets the probes are written for.
-const PROBES: [Isa; 2] = [Isa::Avx2, Isa::Portable];
+/// The instruction sets the bandwidth sweep is written for.
+const SWEEP_PROBES: [Isa; 2] = [Isa::Avx2, Isa::Portable];
 
 /// Bytes each task sweeps: large enough to amortise scheduling, small enough to balance.
 const CHUNK_BYTES: usize = 1 << 20;
@@ -48,7 +48,7 @@ impl ReadProbe {
 
     /// Reads the whole buffer once on the worker pool; returns GB/s (10^9 bytes per second).
     pub fn sweep(&self) -> Result<f64> {
-        let isa = Isa::default_of(&PROBES);
+        let isa = Isa::default_of(&SWEEP_PROBES);
         let sum = |chunk: &[f32]| -> f32 {
             match isa {
                 // SAFETY: the default is available on this CPU.
@@ -76,8 +76,17 @@ pub fn measure_read_bandwidth(nbytes: usize, sweeps: usize) -> Result<Vec<f64>> 
 /// f32 FLOP/s (an FMA counts 2) of every pool thread running a register-only FMA loop with
 /// enough independent accumulators to hide the FMA latency, in GFLOP/s.
 pub fn measure_fma_peak() -> Result<f64> {
+    fma_peak_on(Isa::default_of(&FMA_PROBES))
+}
+
+/// The FMA loop's instruction sets: the widest vectors the CPU has count (AVX-512 doubles the
+/// FLOPs per instruction; on Zen 4, which splits them in two, the peak stays AVX2's).
+const FMA_PROBES: [Isa; 3] = [Isa::Avx512, Isa::Avx2, Isa::Portable];
+
+/// [`measure_fma_peak`] on `isa` (`InvalidArgument` if this CPU lacks it).
+fn fma_peak_on(isa: Isa) -> Result<f64> {
     const ITERATIONS: usize = 2_000_000;
-    let isa = Isa::default_of(&PROBES);
+    isa.check_for("the FMA probe", &FMA_PROBES)?;
     let pool = pool::pool()?;
     let threads = pool.current_num_threads();
     let start = Instant::now();
@@ -87,6 +96,8 @@ pub fn measure_fma_peak() -> Result<f64> {
             .with_max_len(1)
             .map(|_| match isa {
                 // SAFETY: the default is available on this CPU.
+                #[cfg(target_arch = "x86_64")]
+                Isa::Avx512 => unsafe { fma_loop_avx512(ITERATIONS) },
                 #[cfg(target_arch = "x86_64")]
                 Isa::Avx2 => unsafe { fma_loop_avx2(ITERATIONS) },
                 _ => fma_loop(ITERATIONS),
@@ -137,6 +148,28 @@ unsafe fn fma_loop_avx2(iterations: usize) -> f64 {
     (iterations * 12 * 8 * 2) as f64
 }
 
+/// [`fma_loop`] on AVX-512F: 12 chains of 16 lanes.
+///
+/// # Safety
+/// AVX-512F must be available.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn fma_loop_avx512(iterations: usize) -> f64 {
+    use std::arch::x86_64::*;
+    let mut acc = [_mm512_set1_ps(1.0); 12];
+    let (a, b) = (
+        _mm512_set1_ps(std::hint::black_box(0.999_999)),
+        _mm512_set1_ps(std::hint::black_box(1e-7)),
+    );
+    for _ in 0..iterations {
+        for x in acc.iter_mut() {
+            *x = _mm512_fmadd_ps(*x, a, b);
+        }
+    }
+    std::hint::black_box(acc);
+    (iterations * 12 * 16 * 2) as f64
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -150,6 +183,14 @@ mod tests {
         assert!(sweeps.iter().all(|&gbps| gbps > 0.0 && gbps.is_finite()));
         let peak = measure_fma_peak().unwrap();
         assert!(peak > 0.0 && peak.is_finite());
+        for isa in Isa::available_of(&FMA_PROBES) {
+            let peak = fma_peak_on(isa).unwrap();
+            assert!(peak > 0.0 && peak.is_finite(), "{isa:?}");
+        }
+        assert!(FMA_PROBES
+            .into_iter()
+            .filter(|isa| !isa.available())
+            .all(|isa| fma_peak_on(isa).is_err()));
         assert!(ReadProbe::new(MIN_PROBE_BYTES - 1).is_err());
     }
 }
