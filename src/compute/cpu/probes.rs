@@ -126,49 +126,49 @@ fn fma_loop(iterations: usize) -> f64 {
     (iterations * 12 * 8 * 2) as f64
 }
 
-/// [`fma_loop`] on AVX2 + FMA.
-///
-/// # Safety
-/// AVX2 and FMA must be available.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn fma_loop_avx2(iterations: usize) -> f64 {
-    use std::arch::x86_64::*;
-    let mut acc = [_mm256_set1_ps(1.0); 12];
-    let (a, b) = (
-        _mm256_set1_ps(std::hint::black_box(0.999_999)),
-        _mm256_set1_ps(std::hint::black_box(1e-7)),
-    );
-    for _ in 0..iterations {
-        for x in acc.iter_mut() {
-            *x = _mm256_fmadd_ps(*x, a, b);
+/// [`fma_loop`] in `$vector` registers of `$lanes` lanes, compiled for `$features`: 12 chains.
+macro_rules! fma_loop_simd {
+    ($name:ident, $features:literal, $vector:ident, $lanes:literal, $set1:ident, $fmadd:ident) => {
+        /// [`fma_loop`] with explicit vectors.
+        ///
+        /// # Safety
+        /// The CPU has the features the function is compiled for.
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = $features)]
+        unsafe fn $name(iterations: usize) -> f64 {
+            use std::arch::x86_64::*;
+            let mut acc: [$vector; 12] = [$set1(1.0); 12];
+            let (a, b) = (
+                $set1(std::hint::black_box(0.999_999)),
+                $set1(std::hint::black_box(1e-7)),
+            );
+            for _ in 0..iterations {
+                for x in acc.iter_mut() {
+                    *x = $fmadd(*x, a, b);
+                }
+            }
+            std::hint::black_box(acc);
+            (iterations * 12 * $lanes * 2) as f64
         }
-    }
-    std::hint::black_box(acc);
-    (iterations * 12 * 8 * 2) as f64
+    };
 }
 
-/// [`fma_loop`] on AVX-512F: 12 chains of 16 lanes.
-///
-/// # Safety
-/// AVX-512F must be available.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn fma_loop_avx512(iterations: usize) -> f64 {
-    use std::arch::x86_64::*;
-    let mut acc = [_mm512_set1_ps(1.0); 12];
-    let (a, b) = (
-        _mm512_set1_ps(std::hint::black_box(0.999_999)),
-        _mm512_set1_ps(std::hint::black_box(1e-7)),
-    );
-    for _ in 0..iterations {
-        for x in acc.iter_mut() {
-            *x = _mm512_fmadd_ps(*x, a, b);
-        }
-    }
-    std::hint::black_box(acc);
-    (iterations * 12 * 16 * 2) as f64
-}
+fma_loop_simd!(
+    fma_loop_avx2,
+    "avx2,fma,f16c",
+    __m256,
+    8,
+    _mm256_set1_ps,
+    _mm256_fmadd_ps
+);
+fma_loop_simd!(
+    fma_loop_avx512,
+    "avx512f",
+    __m512,
+    16,
+    _mm512_set1_ps,
+    _mm512_fmadd_ps
+);
 
 #[cfg(test)]
 mod tests {

@@ -256,22 +256,30 @@ mod avx2 {
     }
 }
 
+/// The header of a format whose block starts with its one f16 scale and has no min (Q8_0,
+/// Q4_0, Q5_0): that scale, for both halves of its one sub-block.
+macro_rules! one_scale_first {
+    () => {
+        type Header = f32;
+
+        #[inline(always)]
+        unsafe fn header<H: Half>(block: &[u8]) -> f32 {
+            f16_at::<H>(block, 0)
+        }
+        #[inline(always)]
+        fn scales(d: &f32, _: usize) -> Scales {
+            plain(*d)
+        }
+    };
+}
+
 /// Q8_0: `d` (f16), then `qs[32]` (i8). Weight `i` = `d · qs[i]`.
 pub(crate) struct Q8_0;
 
 impl Format for Q8_0 {
     const BYTES: usize = 34;
     const SIGNED: bool = true;
-    type Header = f32;
-
-    #[inline(always)]
-    unsafe fn header<H: Half>(block: &[u8]) -> f32 {
-        f16_at::<H>(block, 0)
-    }
-    #[inline(always)]
-    fn scales(d: &f32, _: usize) -> Scales {
-        plain(*d)
-    }
+    one_scale_first!();
     fn quants(block: &[u8], _: usize) -> [u8; 32] {
         block[2..34]
             .try_into()
@@ -292,16 +300,7 @@ pub(crate) struct Q4_0;
 impl Format for Q4_0 {
     const BYTES: usize = 18;
     const ZERO: i32 = 8;
-    type Header = f32;
-
-    #[inline(always)]
-    unsafe fn header<H: Half>(block: &[u8]) -> f32 {
-        f16_at::<H>(block, 0)
-    }
-    #[inline(always)]
-    fn scales(d: &f32, _: usize) -> Scales {
-        plain(*d)
-    }
+    one_scale_first!();
     fn quants(block: &[u8], _: usize) -> [u8; 32] {
         nibbles16(&block[2..18])
     }
@@ -350,16 +349,7 @@ pub(crate) struct Q5_0;
 impl Format for Q5_0 {
     const BYTES: usize = 22;
     const ZERO: i32 = 16;
-    type Header = f32;
-
-    #[inline(always)]
-    unsafe fn header<H: Half>(block: &[u8]) -> f32 {
-        f16_at::<H>(block, 0)
-    }
-    #[inline(always)]
-    fn scales(d: &f32, _: usize) -> Scales {
-        plain(*d)
-    }
+    one_scale_first!();
     fn quants(block: &[u8], _: usize) -> [u8; 32] {
         let qh = u32::from_le_bytes([block[2], block[3], block[4], block[5]]);
         let mut q = nibbles16(&block[6..22]);
