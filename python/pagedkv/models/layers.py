@@ -85,7 +85,10 @@ def canonical_weight_dtype(weight_dtype: str) -> str:
     weight asks it."""
     if weight_dtype == AUTO_WEIGHT_DTYPE:
         return weight_dtype
-    return Linear(np.zeros((1, 1), np.float32), weight_dtype).dtype
+    try:
+        return Linear(np.zeros((1, 1), np.float32), weight_dtype).dtype
+    except InvalidArgumentError as error:
+        raise InvalidArgumentError(f"weight_dtype: {error} (or {AUTO_WEIGHT_DTYPE!r})") from None
 
 
 def check_weight_dtype(weight_dtype: str) -> None:
