@@ -20,6 +20,7 @@ pub mod error;
 pub mod ids;
 pub mod kv;
 pub mod memory;
+pub mod model;
 pub mod route;
 pub mod runtime;
 pub mod scheduler;

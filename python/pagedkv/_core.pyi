@@ -45,6 +45,9 @@ __all__ = [
     "attention_kernel_seconds",
     "Linear",
     "available_linear_kernels",
+    "Embedding",
+    "DecoderLayer",
+    "Decoder",
     "sample_rows",
     "SAMPLING_COLUMNS",
     "SCHEDULER_DEFAULTS",
@@ -748,6 +751,93 @@ class Linear:
 def available_linear_kernels() -> list[str]:
     """The instruction sets float-weight linear has kernels for that this CPU runs, best first,
     e.g. ``["avx2", "portable"]`` (a quantized weight's are its :attr:`Linear.kernels`)."""
+
+@final
+class Embedding:
+    """Token embeddings: a float32 table ``[vocab, hidden]`` (copied once into the core: build it
+    as the tensor arrives, then drop the array) or a quantized :class:`Linear` whose rows (output
+    features) are gathered, dequantized bit-exactly as ggml does (a tied lm_head's own).
+    ``InvalidArgumentError`` for a float :class:`Linear`."""
+
+    shape: tuple[int, int]
+    """``(vocab_size, hidden_size)``."""
+    nbytes: int
+    """Bytes held (a shared quantized weight counts in full)."""
+
+    def __new__(cls, table: npt.NDArray[np.float32] | Linear) -> Self: ...
+    def __call__(self, ids: _TokenIds) -> npt.NDArray[np.float32]:
+        """The float32 rows ``[len(ids), hidden_size]`` of token ``ids``; ``InvalidArgumentError``
+        for an id outside ``0..vocab_size``."""
+
+@final
+class DecoderLayer:
+    """One layer's weights of a :class:`Decoder`: norms as float32 multipliers (``hidden_size``
+    values; ``head_dim`` for the per-head ``q_norm``/``k_norm``), projections as :class:`Linear`
+    of ``x @ W`` shapes (``qkv`` ``[hidden, (heads + 2 kv_heads) · head_dim]``, ``o``, ``gate_up``
+    ``[hidden, 2 · intermediate]``, ``down``), ``rope`` the index of its set of rotary frequencies.
+    The optional norms (Gemma's) are applied where given: per head before the rotation, and to the
+    attention's and the MLP's outputs before their residual adds."""
+
+    def __new__(
+        cls,
+        *,
+        input_norm: npt.NDArray[np.float32],
+        qkv: Linear,
+        o: Linear,
+        pre_mlp_norm: npt.NDArray[np.float32],
+        gate_up: Linear,
+        down: Linear,
+        rope: int = 0,
+        q_norm: npt.NDArray[np.float32] | None = None,
+        k_norm: npt.NDArray[np.float32] | None = None,
+        post_attention_norm: npt.NDArray[np.float32] | None = None,
+        post_mlp_norm: npt.NDArray[np.float32] | None = None,
+    ) -> Self: ...
+
+@final
+class Decoder:
+    """A pre-norm decoder whose whole forward pass over a step runs in the core, in one call
+    (GIL released, on the worker pool throughout): embedding (times ``embedding_scale``); per layer
+    RMSNorm → ``qkv`` → per-head norms → rotary embedding (the layer's set of ``rope_frequencies``,
+    float64 ``[head_dim // 2]`` each, pairs made of the two halves of a head) → K/V write →
+    attention (scaled by ``attention_scale``, over the step's window for the layer) → ``o`` →
+    norm → residual → RMSNorm → ``gate_up`` → ``activation`` ("silu" or "gelu_tanh") times up →
+    ``down`` → norm → residual; then the final norm and, for :meth:`logits`, ``lm_head``.
+    ``InvalidArgumentError`` naming the first weight whose shape the dimensions do not imply.
+
+    A step is a :class:`SchedulerOutput` of a scheduler with K/V, or a
+    ``pagedkv.models.CacheStep`` (its ``kv_cache``, ``windows`` and step arrays); anything else is
+    ``TypeError``."""
+
+    num_layers: int
+
+    def __new__(
+        cls,
+        *,
+        vocab_size: int,
+        hidden_size: int,
+        intermediate_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        rms_norm_eps: float,
+        activation: str,
+        attention_scale: float,
+        embedding_scale: float,
+        max_positions: int,
+        rope_frequencies: list[npt.NDArray[np.float64]],
+        embedding: Embedding,
+        layers: list[DecoderLayer],
+        final_norm: npt.NDArray[np.float32],
+        lm_head: Linear,
+    ) -> Self: ...
+    def hidden(self, step: object, rows: _TokenIds) -> npt.NDArray[np.float32]:
+        """Runs ``step`` (each layer's K/V written at its slots, then attended through its tables)
+        and returns the final-normed hidden states float32 ``[len(rows), hidden_size]`` of token
+        ``rows``. ``InvalidArgumentError``, touching no K/V, for a token id outside the vocabulary,
+        a position at or past ``max_positions`` or a row outside the step."""
+    def logits(self, step: object, rows: _TokenIds) -> npt.NDArray[np.float32]:
+        """:meth:`hidden` projected by ``lm_head``: float32 logits ``[len(rows), vocab_size]``."""
 
 SAMPLING_COLUMNS: list[str]
 # The defaults of ``Scheduler(...)``, set once in the core (``SchedulerConfig::new``): block_size,

@@ -243,7 +243,7 @@ impl PyKVCache {
 
 /// Copy ops from rows of two block ids: a step's int64 `[C, 2]` `copy_ops` (any integer dtype
 /// and layout) or a sequence of pairs; each row converts like any int sequence (`args`).
-fn copy_ops(ops: &Bound<'_, PyAny>) -> PyResult<Vec<CopyOp>> {
+pub(crate) fn copy_ops(ops: &Bound<'_, PyAny>) -> PyResult<Vec<CopyOp>> {
     let refuse =
         || invalid("ops must be an integer [C, 2] array or a sequence of (src, dst) pairs".into());
     if ops.is_instance_of::<PyString>()

@@ -4,6 +4,8 @@
 //! is copied once from the file's bytes; inputs are read in C order; the GIL is released while
 //! packing and computing.
 
+use std::sync::Arc;
+
 use numpy::ndarray::{Ix1, Ix2};
 use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray, PyUntypedArrayMethods};
 use pyo3::prelude::*;
@@ -20,7 +22,7 @@ use crate::store::dtype::KvDtype;
 /// `[M, in_features]`, summed in float32 on the attention threads.
 #[pyclass(name = "Linear", module = "pagedkv", frozen)]
 pub struct PyLinear {
-    inner: Linear,
+    pub(crate) inner: Arc<Linear>,
 }
 
 #[pymethods]
@@ -41,7 +43,9 @@ impl PyLinear {
         let inner = py
             .detach(|| Linear::new(&data, k, n, strides, dtype))
             .py_err()?;
-        Ok(PyLinear { inner })
+        Ok(PyLinear {
+            inner: Arc::new(inner),
+        })
     }
 
     /// A weight kept quantized as a GGUF file ships it: `parts` are `(format, rows)` segments of
@@ -63,7 +67,9 @@ impl PyLinear {
         let inner = py
             .detach(|| Linear::quantized(in_features, segments))
             .py_err()?;
-        Ok(PyLinear { inner })
+        Ok(PyLinear {
+            inner: Arc::new(inner),
+        })
     }
 
     /// Rows ``ids`` of a quantized weight's transpose (its output features) as float32

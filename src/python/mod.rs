@@ -8,6 +8,7 @@ mod args;
 mod attention;
 mod attention_call;
 mod block_manager;
+mod decoder;
 mod errors;
 mod events;
 mod hashing;
@@ -39,6 +40,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     attention::register(m)?;
     events::register(m)?;
     hashing::register(m)?;
+    decoder::register(m)?;
     linear::register(m)?;
     sampling::register(m)?;
     Ok(())

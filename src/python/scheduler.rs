@@ -546,7 +546,7 @@ impl PySchedulerOutput {
     }
 
     /// Runs `f` on the scheduler's runtime with this step (GIL released).
-    fn run<T: Send>(
+    pub(crate) fn run<T: Send>(
         &self,
         py: Python<'_>,
         f: impl FnOnce(&KvRuntime, &Step) -> crate::error::Result<T> + Send,

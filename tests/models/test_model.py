@@ -28,7 +28,7 @@ from pagedkv.text import ByteTokenizer, HFTokenizer
 @pytest.fixture(autouse=True, scope="module")
 def single_threaded_blas() -> object:
     """The dense reference's matrices are small and the machine's 2 cores are shared: spinning
-    BLAS threads would only slow the tests down (see LlamaModel's blas_threads)."""
+    BLAS threads would only slow the tests down."""
     with threadpool_limits(limits=1, user_api="blas"):
         yield
 

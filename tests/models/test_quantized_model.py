@@ -19,7 +19,7 @@ from gguf import quants
 from pagedkv.engine import Engine
 from pagedkv.loaders.gguf import stream_gguf
 from pagedkv.loaders.registry import load_model, locate_registered
-from pagedkv.models.layers import Embedding, QuantizedTensor
+from pagedkv.models.layers import QuantizedTensor, embedding_of
 from pagedkv.sampling import SamplingParams
 from support.prefill import prefill_logits
 
@@ -62,7 +62,7 @@ def test_the_embedding_gathers_the_files_rows_bit_exactly() -> None:
     table = next(t for n, t in tensors if n == "model.embed_tokens.weight")
     assert isinstance(table, QuantizedTensor) and table.format == "q8_0"
     ids = np.array([0, 5, 49151, 5])
-    rows = Embedding.of(table)(ids)
+    rows = embedding_of(table)[0](ids)
     expected = quants.dequantize(table.rows[ids], quants.GGMLQuantizationType.Q8_0)
     assert np.array_equal(rows, expected)
 

@@ -29,12 +29,11 @@ from typing import NamedTuple
 
 import numpy as np
 
-from pagedkv._core import KvSpec, LayerSpec, Linear
+from pagedkv._core import Decoder, DecoderLayer, Embedding, KvSpec, LayerSpec, Linear
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.models.decoder import PagedDecoder
-from pagedkv.models.layers import Embedding, Tensor, float_tensor, fused_linear, gelu_tanh, packed_linear, rms_norm
-from pagedkv.models.rope import apply_rope, inverse_frequencies, rope_cos_sin
-from pagedkv.models.step import ModelStep
+from pagedkv.models.layers import Tensor, embedding_of, float_tensor, fused_linear, packed_linear
+from pagedkv.models.rope import inverse_frequencies
 
 __all__ = ["Gemma3Config", "Gemma3Model", "GEMMA3_LAYER_TENSORS"]
 
@@ -142,30 +141,25 @@ class Gemma3Model(PagedDecoder):
     own rows dequantized on gather."""
 
     def __init__(self, config: Gemma3Config, tensors: Iterable[tuple[str, Tensor]], *,
-                 blas_threads: int | None = 1, weight_dtype: str = "float32") -> None:
+                 weight_dtype: str = "float32") -> None:
         """A model from Hugging Face-named float32 tensors (norm weights as transformers holds
         them: the multiplier is ``1 + weight``), consumed one at a time. Raises
         :class:`InvalidArgumentError` when a tensor is missing, unknown or misshapen."""
-        super().__init__(config, blas_threads, weight_dtype)
-        c = config
-        self._q_dim = c.num_heads * c.head_dim
-        self._scale = float(c.query_pre_attn_scalar) ** -0.5
-        self._embed_scale = np.float32(math.sqrt(c.hidden_size))
-        self._global_frequencies = inverse_frequencies(c.rope_theta, c.head_dim) / c.rope_scaling_factor
-        self._local_frequencies = inverse_frequencies(c.rope_local_theta, c.head_dim)
+        super().__init__(config, weight_dtype)
         self._pack(tensors)
 
     @classmethod
     def from_tensors(cls, config: Gemma3Config, tensors: Iterable[tuple[str, Tensor]], *,
-                     blas_threads: int | None = 1, weight_dtype: str = "float32") -> Gemma3Model:
+                     weight_dtype: str = "float32") -> Gemma3Model:
         """The model of ``config`` from streamed tensors (the loaders' entry point)."""
-        return cls(config, tensors, blas_threads=blas_threads, weight_dtype=weight_dtype)
+        return cls(config, tensors, weight_dtype=weight_dtype)
 
     def _pack(self, tensors: Iterable[tuple[str, Tensor]]) -> None:
         c = self.config
         pending: dict[int, dict[str, Tensor]] = {}
         layers: dict[int, _Gemma3Layer] = {}
         found: dict[str, Tensor] = {}
+        embedding: Embedding | None = None
         for name, array in tensors:
             expected = expected_gemma3_shape(c, name)
             if expected is None:
@@ -178,26 +172,42 @@ class Gemma3Model(PagedDecoder):
                 parts[_LAYER_FIELDS[suffix]] = array
                 if len(parts) == len(_LAYER_FIELDS):
                     layers[int(index)] = _pack_layer(pending.pop(int(index)), self.weight_dtype, int(index))
+            elif name == "model.embed_tokens.weight":  # the output projection too (tied)
+                self._lm_head = packed_linear(array, self.weight_dtype, name)
+                embedding, self._embedding_nbytes = embedding_of(array, self._lm_head)
             else:
                 found[name] = array
             del array  # the loop must not keep the last tensor alive while the next is read
         missing = [f"model.layers.{i}" for i in range(c.num_layers) if i not in layers]
-        missing += [n for n in ("model.embed_tokens.weight", "model.norm.weight") if n not in found]
-        if missing:
+        missing += ["model.embed_tokens.weight"] if embedding is None else []
+        missing += [n for n in ("model.norm.weight",) if n not in found]
+        if embedding is None or missing:
             raise InvalidArgumentError(f"tensors missing: {', '.join(missing)}")
-        table = found["model.embed_tokens.weight"]
         self._final_norm = _multiplier(float_tensor(found["model.norm.weight"], "model.norm.weight"))
-        self._lm_head = packed_linear(table, self.weight_dtype, "model.embed_tokens.weight")
-        self._embed = Embedding.of(table, self._lm_head)
         self._layers = [layers[i] for i in range(c.num_layers)]
+        # Local layers rotate with the local base; global ones with rope_theta, rescaled linearly.
+        rotations = [inverse_frequencies(c.rope_theta, c.head_dim) / c.rope_scaling_factor,
+                     inverse_frequencies(c.rope_local_theta, c.head_dim)]
+        self._decoder = Decoder(
+            vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+            num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
+            activation="gelu_tanh", attention_scale=float(c.query_pre_attn_scalar) ** -0.5,
+            embedding_scale=float(np.float32(math.sqrt(c.hidden_size))), max_positions=c.max_position_embeddings,
+            rope_frequencies=rotations, embedding=embedding,
+            layers=[DecoderLayer(input_norm=layer.input_layernorm, qkv=layer.qkv, q_norm=layer.q_norm,
+                                 k_norm=layer.k_norm, o=layer.o, post_attention_norm=layer.post_attention_layernorm,
+                                 pre_mlp_norm=layer.pre_feedforward_layernorm, gate_up=layer.gate_up, down=layer.down,
+                                 post_mlp_norm=layer.post_feedforward_layernorm, rope=int(c.is_sliding(index)))
+                    for index, layer in enumerate(self._layers)],
+            final_norm=self._final_norm, lm_head=self._lm_head,
+        )
 
     @property
     def nbytes(self) -> int:
         """Bytes of every parameter as held: the packed projections, the output projection, the
         embedding table (float32, or the output projection's own quantized rows) and norms."""
         norms = [self._final_norm, *(getattr(layer, n) for layer in self._layers for n in _NORMS)]
-        embed = 0 if self._embed.table is self._lm_head else self._embed.nbytes
-        return embed + sum(a.nbytes for a in norms) + self.projection_nbytes
+        return self._embedding_nbytes + sum(a.nbytes for a in norms) + self.projection_nbytes
 
     def linears(self) -> list[Linear]:
         """Every projection a decode step multiplies by, the lm_head included."""
@@ -208,31 +218,6 @@ class Gemma3Model(PagedDecoder):
         layout is one full group of 3 layers and three sliding ones — two of 6 layers in blocks of
         8 tokens, one of 3 in blocks of 16 (``Scheduler.kv_groups``)."""
         return self.config.kv_spec(dtype)
-
-    def _forward(self, step: ModelStep, rows: np.ndarray) -> np.ndarray:
-        c = self.config
-        input_ids, positions = self._step_inputs(step)
-        num_tokens = input_ids.shape[0]
-        step.copy_blocks()
-        rotations = {True: rope_cos_sin(self._local_frequencies, positions),
-                     False: rope_cos_sin(self._global_frequencies, positions)}
-        hidden = self._embed(input_ids) * self._embed_scale
-        for index, layer in enumerate(self._layers):
-            x = rms_norm(hidden, layer.input_layernorm, c.rms_norm_eps)
-            q, k, v = self._split_qkv(layer.qkv(x))
-            cos, sin = rotations[c.is_sliding(index)]
-            q = apply_rope(rms_norm(q, layer.q_norm, c.rms_norm_eps), cos, sin)
-            k = apply_rope(rms_norm(k, layer.k_norm, c.rms_norm_eps), cos, sin)
-            step.write(index, k, v)
-            attn = step.attention(index, q, scale=self._scale)
-            attn = layer.o(attn.reshape(num_tokens, self._q_dim))
-            hidden = hidden + rms_norm(attn, layer.post_attention_layernorm, c.rms_norm_eps)
-            x = rms_norm(hidden, layer.pre_feedforward_layernorm, c.rms_norm_eps)
-            gate_up = layer.gate_up(x)
-            gate, up = gate_up[:, : c.intermediate_size], gate_up[:, c.intermediate_size :]
-            mlp = layer.down(gelu_tanh(gate) * up)
-            hidden = hidden + rms_norm(mlp, layer.post_feedforward_layernorm, c.rms_norm_eps)
-        return rms_norm(hidden[rows], self._final_norm, c.rms_norm_eps)
 
 
 class _Gemma3Layer(NamedTuple):

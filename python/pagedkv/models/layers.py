@@ -1,8 +1,9 @@
-"""The pieces decoders share: RMSNorm, the activations, packing a projection into the Rust
-linear kernel (:func:`packed_linear`, :func:`fused_linear`), a weight kept as a GGUF file ships
-it (:class:`QuantizedTensor`) and the token embedding (:class:`Embedding`).
+"""The pieces decoders share as they are built: packing a projection into the Rust linear kernel
+(:func:`packed_linear`, :func:`fused_linear`), a weight kept as a GGUF file ships it
+(:class:`QuantizedTensor`) and the table token embeddings are gathered from
+(:func:`embedding_of`). The arithmetic of the forward pass is the core's (``pagedkv._core.Decoder``).
 
-Invariants: every function computes in float32 and returns float32; :func:`packed_linear` refuses
+Invariants: :func:`packed_linear` refuses
 a weight that its storage type would turn into infinity, so no model packs a silent overflow; a
 quantized tensor is packed quantized only under ``weight_dtype="auto"`` and is dequantized
 (bit-exactly as ggml does) for any other storage type.
@@ -15,11 +16,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pagedkv._core import Linear
+from pagedkv._core import Embedding, Linear
 from pagedkv.errors import InvalidArgumentError
 
-__all__ = ["rms_norm", "silu", "gelu_tanh", "packed_linear", "fused_linear", "check_weight_dtype",
-           "canonical_weight_dtype", "float_tensor", "QuantizedTensor", "Tensor", "Embedding", "AUTO_WEIGHT_DTYPE",
+__all__ = ["packed_linear", "fused_linear", "check_weight_dtype",
+           "canonical_weight_dtype", "float_tensor", "QuantizedTensor", "Tensor", "embedding_of", "AUTO_WEIGHT_DTYPE",
            "AUTO_DENSE_DTYPE"]
 
 AUTO_WEIGHT_DTYPE = "auto"
@@ -55,27 +56,6 @@ class QuantizedTensor:
 
 Tensor = np.ndarray | QuantizedTensor
 """A tensor as the loaders stream it: float32 values, or a GGUF projection kept quantized."""
-
-
-def rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
-    """``x / sqrt(mean(x**2) + eps) * weight`` over the last axis, in float32."""
-    mean_square = np.mean(np.square(x), axis=-1, keepdims=True)
-    return x * (1.0 / np.sqrt(mean_square + np.float32(eps))) * weight
-
-
-def silu(x: np.ndarray) -> np.ndarray:
-    """``x * sigmoid(x)`` in float32, written with tanh so no input overflows."""
-    return x * (np.float32(0.5) + np.float32(0.5) * np.tanh(np.float32(0.5) * x))
-
-
-_SQRT_2_OVER_PI = np.float32(np.sqrt(2.0 / np.pi))
-
-
-def gelu_tanh(x: np.ndarray) -> np.ndarray:
-    """GELU in its tanh approximation (PyTorch's ``gelu(approximate="tanh")``, Gemma's
-    ``gelu_pytorch_tanh``): ``x/2 · (1 + tanh(√(2/π) (x + 0.044715 x³)))``, in float32."""
-    inner = _SQRT_2_OVER_PI * (x + np.float32(0.044715) * x * x * x)
-    return np.float32(0.5) * x * (np.float32(1.0) + np.tanh(inner))
 
 
 def canonical_weight_dtype(weight_dtype: str) -> str:
@@ -134,29 +114,15 @@ def float_tensor(tensor: Tensor, name: str) -> np.ndarray:
     return tensor
 
 
-class Embedding:
-    """A token embedding table: float32 rows gathered as they are, or a quantized table (a
-    :class:`~pagedkv._core.Linear` of its rows, shared with a tied lm_head) whose rows are
-    dequantized on gather, so the float32 table is never held."""
-
-    def __init__(self, table: np.ndarray | Linear) -> None:
-        self.table = table
-
-    @classmethod
-    def of(cls, tensor: Tensor, lm_head: Linear | None = None) -> Embedding:
-        """The embedding of a streamed tensor; ``lm_head``, the tied output projection packed from
-        the same tensor, is shared when it kept the tensor quantized."""
-        if lm_head is not None and isinstance(tensor, QuantizedTensor) and lm_head.dtype == tensor.format:
-            return cls(lm_head)
-        return cls(tensor.linear() if isinstance(tensor, QuantizedTensor) else tensor)
-
-    def __call__(self, ids: np.ndarray) -> np.ndarray:
-        """The float32 rows ``[len(ids), hidden]`` of token ``ids``."""
-        if isinstance(self.table, Linear):
-            return self.table.dequantize_rows(np.asarray(ids, dtype=np.int64))
-        return self.table[ids]
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the table as held."""
-        return int(self.table.nbytes)
+def embedding_of(tensor: Tensor, lm_head: Linear | None = None) -> tuple[Embedding, int]:
+    """The token embedding of a streamed tensor and the bytes it adds to the model: the float32
+    table (copied into the core: build it as the tensor arrives, then drop the array), or, for a
+    quantized tensor, its rows dequantized on gather, so no float32 table is held: ``lm_head``'s
+    own (0 bytes added) when it is the tied output projection kept in the same format."""
+    if isinstance(tensor, QuantizedTensor):
+        if lm_head is not None and lm_head.dtype == tensor.format:
+            return Embedding(lm_head), 0
+        embedding = Embedding(tensor.linear())
+    else:
+        embedding = Embedding(tensor)
+    return embedding, embedding.nbytes

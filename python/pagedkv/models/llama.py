@@ -1,14 +1,14 @@
-"""The Llama forward pass on the paged KV cache: :class:`LlamaModel`.
+"""The Llama decoder on the paged KV cache: :class:`LlamaModel`.
 
-One call runs one scheduler step, any mix of prefill chunks and decode tokens: each token's K/V
-is written at its slot and attention reads every sequence's context through its block table, each
-through the step (:class:`~pagedkv.models.step.ModelStep`: the Rust paged kernel over the
-scheduler's K/V). Positions come from the step, so
-chunked prefill, prefix-cache hits and recompute after preemption need nothing special here; the
-rotary angles are computed for those positions only (no table over ``max_position_embeddings``).
-Matrix products run on the whole batch in the Rust linear kernel (``pagedkv._core.Linear``: weights
-stored in float32, float16 or bfloat16, activations and sums in float32) on the same worker pool
-as attention, so the two never compete for cores; there is no per-token Python loop.
+One call runs one scheduler step, any mix of prefill chunks and decode tokens, wholly in the core
+(:class:`pagedkv._core.Decoder`): each token's K/V is written at its slot and attention reads every
+sequence's context through its block table, each through the step
+(:class:`~pagedkv.models.step.ModelStep`). Positions come from the step, so chunked prefill,
+prefix-cache hits and recompute after preemption need nothing special here; the rotary angles are
+computed for those positions only (no table over ``max_position_embeddings``). Matrix products run
+on the whole batch in the Rust linear kernel (``pagedkv._core.Linear``: weights stored in float32,
+float16 or bfloat16 or kept quantized, activations and sums in float32) on the same worker pool
+as attention; there is no per-token or per-layer Python loop.
 
 Construction streams: :meth:`LlamaModel.from_tensors` packs each layer's projections into their
 ``Linear`` as soon as the layer's tensors have arrived and then drops the float32 arrays, so a
@@ -23,13 +23,12 @@ from typing import NamedTuple
 
 import numpy as np
 
-from pagedkv._core import KvSpec, LayerSpec, Linear
+from pagedkv._core import Decoder, DecoderLayer, Embedding, KvSpec, LayerSpec, Linear
 from pagedkv.errors import InvalidArgumentError
 from pagedkv.models.config import LlamaConfig
 from pagedkv.models.decoder import PagedDecoder
-from pagedkv.models.layers import Embedding, Tensor, float_tensor, fused_linear, packed_linear, rms_norm, silu
-from pagedkv.models.rope import apply_rope, rope_cos_sin, rope_frequencies
-from pagedkv.models.step import ModelStep
+from pagedkv.models.layers import Tensor, embedding_of, float_tensor, fused_linear, packed_linear
+from pagedkv.models.rope import rope_frequencies
 from pagedkv.models.weights import LAYER_TENSORS, LlamaWeights
 
 __all__ = ["LlamaModel", "DEFAULT_WEIGHT_DTYPE", "WEIGHT_DTYPES"]
@@ -61,12 +60,10 @@ class LlamaModel(PagedDecoder):
     not multiplied). Built here from float32 arrays, the default is float32: the tensors exactly as
     given (what tests against the dense reference need); the loaders (``load_model``,
     ``Engine.from_pretrained``, the CLI) default to :data:`DEFAULT_WEIGHT_DTYPE`.
-
-    ``blas_threads``: see :class:`~pagedkv.models.decoder.PagedDecoder`.
     """
 
-    def __init__(self, weights: LlamaWeights, blas_threads: int | None = 1, weight_dtype: str = "float32") -> None:
-        self._setup(weights.config, blas_threads, weight_dtype)
+    def __init__(self, weights: LlamaWeights, weight_dtype: str = "float32") -> None:
+        PagedDecoder.__init__(self, weights.config, weight_dtype)
         self._pack(weights.named_tensors())
 
     @classmethod
@@ -75,7 +72,6 @@ class LlamaModel(PagedDecoder):
         config: LlamaConfig,
         tensors: Iterable[tuple[str, Tensor]],
         *,
-        blas_threads: int | None = 1,
         weight_dtype: str = "float32",
     ) -> LlamaModel:
         """A model from Hugging Face-named float32 tensors of the shapes ``config`` implies
@@ -83,16 +79,9 @@ class LlamaModel(PagedDecoder):
         packed once its nine tensors have arrived, and the arrays are not kept. Raises
         :class:`InvalidArgumentError` when a tensor is missing or unknown."""
         model = cls.__new__(cls)
-        model._setup(config, blas_threads, weight_dtype)
+        PagedDecoder.__init__(model, config, weight_dtype)
         model._pack(tensors)
         return model
-
-    def _setup(self, config: LlamaConfig, blas_threads: int | None, weight_dtype: str) -> None:
-        PagedDecoder.__init__(self, config, blas_threads, weight_dtype)
-        c = config
-        self._q_dim = c.num_heads * c.head_dim
-        self._scale = float(c.head_dim) ** -0.5
-        self._rope_frequencies = rope_frequencies(c)
 
     def _pack(self, tensors: Iterable[tuple[str, Tensor]]) -> None:
         c, weight_dtype = self.config, self.weight_dtype
@@ -100,6 +89,8 @@ class LlamaModel(PagedDecoder):
         layers: dict[int, _FusedLayer] = {}
         found: dict[str, Tensor] = {}
         lm_head: Linear | None = None
+        embedding: Embedding | None = None
+        tied = c.tie_word_embeddings
         for name, array in tensors:
             index, _, suffix = name.removeprefix("model.layers.").partition(".")
             if name.startswith("model.layers.") and suffix in _LAYER_FIELDS and index.isdigit() and int(index) < c.num_layers:
@@ -107,21 +98,32 @@ class LlamaModel(PagedDecoder):
                 parts[_LAYER_FIELDS[suffix]] = array
                 if len(parts) == len(_LAYER_FIELDS):
                     layers[int(index)] = _fuse(pending.pop(int(index)), weight_dtype, int(index))
-            elif name in ("model.embed_tokens.weight", "model.norm.weight"):
+            elif name == "model.norm.weight":
                 found[name] = array
-            elif name != "lm_head.weight" or c.tie_word_embeddings:
+            elif name != "model.embed_tokens.weight" and (name != "lm_head.weight" or tied):
                 raise InvalidArgumentError(f"tensor {name} is not part of this model")
             if name == ("model.embed_tokens.weight" if c.tie_word_embeddings else "lm_head.weight"):
                 lm_head = packed_linear(array, weight_dtype, name)
+            if name == "model.embed_tokens.weight":
+                embedding, self._embedding_nbytes = embedding_of(array, lm_head if c.tie_word_embeddings else None)
             del array  # the loop must not keep the last tensor alive while the next is read
         missing = [f"model.layers.{i}" for i in range(c.num_layers) if i not in layers]
-        missing += [n for n in ("model.embed_tokens.weight", "model.norm.weight") if n not in found]
-        if lm_head is None or missing:
+        missing += ["model.embed_tokens.weight"] if embedding is None else []
+        missing += [n for n in ("model.norm.weight",) if n not in found]
+        if lm_head is None or embedding is None or missing:
             raise InvalidArgumentError(f"tensors missing: {', '.join(missing or ['lm_head.weight'])}")
-        self._embed = Embedding.of(found["model.embed_tokens.weight"], lm_head if c.tie_word_embeddings else None)
         self._final_norm = float_tensor(found["model.norm.weight"], "model.norm.weight")
         self._lm_head = lm_head
         self._layers = [layers[i] for i in range(c.num_layers)]
+        self._decoder = Decoder(
+            vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+            num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
+            activation="silu", attention_scale=float(c.head_dim) ** -0.5, embedding_scale=1.0,
+            max_positions=c.max_position_embeddings, rope_frequencies=[rope_frequencies(c)], embedding=embedding,
+            layers=[DecoderLayer(input_norm=layer.input_norm, qkv=layer.qkv, o=layer.o, pre_mlp_norm=layer.post_norm,
+                                 gate_up=layer.gate_up, down=layer.down) for layer in self._layers],
+            final_norm=self._final_norm, lm_head=lm_head,
+        )
 
     @property
     def nbytes(self) -> int:
@@ -129,8 +131,7 @@ class LlamaModel(PagedDecoder):
         table (float32, or quantized and shared with a tied lm_head) and norms."""
         arrays = [self._final_norm, *(layer.input_norm for layer in self._layers),
                   *(layer.post_norm for layer in self._layers)]
-        embed = 0 if self._embed.table is self._lm_head else self._embed.nbytes
-        return embed + sum(a.nbytes for a in arrays) + self.projection_nbytes
+        return self._embedding_nbytes + sum(a.nbytes for a in arrays) + self.projection_nbytes
 
     def linears(self) -> list[Linear]:
         """Every projection a decode step multiplies by, the lm_head included."""
@@ -144,27 +145,6 @@ class LlamaModel(PagedDecoder):
         c = self.config
         layers = [LayerSpec(c.num_kv_heads, c.head_dim)] * c.num_layers
         return KvSpec(layers) if dtype is None else KvSpec(layers, dtype)
-
-    def _forward(self, step: ModelStep, rows: np.ndarray) -> np.ndarray:
-        c = self.config
-        input_ids, positions = self._step_inputs(step)
-        num_tokens = input_ids.shape[0]
-        step.copy_blocks()
-
-        cos, sin = rope_cos_sin(self._rope_frequencies, positions)
-        hidden = self._embed(input_ids)
-        for index, layer in enumerate(self._layers):
-            x = rms_norm(hidden, layer.input_norm, c.rms_norm_eps)
-            q, k, v = self._split_qkv(layer.qkv(x))
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-            step.write(index, k, v)
-            attn = step.attention(index, q, scale=self._scale)
-            hidden = hidden + layer.o(attn.reshape(num_tokens, self._q_dim))
-            x = rms_norm(hidden, layer.post_norm, c.rms_norm_eps)
-            gate_up = layer.gate_up(x)
-            gate, up = gate_up[:, : c.intermediate_size], gate_up[:, c.intermediate_size :]
-            hidden = hidden + layer.down(silu(gate) * up)
-        return rms_norm(hidden[rows], self._final_norm, c.rms_norm_eps)
 
 
 class _FusedLayer(NamedTuple):

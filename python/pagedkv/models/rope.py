@@ -1,10 +1,10 @@
-"""Rotary position embedding: the frequencies a :class:`LlamaConfig` implies
-(:func:`rope_frequencies`, with its linear or llama3 scaling) and the rotation of queries and keys
-(:func:`rope_cos_sin`, :func:`apply_rope`).
+"""Rotary position embedding's frequencies: those a :class:`LlamaConfig` implies
+(:func:`rope_frequencies`, with its linear or llama3 scaling). The rotation itself is the core's
+(``pagedkv._core.Decoder``), which computes the angles per step for the positions the step holds,
+so no table is sized by ``max_position_embeddings`` (millions for some checkpoints).
 
 Invariants: frequencies are computed in float64 in one place, shared by the paged model and the
-dense reference. Angles are computed per step for the positions the step holds, so no table is
-sized by ``max_position_embeddings`` (millions for some checkpoints), whatever the cache allows.
+dense reference.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import numpy as np
 
 from pagedkv.models.config import LlamaConfig
 
-__all__ = ["inverse_frequencies", "rope_frequencies", "rope_cos_sin", "apply_rope"]
+__all__ = ["inverse_frequencies", "rope_frequencies"]
 
 
 def inverse_frequencies(theta: float, head_dim: int) -> np.ndarray:
@@ -39,20 +39,3 @@ def rope_frequencies(config: LlamaConfig) -> np.ndarray:
     # 0 where the frequency is divided by factor, 1 where it is kept, linear in turns per context between.
     keep = np.clip((original / wavelength - low) / (high - low), 0.0, 1.0)
     return inv_freq * (keep + (1.0 - keep) / scaling.factor)
-
-
-def rope_cos_sin(frequencies: np.ndarray, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """float32 cosine and sine ``[len(positions), len(frequencies)]`` of each position's angles,
-    computed in float64."""
-    angles = np.outer(np.asarray(positions, dtype=np.float64), frequencies)
-    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
-
-
-def apply_rope(x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:
-    """Rotates ``x`` ``[tokens, heads, head_dim]`` by per-token angles (``cos``/``sin``
-    ``[tokens, head_dim // 2]``) in the Hugging Face Llama convention: the first and second halves
-    of the head dimension form the pairs (``rotate_half``), not adjacent elements."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    c, s = cos[:, None, :], sin[:, None, :]
-    return np.concatenate((x1 * c - x2 * s, x2 * c + x1 * s), axis=-1)

@@ -153,6 +153,11 @@ impl Linear {
         self.out_features
     }
 
+    /// Whether the weight is kept in a GGUF quantized format (its rows can be dequantized).
+    pub fn is_quantized(&self) -> bool {
+        matches!(self.weight, Weight::Quantized(_))
+    }
+
     /// The storage type of the weight: "float32", "float16", "bfloat16", or the quantized
     /// formats of its segments joined by "+" (each once, in row order: "q5_0+q8_0").
     pub fn storage(&self) -> String {
