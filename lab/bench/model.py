@@ -6,7 +6,8 @@ prompts so that nothing is shared) it measures single-request decode tokens/s, p
 a 512-token prompt, and aggregate decode tokens/s at 4, 16 and 32 concurrent requests of 40-token
 prompts generating 64 tokens. Decode rates count decode steps only (a step that prefills is left
 out), as llama.cpp's ``S_TG`` does. Each figure is set against the machine's limit measured in the
-same rounds: read bandwidth ÷ the bytes of weights a decode step reads (times the batch, capped
+same rounds: read bandwidth (the median of readings taken before and after every figure, as the
+host's swings within seconds) ÷ the bytes of weights a decode step reads (times the batch, capped
 by the FMA peak ÷ the FLOPs of a decoded token), and the FMA peak ÷ the FLOPs of a prompt token.
 
 Peers, when built by ``make peers`` (``--peers``, or automatically when ``.peers/`` exists):
@@ -266,13 +267,21 @@ def run(args) -> int:
         )
 
     def pagedkv_round() -> None:
-        record("limits", {"bandwidth_gbps": probe.sweep(), "fma_peak_gflops": _core.measure_fma_peak()})
+        # The host's bandwidth swings within seconds (15-64 GB/s seen): read before and after
+        # every figure, and the round's limit is the median of those readings.
+        readings = [probe.sweep()]
+
+        def measured(rate: float) -> float:
+            readings.append(probe.sweep())
+            return rate
+
         values = {
-            "decode": pagedkv_rates(model, 1, BATCH_PROMPT_TOKENS, NEW_TOKENS, rng).decode,
-            "prompt": pagedkv_rates(model, 1, PROMPT_TOKENS, 1, rng).prompt,
+            "decode": measured(pagedkv_rates(model, 1, BATCH_PROMPT_TOKENS, NEW_TOKENS, rng).decode),
+            "prompt": measured(pagedkv_rates(model, 1, PROMPT_TOKENS, 1, rng).prompt),
         }
         for n in batches:
-            values[f"batch_{n}"] = pagedkv_rates(model, n, BATCH_PROMPT_TOKENS, NEW_TOKENS, rng).decode
+            values[f"batch_{n}"] = measured(pagedkv_rates(model, n, BATCH_PROMPT_TOKENS, NEW_TOKENS, rng).decode)
+        record("limits", {"bandwidth_gbps": statistics.median(readings), "fma_peak_gflops": _core.measure_fma_peak()})
         record(f"pagedkv {weight_dtype}", values)
 
     contenders: list[tuple[str, Callable[[], None]]] = [("pagedkv", pagedkv_round)]

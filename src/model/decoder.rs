@@ -514,3 +514,134 @@ impl Decoder {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::dtype::KvDtype;
+
+    /// Records the K/V calls a pass makes; attention returns zeros.
+    #[derive(Default)]
+    struct Recorder {
+        calls: Vec<String>,
+    }
+
+    impl StepKv for Recorder {
+        fn copy_blocks(&mut self) -> Result<()> {
+            self.calls.push("copy".into());
+            Ok(())
+        }
+
+        fn write(&mut self, layer: usize, _keys: &[f32], _values: &[f32]) -> Result<()> {
+            self.calls.push(format!("write {layer}"));
+            Ok(())
+        }
+
+        fn attention(
+            &mut self,
+            layer: usize,
+            _query: &[f32],
+            _num_heads: usize,
+            _scale: f32,
+            out: &mut [f32],
+        ) -> Result<()> {
+            self.calls.push(format!("attention {layer}"));
+            out.fill(0.0);
+            Ok(())
+        }
+    }
+
+    const H: usize = 8;
+
+    fn zeros(k: usize, n: usize) -> Arc<Linear> {
+        Arc::new(Linear::new(&vec![0.0; k * n], k, n, (n, 1), KvDtype::F32).unwrap())
+    }
+
+    /// Two layers whose projections are all zero: each layer adds nothing, so the hidden state
+    /// is the final norm of the embedding.
+    fn decoder() -> Decoder {
+        let config = DecoderConfig {
+            vocab_size: 4,
+            hidden_size: H,
+            intermediate_size: 6,
+            num_heads: 2,
+            num_kv_heads: 1,
+            head_dim: 4,
+            rms_norm_eps: 0.0,
+            activation: Activation::Silu,
+            attention_scale: 0.5,
+            embedding_scale: 2.0,
+            max_positions: 16,
+            rope_frequencies: vec![vec![1.0, 0.5]],
+        };
+        let layer = LayerWeights {
+            input_norm: vec![1.0; H],
+            qkv: zeros(H, 16),
+            q_norm: None,
+            k_norm: None,
+            o: zeros(8, H),
+            post_attention_norm: None,
+            pre_mlp_norm: vec![1.0; H],
+            gate_up: zeros(H, 12),
+            down: zeros(6, H),
+            post_mlp_norm: None,
+            rope: 0,
+        };
+        let table: Vec<f32> = (0..4 * H).map(|i| i as f32 - 9.0).collect();
+        let embedding = Arc::new(Embedding::table(table, H).unwrap());
+        let final_norm = (0..H).map(|i| 1.0 + i as f32).collect();
+        Decoder::new(
+            config,
+            embedding,
+            vec![layer.clone(), layer],
+            final_norm,
+            zeros(H, 4),
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn a_pass_copies_first_then_writes_each_layer_before_attending_it() {
+        let d = decoder();
+        let mut kv = Recorder::default();
+        let mut out = vec![0.0; 2 * H];
+        d.hidden(&mut kv, &[3, 1, 2], &[0, 1, 2], &[2, 0], &mut out)
+            .unwrap();
+        assert_eq!(
+            kv.calls,
+            ["copy", "write 0", "attention 0", "write 1", "attention 1"]
+        );
+        // Zero projections: the final norm of the (scaled) embedding of tokens 2 and 3.
+        for (row, id) in [(0, 2usize), (1, 3)] {
+            let x: Vec<f32> = (0..H).map(|i| 2.0 * ((id * H + i) as f32 - 9.0)).collect();
+            let mut want = vec![0.0; H];
+            ops::rms_norm(&x, &d.final_norm, 0.0, &mut want);
+            assert_eq!(out[row * H..][..H], want[..]);
+        }
+    }
+
+    #[test]
+    fn bad_input_makes_no_kv_call() {
+        let d = decoder();
+        let mut out = vec![0.0; H];
+        for (ids, positions, rows) in [
+            (&[4i64][..], &[0i64][..], &[0usize][..]),
+            (&[-1], &[0], &[0]),
+            (&[1], &[16], &[0]),
+            (&[1], &[-3], &[0]),
+            (&[1], &[0], &[1]),
+            (&[1, 2], &[0], &[0]),
+        ] {
+            let mut kv = Recorder::default();
+            let result = d.hidden(&mut kv, ids, positions, rows, &mut out);
+            assert!(
+                matches!(result, Err(Error::InvalidArgument(_))),
+                "{ids:?} {positions:?} {rows:?}"
+            );
+            assert!(kv.calls.is_empty());
+        }
+        let mut kv = Recorder::default();
+        assert!(d.hidden(&mut kv, &[1], &[0], &[0, 0], &mut out).is_err());
+        assert!(kv.calls.is_empty());
+    }
+}
