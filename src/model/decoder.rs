@@ -144,6 +144,15 @@ pub struct LayerWeights {
     pub rope: usize,
 }
 
+/// What a forward pass returns for each row asked for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Output {
+    /// The final-normed hidden state (`hidden_size` floats).
+    Hidden,
+    /// Its projection by the output projection (`vocab_size` logits).
+    Logits,
+}
+
 /// A decoder: see the module doc.
 pub struct Decoder {
     config: DecoderConfig,
@@ -332,41 +341,41 @@ impl Decoder {
         self.layers.len()
     }
 
-    /// Runs one step: the tokens `input_ids` at `positions` (one per token), every layer's K/V
-    /// written and attended through `kv`; writes the final-normed hidden states of token `rows`
-    /// into `out` (`[rows.len(), hidden_size]`). `InvalidArgument`, with nothing touched, for an
-    /// id outside the vocabulary, a position at or past `max_positions`, a row outside the step
-    /// or an `out` of the wrong size.
-    pub fn hidden(
-        &self,
-        kv: &mut (dyn StepKv + Send),
-        input_ids: &[i64],
-        positions: &[i64],
-        rows: &[usize],
-        out: &mut [f32],
-    ) -> Result<()> {
-        self.check_step(input_ids, positions, rows)?;
-        check_len("out", out.len(), rows.len() * self.config.hidden_size)?;
-        pool()?.install(|| self.run(kv, input_ids, positions, rows, out))
+    /// Floats per row of `output`.
+    pub fn width(&self, output: Output) -> usize {
+        match output {
+            Output::Hidden => self.config.hidden_size,
+            Output::Logits => self.config.vocab_size,
+        }
     }
 
-    /// [`Decoder::hidden`] projected by the output projection: the logits `[rows.len(),
-    /// vocab_size]` of token `rows` into `out`.
-    pub fn logits(
+    /// Runs one step: the tokens `input_ids` at `positions` (one per token), every layer's K/V
+    /// written and attended through `kv`; writes `output` of token `rows` into `out`
+    /// (`[rows.len(), width(output)]`). `InvalidArgument`, with nothing touched, for an id
+    /// outside the vocabulary, a position at or past `max_positions`, a row outside the step or
+    /// an `out` of the wrong size.
+    pub fn forward(
         &self,
         kv: &mut (dyn StepKv + Send),
         input_ids: &[i64],
         positions: &[i64],
         rows: &[usize],
+        output: Output,
         out: &mut [f32],
     ) -> Result<()> {
         self.check_step(input_ids, positions, rows)?;
-        check_len("out", out.len(), rows.len() * self.config.vocab_size)?;
-        let mut hidden = try_zeroed_vec(rows.len() * self.config.hidden_size, "hidden states")?;
-        pool()?.install(|| {
-            self.run(kv, input_ids, positions, rows, &mut hidden)?;
-            self.lm_head.forward(&hidden, rows.len(), out)
-        })
+        check_len("out", out.len(), rows.len() * self.width(output))?;
+        match output {
+            Output::Hidden => pool()?.install(|| self.run(kv, input_ids, positions, rows, out)),
+            Output::Logits => {
+                let h = self.config.hidden_size;
+                let mut hidden = try_zeroed_vec(rows.len() * h, "hidden states")?;
+                pool()?.install(|| {
+                    self.run(kv, input_ids, positions, rows, &mut hidden)?;
+                    self.lm_head.forward(&hidden, rows.len(), out)
+                })
+            }
+        }
     }
 
     fn check_step(&self, input_ids: &[i64], positions: &[i64], rows: &[usize]) -> Result<()> {
@@ -605,7 +614,8 @@ mod tests {
         let d = decoder();
         let mut kv = Recorder::default();
         let mut out = vec![0.0; 2 * H];
-        d.hidden(&mut kv, &[3, 1, 2], &[0, 1, 2], &[2, 0], &mut out)
+        let (ids, positions) = ([3, 1, 2], [0, 1, 2]);
+        d.forward(&mut kv, &ids, &positions, &[2, 0], Output::Hidden, &mut out)
             .unwrap();
         assert_eq!(
             kv.calls,
@@ -633,7 +643,7 @@ mod tests {
             (&[1, 2], &[0], &[0]),
         ] {
             let mut kv = Recorder::default();
-            let result = d.hidden(&mut kv, ids, positions, rows, &mut out);
+            let result = d.forward(&mut kv, ids, positions, rows, Output::Hidden, &mut out);
             assert!(
                 matches!(result, Err(Error::InvalidArgument(_))),
                 "{ids:?} {positions:?} {rows:?}"
@@ -641,7 +651,8 @@ mod tests {
             assert!(kv.calls.is_empty());
         }
         let mut kv = Recorder::default();
-        assert!(d.hidden(&mut kv, &[1], &[0], &[0, 0], &mut out).is_err());
+        let result = d.forward(&mut kv, &[1], &[0], &[0, 0], Output::Hidden, &mut out);
+        assert!(result.is_err());
         assert!(kv.calls.is_empty());
     }
 }

@@ -6,6 +6,6 @@ mod decoder;
 mod kv;
 pub mod ops;
 
-pub use decoder::{Decoder, DecoderConfig, Embedding, LayerWeights};
+pub use decoder::{Decoder, DecoderConfig, Embedding, LayerWeights, Output};
 pub use kv::{CacheStepKv, RuntimeStepKv, StepKv};
 pub use ops::Activation;

@@ -19,7 +19,7 @@ use super::linear::PyLinear;
 use super::scheduler::PySchedulerOutput;
 use crate::compute::attention::{self, AttentionBatch};
 use crate::model::{
-    CacheStepKv, Decoder, DecoderConfig, Embedding, LayerWeights, RuntimeStepKv, StepKv,
+    CacheStepKv, Decoder, DecoderConfig, Embedding, LayerWeights, Output, RuntimeStepKv,
 };
 
 /// A float32 1-D array (a norm's multipliers) copied into the core.
@@ -247,10 +247,7 @@ impl PyDecoder {
         step: &Bound<'py, PyAny>,
         rows: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let width = self.inner.config().hidden_size;
-        self.run(py, step, rows, width, |d, kv, ids, positions, rows, out| {
-            d.hidden(kv, ids, positions, rows, out)
-        })
+        self.run(py, step, rows, Output::Hidden)
     }
 
     /// :meth:`hidden` projected by ``lm_head``: the float32 logits ``[len(rows), vocab_size]``.
@@ -260,10 +257,7 @@ impl PyDecoder {
         step: &Bound<'py, PyAny>,
         rows: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyAny>> {
-        let width = self.inner.config().vocab_size;
-        self.run(py, step, rows, width, |d, kv, ids, positions, rows, out| {
-            d.logits(kv, ids, positions, rows, out)
-        })
+        self.run(py, step, rows, Output::Logits)
     }
 
     #[getter]
@@ -272,27 +266,17 @@ impl PyDecoder {
     }
 }
 
-/// A forward call: `Decoder::hidden` or `Decoder::logits`.
-type Pass = fn(
-    &Decoder,
-    &mut (dyn StepKv + Send),
-    &[i64],
-    &[i64],
-    &[usize],
-    &mut [f32],
-) -> crate::error::Result<()>;
-
 impl PyDecoder {
-    /// Runs `pass` over `step` (a `SchedulerOutput`, or a cache step's `kv_cache`, `windows` and
-    /// arrays) for token `rows`, into a new float32 array `[len(rows), width]`.
+    /// Runs `step` (a `SchedulerOutput`, or a cache step's `kv_cache`, `windows` and arrays)
+    /// for token `rows`, into a new float32 array `[len(rows), width(output)]`.
     fn run<'py>(
         &self,
         py: Python<'py>,
         step: &Bound<'py, PyAny>,
         rows: &Bound<'py, PyAny>,
-        width: usize,
-        pass: Pass,
+        output: Output,
     ) -> PyResult<Bound<'py, PyAny>> {
+        let width = self.inner.width(output);
         let rows: Vec<usize> = arg(rows, "rows")?;
         let ids: Vec<i64> = arg(&step.getattr("input_ids")?, "input_ids")?;
         let positions: Vec<i64> = arg(&step.getattr("positions")?, "positions")?;
@@ -303,7 +287,7 @@ impl PyDecoder {
         if let Ok(scheduled) = step.cast::<PySchedulerOutput>() {
             scheduled.get().run(py, |runtime, step| {
                 let mut kv = RuntimeStepKv { runtime, step, isa };
-                pass(decoder, &mut kv, &ids, &positions, &rows, &mut out)
+                decoder.forward(&mut kv, &ids, &positions, &rows, output, &mut out)
             })?;
         } else {
             let cache = step.getattr("kv_cache").ok();
@@ -343,7 +327,7 @@ impl PyDecoder {
                     windows: &windows,
                     isa,
                 };
-                pass(decoder, &mut kv, &ids, &positions, &rows, &mut out)
+                decoder.forward(&mut kv, &ids, &positions, &rows, output, &mut out)
             })?;
         }
         Ok(PyArray1::from_vec(py, out)
