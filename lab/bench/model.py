@@ -65,6 +65,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     peers.add_argument("--no-peers", dest="peers", action="store_false", help="pagedkv only")
     parser.add_argument("--peers-dir", type=Path, default=REPO / ".peers", help="what `make peers` built (default .peers/)")
     parser.add_argument("--peers-venv", type=Path, default=REPO / ".venv-peers", help="the venv with torch and transformers")
+    parser.add_argument("--plot", type=Path, default=None, help="draw tokens/s against concurrent sequences to this PNG")
 
 
 # ---- the machine's limits -------------------------------------------------------------------
@@ -356,10 +357,42 @@ def run(args) -> int:
         "figures": medians,
     }
     _print_table(report, table)
+    if args.plot is not None:
+        plot_concurrency(report, args.plot)
     if args.json:
         json.dump(report, sys.stdout, indent=1)
         print()
     return 0
+
+
+def plot_concurrency(report: dict, path: Path) -> None:
+    """Decode tokens/s against concurrent sequences (1 = single-stream decode, then each batch),
+    one line per contender, from a report of :func:`run` (or its saved JSON)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(figsize=(6.5, 4.2))
+    concurrencies: set[int] = set()
+    for contender, figures in report["figures"].items():
+        if contender == "limits":
+            continue
+        points = sorted((1 if key == "decode" else int(key.removeprefix("batch_")), value["median"])
+                        for key, value in figures.items() if key == "decode" or key.startswith("batch_"))
+        concurrencies.update(n for n, _ in points)
+        bold = contender.startswith("pagedkv")
+        axes.plot(*zip(*points, strict=True), marker="o", linewidth=2.5 if bold else 1.2, label=contender)
+    axes.set_xscale("log", base=2)
+    axes.set_xticks(sorted(concurrencies), [str(n) for n in sorted(concurrencies)])
+    axes.set_xlabel("concurrent sequences")
+    axes.set_ylabel("decode tokens/s")
+    axes.set_title(f"{report['model']}, {report['threads']} threads, medians of {report['samples']} rounds")
+    axes.grid(alpha=0.3)
+    axes.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 def _print_table(report: dict, file) -> None:
