@@ -11,7 +11,7 @@ use numpy::{PyArray1, PyArrayMethods, PyReadonlyArray, PyUntypedArrayMethods};
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 
-use super::args::{arg, c_order, typed_array};
+use super::args::{arg, c_order, typed_array, Param};
 use super::attention_call::Tables;
 use super::errors::IntoPyResult;
 use super::kv_cache::{copy_ops, PyKVCache};
@@ -113,8 +113,10 @@ pub struct PyDecoderLayer {
 #[pymethods]
 impl PyDecoderLayer {
     #[new]
-    #[pyo3(signature = (*, input_norm, qkv, o, pre_mlp_norm, gate_up, down, rope=0, q_norm=None,
-                        k_norm=None, post_attention_norm=None, post_mlp_norm=None))]
+    #[pyo3(signature = (*, input_norm, qkv, o, pre_mlp_norm, gate_up, down, rope=Param::Absent,
+                        q_norm=None, k_norm=None, post_attention_norm=None, post_mlp_norm=None),
+           text_signature = "(*, input_norm, qkv, o, pre_mlp_norm, gate_up, down, rope=0, q_norm=None, \
+                             k_norm=None, post_attention_norm=None, post_mlp_norm=None)")]
     #[allow(clippy::too_many_arguments)]
     fn new(
         input_norm: &Bound<'_, PyAny>,
@@ -123,7 +125,7 @@ impl PyDecoderLayer {
         pre_mlp_norm: &Bound<'_, PyAny>,
         gate_up: &Bound<'_, PyAny>,
         down: &Bound<'_, PyAny>,
-        rope: usize,
+        rope: Param<'_>,
         q_norm: Option<&Bound<'_, PyAny>>,
         k_norm: Option<&Bound<'_, PyAny>>,
         post_attention_norm: Option<&Bound<'_, PyAny>>,
@@ -141,7 +143,7 @@ impl PyDecoderLayer {
                 gate_up: linear(gate_up, "gate_up")?,
                 down: linear(down, "down")?,
                 post_mlp_norm: optional_vector(post_mlp_norm, "post_mlp_norm")?,
-                rope,
+                rope: rope.or("rope", 0)?,
             },
         })
     }

@@ -98,6 +98,10 @@ def test_a_misshapen_weight_is_refused_by_name(model) -> None:
         Decoder(layers=[good], **common)
     with pytest.raises(ShapeError):
         DecoderLayer(**{**good, "input_norm": norm.astype(np.float64)})
+    with pytest.raises(InvalidArgumentError, match="rope must be an int"):
+        DecoderLayer(**good, rope=-1)
+    with pytest.raises(InvalidArgumentError, match="rms_norm_eps must be a finite"):
+        Decoder(layers=[DecoderLayer(**good)], **{**common, "rms_norm_eps": float("nan")})
 
 
 def test_an_embedding_gathers_float_rows_and_refuses_a_float_linear() -> None:
