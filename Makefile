@@ -98,6 +98,18 @@ parity: $(VENV)/.built $(PEERS_VENV)/.parity
 	$(PEERS_PY) scripts/parity_golden.py --gguf "$(SMOLLM2)" --out .peers/parity/live.json --logits .peers/parity/logits.npz
 	$(PY) scripts/parity_live.py --live .peers/parity/live.json --logits .peers/parity/logits.npz
 
+# Teacher-forced logits of pagedkv (weight_dtype auto and float32) against llama.cpp's on the same
+# GGUF files (both registry models), into docs/model/llama_logits.json. Needs `make peers` first:
+# scripts/llama_logits.cpp links the static libraries of its build, and llama-quantize makes the
+# F32 copy the harness is checked on (in a temporary directory).
+LLAMA_SRC = $(lastword $(wildcard .peers/src/llama_cpp_python-*/vendor/llama.cpp))
+LLAMA_LIBS := $(addprefix .peers/build/,src/libllama.a ggml/src/libggml.a ggml/src/libggml-cpu.a ggml/src/libggml-base.a)
+.PHONY: parity-llama
+.peers/bin/llama-logits: scripts/llama_logits.cpp $(LLAMA_LIBS)
+	g++ -std=c++17 -O2 -I$(LLAMA_SRC)/include -I$(LLAMA_SRC)/ggml/include $< $(LLAMA_LIBS) -fopenmp -lpthread -ldl -lm -o $@
+parity-llama: $(VENV)/.built .peers/bin/llama-logits
+	$(PY) scripts/llama_logits_compare.py --tool .peers/bin/llama-logits --out docs/model/llama_logits.json
+
 # llama.cpp built CPU-only from the llama-cpp-python sdist, and the model at F16 / F32.
 peers: $(VENV)/.built $(PEERS_VENV)/.parity
 	PEERS_VENV=$(abspath $(PEERS_VENV)) PROJECT_PY=$(abspath $(PY)) bash scripts/build_peers.sh
