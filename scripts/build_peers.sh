@@ -2,7 +2,7 @@
 # The peers of `python -m lab bench model`, built outside git in .peers/ (`make peers`):
 # llama.cpp CPU-only from the source vendored in the llama-cpp-python sdist on PyPI (the only
 # registry that carries it), and the SmolLM2 GGUF requantized to F16 and F32 beside the shipped
-# Q4_1 (llama-server too: the peer of `bench http`). Each step is skipped when its output exists, so a rerun costs nothing; delete .peers/ to
+# Q4_1 (llama-server too: a peer of `bench http`; vLLM, the other, is scripts/build_vllm_peer.sh). Each step is skipped when its output exists, so a rerun costs nothing; delete .peers/ to
 # rebuild. The build is niced and uses -j2: the machine has 2 cores and is shared.
 set -euo pipefail
 

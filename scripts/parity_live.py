@@ -35,7 +35,7 @@ class RecordingRunner(PagedModelRunner):
 
     def run(self, step, params, generators):
         logits = self.model.forward(step, self.kv_cache)
-        for request_id, row in zip(step.sample_request_ids, logits):
+        for request_id, row in zip(step.sample_request_ids, logits, strict=False):
             self.logits[request_id].append(np.array(row, dtype=np.float32))
         return sample(logits, params, generators)
 
@@ -56,8 +56,9 @@ def run_core(model: LlamaModel, config: EngineConfig, requests: list[tuple[str, 
     return tokens, {k: np.stack(v) for k, v in runner.logits.items()}, core.stats()
 
 
-def compare(name: str, got: list[int], logits: np.ndarray, expected: list[int], reference: np.ndarray, atol: float) -> tuple[bool, str]:
-    diverged = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), None)
+def compare(name: str, got: list[int], logits: np.ndarray, expected: list[int], reference: np.ndarray,
+            atol: float) -> tuple[bool, str]:
+    diverged = next((i for i, (a, b) in enumerate(zip(got, expected, strict=False)) if a != b), None)
     same_tokens = got == expected
     upto = len(expected) if diverged is None else diverged + 1
     upto = min(upto, len(logits), len(reference))
@@ -92,7 +93,8 @@ def main() -> int:
     params = SamplingParams(max_tokens=live["max_new_tokens"], temperature=0.0, stop_token_ids=tuple(live["eos_token_ids"]))
     long = live["long_prompt"]
     runs = {
-        "one batch of every prompt": (EngineConfig(num_blocks=256), [(n, p["prompt_token_ids"]) for n, p in prompts.items()], False),
+        "one batch of every prompt": (
+            EngineConfig(num_blocks=256), [(n, p["prompt_token_ids"]) for n, p in prompts.items()], False),
         "long prompt, 64-token chunks, then a prefix hit": (
             EngineConfig(num_blocks=128, max_num_batched_tokens=64),
             [(f"{long}#{i}", prompts[long]["prompt_token_ids"]) for i in range(2)],

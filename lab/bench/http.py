@@ -1,5 +1,6 @@
 """HTTP serving benchmark: open-loop streaming clients against ``pagedkv serve``, the same load on
-the in-process :class:`~pagedkv.Engine`, and (``--peer llama-server``) llama.cpp's server.
+the in-process :class:`~pagedkv.Engine`, and the peers' servers: llama.cpp's (``--peer llama-server``)
+and vLLM's CPU build (``--peer vllm``), both installed by ``make peers``.
 
 Workload (:func:`~lab.serving.workload.build_workload`): the first ``--requests`` requests of
 the Azure conversation trace, prompt and output lengths times ``--length-scale``, random token-id
@@ -35,7 +36,14 @@ llama-server gets ``-np`` = the concurrency and ``-c`` = that many slots of the 
 (``--num-blocks`` unset; ``--max-num-seqs`` unset is the concurrency) with a float16 KV cache
 by default, llama.cpp's default cache type.
 llama-server's host-memory prompt cache is off (``-cram 0``): random prompts share nothing, and
-it would hold up to 8 GiB of a shared machine. Every server this benchmark starts listens on
+it would hold up to 8 GiB of a shared machine.
+vLLM (``vllm serve`` from .venv-vllm, :func:`vllm_command`) serves the same model converted to a
+Hugging Face directory (float32 weights; ``--vllm-dtype``, bfloat16 by default, is what it computes
+and caches in), with ``--max-num-seqs`` = the concurrency, its OpenMP threads bound to ``--threads``
+cores (``VLLM_CPU_OMP_THREADS_BIND``), a KV cache of at least pagedkv's pool in whole GiB
+(``VLLM_CPU_KVCACHE_SPACE``), tcmalloc and Intel OpenMP preloaded as its CPU docs ask, and its
+default torch.compile mode (minutes at start, cached in ~/.cache/vllm). A server's CPU time is its
+whole process tree's (vLLM serves from three processes). Every server this benchmark starts listens on
 127.0.0.1 on a free port and is stopped when it ends, on error too. ``--rounds`` runs each
 contender once per round in a rotated order; figures are medians over rounds (counts summed), each
 with the load average when it ended.
@@ -46,6 +54,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import ctypes.util
 import dataclasses
 import json
 import math
@@ -69,13 +78,15 @@ from pagedkv.errors import InvalidArgumentError, PagedKVError
 from pagedkv.traces import SHIPPED_TRACES, load_trace
 
 REPO = Path(__file__).resolve().parents[2]
-PEERS = ("llama-server",)
+PEERS = ("llama-server", "vllm")
 TARGET_OVERHEAD = 1.10
 BLOCK_SIZE = 16  # the engine's block size (EngineConfig's default, which add_engine_arguments keeps)
 # Defaults of the full run and of --quick, for the flags left unset.
 FULL = {"requests": 128, "length_scale": 0.25, "concurrency": 16, "rate": None, "max_model_len": 2048}
 QUICK = {"requests": 8, "length_scale": 1 / 16, "concurrency": 4, "rate": 16.0, "max_model_len": 256}
 STARTUP_SECONDS = 180.0  # a model load on a loaded 2-core machine
+VLLM_STARTUP_SECONDS = 900.0  # vLLM compiles the model with torch inductor first (~1 min alone, more on a busy machine)
+VLLM_MODELS = {"smollm2-135m": "smollm2-hf"}  # registered GGUF models -> the directory `make peers` converts them to
 CHUNK_TIMEOUT_S = 120.0  # longest silence of a stream before the request counts as failed
 
 
@@ -103,6 +114,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=positive_int, default=1, help="runs of each contender, in rotated order")
     parser.add_argument("--peer", choices=PEERS, action="append", default=[], help="also run this peer's server")
     parser.add_argument("--peers-dir", type=Path, default=REPO / ".peers", help="what `make peers` built (default .peers/)")
+    parser.add_argument("--vllm-venv", type=Path, default=REPO / ".venv-vllm",
+                        help="vLLM's venv, from `make peers` (default .venv-vllm/)")
+    parser.add_argument("--vllm-dtype", choices=("bfloat16", "float32"), default="bfloat16",
+                        help="vLLM's --dtype: weights, compute and KV cache (default bfloat16)")
 
 
 # ---- one request, timed by the client -------------------------------------------------------
@@ -243,11 +258,13 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def server_process(name: str, command: list[str], port: int, env: dict[str, str] | None = None) -> Iterator[tuple[str, int]]:
+def server_process(name: str, command: list[str], port: int, env: dict[str, str] | None = None,
+                   startup_s: float = STARTUP_SECONDS) -> Iterator[tuple[str, int]]:
     """Runs ``command`` (a server listening on 127.0.0.1:``port``) until ``GET /health`` answers
-    200, yields its base URL and pid, and always stops it (SIGTERM, then SIGKILL after 10 s). Raises
-    ``ChildProcessError`` if it exits first, ``TimeoutError`` if it is not up in
-    :data:`STARTUP_SECONDS`; any error, raised here or in the body, gets the end of its log as a note."""
+    200, yields its base URL and pid, and always stops it (SIGTERM, then SIGKILL after 10 s, and
+    SIGKILL to whatever of its process tree outlives it). Raises ``ChildProcessError`` if it exits
+    first, ``TimeoutError`` if it is not up in ``startup_s``; any error, raised here or in the body,
+    gets the end of its log as a note."""
     import httpx
 
     url = f"http://127.0.0.1:{port}"
@@ -255,7 +272,7 @@ def server_process(name: str, command: list[str], port: int, env: dict[str, str]
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
         failure: BaseException | None = None
         try:
-            deadline = time.monotonic() + STARTUP_SECONDS
+            deadline = time.monotonic() + startup_s
             while True:
                 if process.poll() is not None:
                     raise ChildProcessError(f"{name} exited with {process.returncode}: {command}")
@@ -263,19 +280,23 @@ def server_process(name: str, command: list[str], port: int, env: dict[str, str]
                     if httpx.get(f"{url}/health", timeout=2).status_code == 200:
                         break
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"{name} did not answer /health in {STARTUP_SECONDS:.0f} s")
+                    raise TimeoutError(f"{name} did not answer /health in {startup_s:.0f} s")
                 time.sleep(0.1)
             yield url, process.pid
         except BaseException as error:
             failure = error
             raise
         finally:
+            tree = _process_tree(process.pid)
             process.terminate()
             try:
                 process.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+            for pid in tree - {process.pid}:  # children a killed server left behind (vLLM's engine and worker)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
             if failure is not None and hasattr(failure, "add_note"):  # Python ≥ 3.11; `python -m pagedkv` prints notes
                 log.seek(0)
                 failure.add_note(f"the end of {name}'s log:\n{log.read()[-2000:]}")
@@ -302,6 +323,77 @@ def llama_server_command(args: argparse.Namespace, port: int, slot_tokens: int) 
     return [str(binary), "-m", str(gguf_of(args.model)), "--host", "127.0.0.1", "--port", str(port),
             "-np", str(args.concurrency), "-c", str(args.concurrency * slot_tokens), "-t", str(args.threads),
             "-tb", str(args.threads), "-cram", "0", "--seed", str(args.seed)]
+
+
+def vllm_paths(args: argparse.Namespace) -> tuple[Path, Path]:
+    """The python of vLLM's venv and the Hugging Face directory of ``args.model`` it serves (for a
+    registered GGUF model, the one `make peers` wrote; a checkpoint directory as it is). Raises
+    ``FileNotFoundError`` naming `make peers` when either is missing."""
+    python = args.vllm_venv / "bin" / "python"
+    if not python.is_file():
+        raise FileNotFoundError(f"{python} does not exist: install vLLM with `make peers` (or `make peers-vllm`; "
+                                "or give --vllm-venv)")
+    model = str(args.model)
+    if model in VLLM_MODELS:
+        directory = args.peers_dir / "models" / VLLM_MODELS[model]
+    elif Path(model).is_dir():
+        directory = Path(model)
+    else:
+        raise InvalidArgumentError(f"--peer vllm needs {', '.join(VLLM_MODELS)} or a checkpoint directory, got {model!r}")
+    if not (directory / "config.json").is_file():
+        raise FileNotFoundError(f"{directory / 'config.json'} does not exist: convert the model with `make peers` "
+                                "(or give --peers-dir)")
+    return python, directory
+
+
+def vllm_command(args: argparse.Namespace, port: int) -> list[str]:
+    """``vllm serve`` (through scripts/vllm_serve.py: see there why) on the model of :func:`vllm_paths`,
+    named as the client names it."""
+    python, directory = vllm_paths(args)
+    return [str(python), str(REPO / "scripts" / "vllm_serve.py"), str(directory), "--served-model-name", str(args.model),
+            "--host", "127.0.0.1", "--port", str(port), "--dtype", args.vllm_dtype, "--max-model-len", str(args.max_model_len),
+            "--max-num-seqs", str(args.concurrency), "--seed", str(args.seed), "--disable-uvicorn-access-log"]
+
+
+def vllm_env(args: argparse.Namespace, pool_tokens: int) -> dict[str, str]:
+    """The environment of :func:`vllm_command`: vLLM's CPU settings (see the module doc), and no
+    network (usage reports, the model hub)."""
+    _, directory = vllm_paths(args)
+    config = json.loads((directory / "config.json").read_text())
+    heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    token_bytes = 2 * config["num_hidden_layers"] * heads * head_dim * (2 if args.vllm_dtype == "bfloat16" else 4)
+    kv_gib = max(1, math.ceil(pool_tokens * token_bytes / 2**30))
+    cpus = sorted(os.sched_getaffinity(0))
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_gib), "PYTHONUNBUFFERED": "1", "VLLM_NO_USAGE_STATS": "1",
+           "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    if args.threads <= len(cpus):
+        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cpus[:args.threads]))
+    else:  # more threads than cores: unbound, as llama-server's and pagedkv's are
+        env |= {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": str(args.threads)}
+    preload = [str(p) for p in (args.vllm_venv / "lib").glob("libiomp5.so")]
+    if tcmalloc := ctypes.util.find_library("tcmalloc_minimal"):
+        preload.append(tcmalloc)
+    if preload:
+        env["LD_PRELOAD"] = ":".join(filter(None, [*preload, os.environ.get("LD_PRELOAD", "")]))
+    return env
+
+
+def peer_server(peer: str, args: argparse.Namespace, slot_tokens: int) -> tuple[list[str], int, dict[str, str] | None, float]:
+    """The command, port, environment and startup timeout of ``peer``'s server."""
+    port = free_port()
+    if peer == "vllm":
+        return vllm_command(args, port), port, vllm_env(args, args.concurrency * slot_tokens), VLLM_STARTUP_SECONDS
+    return llama_server_command(args, port, slot_tokens), port, None, STARTUP_SECONDS
+
+
+def check_peers(args: argparse.Namespace) -> None:
+    """Fails now, before any model loads, if a peer of ``args.peer`` is not installed."""
+    if "llama-server" in args.peer:
+        llama_server_command(args, 0, BLOCK_SIZE)
+        gguf_of(args.model)
+    if "vllm" in args.peer:
+        vllm_paths(args)
 
 
 def gguf_of(model: str) -> Path:
@@ -391,15 +483,42 @@ async def measure(send: Send, requests: Sequence[ServingRequest], concurrency: i
     return summarize(results, wall, server_cpu_s=None if theirs is None or after is None else after - theirs, client_cpu_s=own)
 
 
+def _proc_stats() -> dict[int, tuple[int, int]]:
+    """Every process's parent pid and user + system CPU ticks so far (empty without a Linux /proc)."""
+    stats = {}
+    with contextlib.suppress(OSError):
+        for entry in os.scandir("/proc"):
+            if entry.name.isdigit():
+                try:
+                    fields = Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()
+                except OSError:
+                    continue  # it has just exited
+                stats[int(entry.name)] = (int(fields[1]), int(fields[11]) + int(fields[12]))  # ppid, utime + stime
+    return stats
+
+
+def _process_tree(pid: int, stats: dict[int, tuple[int, int]] | None = None) -> set[int]:
+    """``pid`` and its live descendants."""
+    stats = _proc_stats() if stats is None else stats
+    children: dict[int, list[int]] = {}
+    for child, (parent, _) in stats.items():
+        children.setdefault(parent, []).append(child)
+    tree, todo = {pid}, [pid]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            if child not in tree:
+                tree.add(child)
+                todo.append(child)
+    return tree
+
+
 def _cpu_seconds(pid: int | None) -> float | None:
-    """User + system CPU seconds of process ``pid`` so far (None without a Linux /proc)."""
-    if pid is None:
+    """User + system CPU seconds so far of process ``pid`` and its live descendants (None without
+    a Linux /proc)."""
+    stats = _proc_stats() if pid is not None else {}
+    if pid not in stats:
         return None
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime (fields 14, 15)
+    return sum(stats[p][1] for p in _process_tree(pid, stats)) / os.sysconf("SC_CLK_TCK")
 
 
 def _workload(args: argparse.Namespace, vocab: tuple[int, int]) -> list[ServingRequest]:
@@ -426,6 +545,7 @@ def run(args: argparse.Namespace) -> int:
     for key, value in (QUICK if args.quick else FULL).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    check_peers(args)
     pagedkv.set_num_threads(args.threads)
     table = sys.stderr if args.json else sys.stdout
     # Sized on the lengths first: the pool holds `concurrency` of the longest request.
@@ -464,10 +584,10 @@ def run(args: argparse.Namespace) -> int:
             ("pagedkv http", over_http(served, str(args.model))),
             ("pagedkv in-process", lambda: asyncio.run(measure(engine_sender(engine), requests, args.concurrency, None))),
         ]
-        for peer in args.peer:  # llama-server, the one peer so far
-            peer_port = free_port()
-            command = llama_server_command(args, peer_port, slot_tokens)
-            contenders.append((peer, over_http(stack.enter_context(server_process(peer, command, peer_port)), str(args.model))))
+        for peer in args.peer:
+            command, peer_port, peer_env, startup_s = peer_server(peer, args, slot_tokens)
+            server = stack.enter_context(server_process(peer, command, peer_port, peer_env, startup_s))
+            contenders.append((peer, over_http(server, str(args.model))))
 
         rounds: dict[str, list[dict[str, object]]] = {name: [] for name, _ in contenders}
         for index in range(args.rounds):
@@ -523,6 +643,7 @@ def _report(args: argparse.Namespace, requests: Sequence[ServingRequest], slot_t
             "engine": engine_kwargs(args),
             "slot_tokens": slot_tokens,
             "peers": list(args.peer),
+            **({"vllm_dtype": args.vllm_dtype} if "vllm" in args.peer else {}),
         },
         "contenders": figures,
         "overhead": overhead,

@@ -134,3 +134,41 @@ def test_llama_server_command_needs_the_built_binary_and_a_gguf(tmp_path) -> Non
     args.model = "tiny"
     with pytest.raises(InvalidArgumentError, match="GGUF"):
         llama_server_command(args, 1234, 64)
+
+
+def test_peer_vllm_without_its_venv_fails_first_naming_make_peers(tmp_path, capsys) -> None:
+    from lab.__main__ import main
+
+    with pytest.raises(SystemExit) as stop:  # before any model loads or server starts
+        main(["bench", "http", "--quick", "--peer", "vllm", "--vllm-venv", str(tmp_path / "none")])
+    assert stop.value.code == 1
+    assert "make peers" in capsys.readouterr().err
+
+
+def test_vllm_command_serves_the_converted_model_under_the_client_name(tmp_path) -> None:
+    from lab.__main__ import build_parser
+    from lab.bench.http import vllm_command, vllm_env
+    from pagedkv.errors import InvalidArgumentError
+
+    venv, peers = tmp_path / "venv", tmp_path / "peers"
+    args = build_parser().parse_args(["bench", "http", "--peer", "vllm", "--vllm-venv", str(venv), "--peers-dir", str(peers),
+                                      "--concurrency", "3", "--max-model-len", "512", "--threads", "1"])
+    (venv / "bin").mkdir(parents=True)
+    (venv / "bin" / "python").write_text("")
+    with pytest.raises(FileNotFoundError, match="make peers"):  # the model not converted yet
+        vllm_command(args, 1234)
+    model = peers / "models" / "smollm2-hf"
+    model.mkdir(parents=True)
+    config = {"num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64, "hidden_size": 576}
+    (model / "config.json").write_text(json.dumps(config))
+    command = vllm_command(args, 1234)
+    assert command[:3] == [str(venv / "bin" / "python"), str(Path(__file__).resolve().parents[2] / "scripts" / "vllm_serve.py"),
+                           str(model)]
+    flags = dict(zip(command[3::2], command[4::2], strict=False))
+    assert flags["--served-model-name"] == "smollm2-135m" and flags["--port"] == "1234" and flags["--dtype"] == "bfloat16"
+    assert flags["--max-num-seqs"] == "3" and flags["--max-model-len"] == "512"
+    env = vllm_env(args, pool_tokens=100_000)  # 100k tokens × 23,040 bytes in bfloat16: 2.1 GiB
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "3" and len(env["VLLM_CPU_OMP_THREADS_BIND"].split(",")) == 1
+    args.model = "tiny"
+    with pytest.raises(InvalidArgumentError, match="--peer vllm"):
+        vllm_command(args, 1234)
