@@ -93,6 +93,25 @@ async def generate(cluster: Cluster, prompt: str, params: SamplingParams = GREED
     return await handle, first
 
 
+# The faults below must land while a stream is mid-way on the victim, on any machine. A time cannot
+# promise that (on a fast run every short stream had finished before the SIGSTOP and it interrupted
+# none). Steps can: each replica first gets one stream of 1,500 tokens, and the fault comes once
+# 8 or 25 short requests of 24 tokens are done, a few dozen steps into it, whatever the speed.
+LONG = SamplingParams(max_tokens=1500, temperature=0.0, ignore_eos=True)
+
+
+async def long_stream_on_each_replica(cluster: Cluster, tag: str) -> list[asyncio.Task]:
+    """Starts one long greedy stream per replica (least loaded: the second goes to the replica
+    the first left idle), each waited on until it is open there."""
+    tasks = []
+    for i, replica in enumerate(cluster.replicas()):
+        tasks.append(asyncio.ensure_future(generate(cluster, f"{tag} long {i}: once upon a time", LONG)))
+        await asyncio.to_thread(until, lambda n=i + 1: sum(r.streams for r in cluster.replicas()) == n, 30,
+                                "the long stream open")
+    assert all(r.streams == 1 for r in cluster.replicas()), "one long stream on each replica"
+    return tasks
+
+
 def shared_prefix_run(cluster: Cluster, tag: str) -> tuple[float, float]:
     """4 system prompts (7 full blocks each), 4 requests after each, sequentially: the hit rate
     (cached / prompt tokens) and the TTFT p50 (s)."""
@@ -170,6 +189,7 @@ def test_chaos_sigkill_one_replica_mid_load(cluster_of):
     prompts = [f"chaos request {i}: tell me a story" for i in range(100)]
     with Engine.from_pretrained("tiny", **ENGINE) as engine:  # the uninterrupted run
         reference = [o.token_ids for o in engine.generate(prompts, GREEDY)]
+        long_reference = [o.token_ids for o in engine.generate([f"chaos long {i}: once upon a time" for i in range(2)], LONG)]
     cluster = cluster_of("least_loaded")
     before = {r.id: r for r in cluster.replicas()}
     done: list[int] = []
@@ -190,13 +210,16 @@ def test_chaos_sigkill_one_replica_mid_load(cluster_of):
         killed[victim.id] = time.monotonic()
 
     async def load():
-        seats = asyncio.Semaphore(16)
-        return await asyncio.gather(*(one(i, seats) for i in range(100)), chaos())
+        longs = await long_stream_on_each_replica(cluster, "chaos")
+        seats = asyncio.Semaphore(14)
+        outputs = await asyncio.gather(*(one(i, seats) for i in range(100)), chaos())
+        return outputs[:100], [output for output, _ in await asyncio.gather(*longs)]
 
-    outputs = run(load(), timeout=120)[:100]
+    outputs, longs = run(load(), timeout=180)
     (victim_id, killed_at), = killed.items()
-    assert all(o.outputs[0].finish_reason == "length" for o in outputs)
+    assert all(o.outputs[0].finish_reason == "length" for o in outputs + longs)
     assert [o.token_ids for o in outputs] == reference  # migrated ones included: no token lost or repeated
+    assert [o.token_ids for o in longs] == long_reference
     resumed = [resumed_at - killed_at for lost_at, resumed_at in cluster.migration_log if lost_at >= killed_at]
     assert resumed, "the kill interrupted no stream"
     detected = min(lost_at for lost_at, _ in cluster.migration_log if lost_at >= killed_at) - killed_at
@@ -226,6 +249,7 @@ def test_a_hung_replica_misses_its_heartbeat_deadline_and_rejoins(cluster_of):
     prompts = [f"hung request {i}: once upon a time" for i in range(32)]
     with Engine.from_pretrained("tiny", **ENGINE) as engine:
         reference = [o.token_ids for o in engine.generate(prompts, GREEDY)]
+        long_reference = [o.token_ids for o in engine.generate([f"hung long {i}: once upon a time" for i in range(2)], LONG)]
     cluster = cluster_of("least_loaded")
     done: list[int] = []
     stopped: dict[str, tuple[int, float]] = {}
@@ -249,12 +273,15 @@ def test_a_hung_replica_misses_its_heartbeat_deadline_and_rejoins(cluster_of):
             os.kill(victim.pid, signal.SIGCONT)
 
     async def load():
-        seats = asyncio.Semaphore(16)
-        return await asyncio.gather(*(one(i, seats) for i in range(32)), hang())
+        longs = await long_stream_on_each_replica(cluster, "hung")
+        seats = asyncio.Semaphore(14)
+        outputs = await asyncio.gather(*(one(i, seats) for i in range(32)), hang())
+        return outputs[:32], [output for output, _ in await asyncio.gather(*longs)]
 
-    outputs = run(load(), timeout=90)[:32]
+    outputs, longs = run(load(), timeout=150)
     (victim_id, (pid, stopped_at)), = stopped.items()
     assert [o.token_ids for o in outputs] == reference
+    assert [o.token_ids for o in longs] == long_reference
     resumed = [resumed_at - stopped_at for lost_at, resumed_at in cluster.migration_log if lost_at >= stopped_at]
     assert resumed, "the hang interrupted no stream"
     until(lambda: next(r for r in cluster.replicas() if r.id == victim_id).alive, 10, "the replica back")
