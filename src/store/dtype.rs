@@ -1,6 +1,6 @@
 //! Storage element types of the KV cache and of linear weights. Values are stored as f32, f16 or
-//! bf16; every computation converts to f32 on load ([`KvElement::to_f32`], or [`load8`] on the
-//! AVX2 paths of the attention and linear kernels) and accumulates in f32.
+//! bf16; every computation converts to f32 on load ([`KvElement::to_f32`], or [`load8`] / [`load16`]
+//! on the AVX2 / AVX-512 paths of the attention and linear kernels) and accumulates in f32.
 
 use half::{bf16, f16};
 
@@ -126,6 +126,24 @@ pub(crate) unsafe fn load8<T: KvElement>(p: *const T) -> std::arch::x86_64::__m2
     }
 }
 
+/// Loads 16 elements at `p` as f32, as [`load8`] does 8.
+///
+/// # Safety
+/// The CPU has AVX-512F; `p` points to 16 readable elements (no alignment needed).
+#[cfg(target_arch = "x86_64")]
+#[inline]
+#[target_feature(enable = "avx512f")]
+pub(crate) unsafe fn load16<T: KvElement>(p: *const T) -> std::arch::x86_64::__m512 {
+    use std::arch::x86_64::*;
+    match T::DTYPE {
+        KvDtype::F32 => _mm512_loadu_ps(p.cast()),
+        KvDtype::F16 => _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())),
+        KvDtype::Bf16 => _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(
+            _mm256_loadu_si256(p.cast()),
+        ))),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -170,6 +188,28 @@ mod tests {
             assert_eq!(out.to_vec(), expected, "{:?}", T::DTYPE);
         }
         if is_x86_feature_detected!("avx2") && is_x86_feature_detected!("f16c") {
+            check::<f32>();
+            check::<f16>();
+            check::<bf16>();
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn load16_equals_the_scalar_conversion() {
+        fn check<T: KvElement>() {
+            let values: Vec<T> = (0..16)
+                .map(|i| T::from_f32((i as f32 - 7.3) * 1.1e3))
+                .collect();
+            let mut out = [0.0f32; 16];
+            // SAFETY: checked features; `values` holds 16 elements, `out` 16 floats.
+            unsafe {
+                std::arch::x86_64::_mm512_storeu_ps(out.as_mut_ptr(), load16(values.as_ptr()))
+            };
+            let expected: Vec<f32> = values.iter().map(|v| v.to_f32()).collect();
+            assert_eq!(out.to_vec(), expected, "{:?}", T::DTYPE);
+        }
+        if is_x86_feature_detected!("avx512f") {
             check::<f32>();
             check::<f16>();
             check::<bf16>();

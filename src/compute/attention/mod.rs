@@ -37,7 +37,7 @@ use plan::Plan;
 use simd::{Kernels, Portable};
 
 /// The instruction sets attention has kernels for.
-pub const ISAS: [Isa; 2] = [Isa::Avx2, Isa::Portable];
+pub const ISAS: [Isa; 3] = [Isa::Avx512, Isa::Avx2, Isa::Portable];
 
 /// The per-batch tables an attention call reads, as the block manager and scheduler hand them out.
 #[derive(Debug, Clone, Copy)]
@@ -423,6 +423,8 @@ fn execute<T: KvElement, L: KvLayout<T>>(
     out: &mut [f32],
 ) -> Result<()> {
     match path {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512 => execute_on::<simd::Avx512, T, L>(problem, layout, out),
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => execute_on::<simd::Avx2, T, L>(problem, layout, out),
         Isa::Portable => execute_on::<Portable, T, L>(problem, layout, out),

@@ -283,6 +283,17 @@ fn decode_matches_reference() {
 }
 
 #[test]
+fn every_head_dim_shape_of_the_vector_loops_matches_reference() {
+    // AVX-512 takes 64 columns at a time then 16 (d = 48, 80, 256: Gemma 3's) and hands rows that
+    // are not a multiple of 16 to AVX2 (d = 24); 1-3 query rows per KV head take other blockings.
+    for (seed, d) in [(40, 24), (41, 48), (42, 80), (43, 256)] {
+        for group in [1, 2, 3, 4] {
+            check_case(seed, &[37, 70], &[1, 9], 16, 1, group, d);
+        }
+    }
+}
+
+#[test]
 fn long_decode_uses_partitions_and_matches_reference() {
     // One sequence, one KV head: only key partitions can spread the work over threads.
     let problem_threads = 4;

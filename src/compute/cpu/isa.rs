@@ -4,7 +4,7 @@
 //! Invariants:
 //! - A kernel runs on an [`Isa`] only when [`Isa::available`] says this CPU has its features:
 //!   that is the safety contract of every `#[target_feature]` function behind it.
-//! - A family implements a subset of the sets (attention: AVX2 and portable; dense linear: AVX-512,
+//! - A family implements a subset of the sets (attention: AVX-512, AVX2 and portable; dense linear: AVX-512,
 //!   AVX2 and portable; quantized linear: AVX-512 VNNI, AVX2 and portable);
 //!   its default is the best set it implements that the CPU has, at most [`ceiling`].
 //! - [`ceiling`] is `PAGEDKV_ISA` (a name below) when set, valid and available, else the best set
@@ -173,7 +173,7 @@ mod tests {
     fn a_family_defaults_to_its_best_set_under_the_ceiling() {
         let only_portable = [Isa::Portable];
         assert_eq!(Isa::default_of(&only_portable), Isa::Portable);
-        let attention = [Isa::Avx2, Isa::Portable];
+        let attention = [Isa::Avx2, Isa::Portable]; // a family without AVX-512
         let expected = Isa::available_of(&attention)
             .into_iter()
             .find(|&i| i <= ceiling())

@@ -318,20 +318,7 @@ mod avx512 {
     use std::arch::x86_64::*;
 
     use super::{Ahead, PANEL, UNROLL};
-    use crate::store::dtype::{KvDtype, KvElement};
-
-    /// Loads 16 elements at `p` as f32.
-    #[inline]
-    #[target_feature(enable = "avx512f")]
-    unsafe fn load16<T: KvElement>(p: *const T) -> __m512 {
-        match T::DTYPE {
-            KvDtype::F32 => _mm512_loadu_ps(p.cast()),
-            KvDtype::F16 => _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())),
-            KvDtype::Bf16 => _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(
-                _mm256_loadu_si256(p.cast()),
-            ))),
-        }
-    }
+    use crate::store::dtype::{load16, KvElement};
 
     /// # Safety
     /// As [`tile`] on a CPU with AVX-512F.
