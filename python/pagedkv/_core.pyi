@@ -669,7 +669,7 @@ def default_isas() -> list[tuple[str, str]]:
     """What the kernels run on by default: ``[("ceiling", ...), ("attention", ...), ("linear",
     ...), ("quantized", ...), ("sampling", ...)]`` (linear: float weights; quantized: GGUF-format
     weights). The
-    ceiling is ``PAGEDKV_ISA`` ("avx512vnni", "avx512", "avx2" or "portable") when set, valid and
+    ceiling is ``PAGEDKV_ISA`` ("avx512bf16", "avx512vnni", "avx512", "avx2" or "portable") when set, valid and
     available, else the best set this CPU has (read once per process); each family takes the
     best set it has kernels for, at most the ceiling."""
 
@@ -731,7 +731,8 @@ class Linear:
     nbytes: int
     kernels: list[str]
     """The kernels this CPU runs for this weight, best first (quantized: "avx512vnni", "avx2",
-    "portable"; float: "avx512", "avx2", "portable")."""
+    "portable"; float: "avx512bf16" (prompts; bf16-rounded activations), "avx512", "avx2",
+    "portable")."""
 
     def __new__(cls, weight: npt.NDArray[np.float32], dtype: str = "float32") -> Self: ...
     @staticmethod

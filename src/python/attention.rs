@@ -92,7 +92,7 @@ fn default_isas() -> Vec<(&'static str, &'static str)> {
         ("linear", crate::compute::linear::default_isa().name()),
         (
             "quantized",
-            crate::compute::linear::quant::default_isa().name(),
+            Isa::default_of(&crate::compute::linear::QUANTIZED_ISAS).name(),
         ),
         ("sampling", crate::compute::sampling::default_isa().name()),
     ]

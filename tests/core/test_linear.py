@@ -64,13 +64,20 @@ def test_matches_numpy_on_odd_shapes(kernel: str, dtype: str) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_every_kernel_gives_the_default_result_to_rounding(dtype: str) -> None:
+def test_every_kernel_of_a_weight_matches_numpy_and_the_default_is_one_of_them(dtype: str) -> None:
+    """A weight's own list: bf16 weights add ``avx512bf16`` where the CPU has it, whose prompts
+    (16 rows or more) multiply bf16-rounded activations; fewer rows run the f32 tiles."""
     rng = np.random.default_rng(2)
-    x = rng.standard_normal((20, 300), dtype=np.float32)
-    linear = Linear(rng.standard_normal((300, 70), dtype=np.float32), dtype)
-    default = linear(x)
-    for kernel in KERNELS:
-        np.testing.assert_allclose(linear(x, kernel=kernel), default, rtol=0, atol=1e-4)
+    weight = rng.standard_normal((300, 70), dtype=np.float32)
+    linear = Linear(weight, dtype)
+    assert linear.kernels[-1] == "portable" and set(linear.kernels) - {"avx512bf16"} == set(KERNELS)
+    assert "avx512bf16" not in linear.kernels or dtype == "bfloat16"
+    for m in (5, 20):
+        x = rng.standard_normal((m, 300), dtype=np.float32)
+        for kernel in linear.kernels:
+            paired = kernel == "avx512bf16" and m >= 16
+            check(linear(x, kernel=kernel), stored(x, "bfloat16").astype(np.float32) if paired else x, weight, dtype)
+        assert any(np.array_equal(linear(x), linear(x, kernel=kernel)) for kernel in linear.kernels)
 
 
 def test_any_layout_is_read_in_c_order() -> None:

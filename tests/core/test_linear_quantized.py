@@ -63,8 +63,10 @@ def test_every_kernel_is_within_the_activation_rounding_of_the_float_product(nam
     for kernel, y in results.items():
         assert y.shape == (m, n) and y.dtype == np.float32
         assert np.all(np.abs(y - exact) <= bound * (1 + 1e-4) + 1e-4), kernel
-        # The paths differ only in the order of their float32 additions: a few ulps of the terms.
-        assert np.all(np.abs(y - results["portable"]) <= 1e-5 * magnitude + 1e-6), kernel
+        # The paths differ only in the order of their float32 additions: a few ulps of the terms;
+        # but avx512bf16's prompts (64 rows or more) run on bf16 pairs, x and w rounded by 2⁻⁹ each.
+        paired = kernel == "avx512bf16" and m >= 64
+        assert np.all(np.abs(y - results["portable"]) <= (2**-8 if paired else 1e-5) * magnitude + 1e-6), kernel
     np.testing.assert_array_equal(linear(x), results[linear.kernels[0]])
 
 

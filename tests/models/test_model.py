@@ -19,6 +19,7 @@ from threadpoolctl import threadpool_limits
 
 import pagedkv
 from pagedkv import BlockManager, CacheStep, CheckpointError, InvalidArgumentError
+from pagedkv._core import default_isas
 from pagedkv.loaders import load_checkpoint, load_tokenizer, save_checkpoint
 from pagedkv.models import DenseReference, LlamaConfig, LlamaModel, LlamaWeights, SimulatedModel, StepCostModel
 from pagedkv.sampling import SamplingParams, sample
@@ -34,6 +35,9 @@ def single_threaded_blas() -> object:
 
 
 TOLERANCE = 1e-4  # max abs logit difference, float32 paged forward vs float64 reference
+# Where bfloat16 weights multiply a prompt's rows on bf16 pairs (AVX512-BF16: the activations
+# rounded to bf16, as PyTorch's bfloat16 does), what that rounding adds: measured 1.2e-2.
+PAIRED_TOLERANCE = 3e-2
 BLOCK_SIZE = 8
 
 
@@ -93,6 +97,8 @@ class Harness:
         self.reference = DenseReference(stored)
         self.manager = BlockManager(num_blocks, BLOCK_SIZE, enable_prefix_caching)
         self.cache = self.model.new_kv_cache(num_blocks, BLOCK_SIZE)
+        paired = weight_dtype == "bfloat16" and dict(default_isas())["ceiling"] == "avx512bf16"
+        self.tolerance = PAIRED_TOLERANCE if paired else TOLERANCE
 
     def run(self, work: Sequence[Work], copy_ops: Sequence[tuple[int, int]] = ()) -> list[np.ndarray]:
         """Runs one step; checks every row against the reference; returns each item's logits."""
@@ -103,7 +109,7 @@ class Harness:
         for (seq, tokens, start, end), got in zip(work, per_item, strict=True):
             want = self.reference.logits(tokens[:end])[start:end]
             error = np.max(np.abs(got - want))
-            assert error < TOLERANCE, f"seq {seq} rows {start}:{end}: max abs error {error:.2e}"
+            assert error < self.tolerance, f"seq {seq} rows {start}:{end}: max abs error {error:.2e}"
         return per_item
 
 
@@ -126,7 +132,8 @@ def random_tokens(rng: np.random.Generator, n: int) -> list[int]:
 def test_mixed_length_batch_prefill_then_decode_matches_reference(weight_dtype: str, tmp_path: Path) -> None:
     """16-bit weights are compared with the reference over the same rounded weights, so the
     float32 tolerance still holds: the model adds no error beyond float32 sums. (Against the
-    unrounded weights, bfloat16's 2⁻⁹ relative rounding moves these logits by ~1e-2.)"""
+    unrounded weights, bfloat16's 2⁻⁹ relative rounding moves these logits by ~1e-2.) On bf16
+    pairs a bfloat16 prompt rounds the activations too, and its K/V carry that into decode."""
     rounding_dir = None if weight_dtype == "float32" else tmp_path
     h, rng = Harness(weight_dtype=weight_dtype, rounding_dir=rounding_dir), np.random.default_rng(1)
     assert h.model.weight_dtype == weight_dtype
@@ -147,6 +154,7 @@ def test_half_precision_weights_are_rounded_not_kept_in_float32() -> None:
     """The reference over unrounded weights is off by more than the tolerance: the comparison in
     the test above can fail."""
     h = Harness(weight_dtype="bfloat16")
+    h.tolerance = TOLERANCE  # 9 rows: f32 tiles on every CPU (bf16 pairs start at 16)
     assert h.manager.allocate(0, list(range(3, 12))) == 0
     with pytest.raises(AssertionError, match="max abs error"):
         h.run([(0, list(range(3, 12)), 0, 9)])

@@ -30,11 +30,20 @@ pub enum Isa {
     /// x86-64 AVX-512F, BW and VL with VNNI (`vpdpbusd`, an 8-bit dot product into 32-bit sums)
     /// (Ice Lake, Zen 4 and later): what the quantized-weight kernels need beyond AVX-512F.
     Avx512Vnni,
+    /// [`Isa::Avx512Vnni`] with AVX512-BF16 (`vdpbf16ps`, a dot product of bf16 pairs into f32
+    /// sums) (Cooper Lake, Sapphire Rapids, Zen 4 and later): the dense linear tiles of prompts.
+    Avx512Bf16,
 }
 
 impl Isa {
     /// Every set, best first.
-    pub const ALL: [Isa; 4] = [Isa::Avx512Vnni, Isa::Avx512, Isa::Avx2, Isa::Portable];
+    pub const ALL: [Isa; 5] = [
+        Isa::Avx512Bf16,
+        Isa::Avx512Vnni,
+        Isa::Avx512,
+        Isa::Avx2,
+        Isa::Portable,
+    ];
 
     /// Whether this CPU has the set's features.
     pub fn available(self) -> bool {
@@ -55,6 +64,10 @@ impl Isa {
                     && is_x86_feature_detected!("avx512vl")
                     && is_x86_feature_detected!("avx512vnni")
             }
+            #[cfg(target_arch = "x86_64")]
+            Isa::Avx512Bf16 => {
+                Isa::Avx512Vnni.available() && is_x86_feature_detected!("avx512bf16")
+            }
             #[cfg(not(target_arch = "x86_64"))]
             _ => false,
         }
@@ -68,13 +81,14 @@ impl Isa {
             .unwrap_or(Isa::Portable)
     }
 
-    /// Lower-case name: "avx512vnni", "avx512", "avx2" or "portable".
+    /// Lower-case name: "avx512bf16", "avx512vnni", "avx512", "avx2" or "portable".
     pub fn name(self) -> &'static str {
         match self {
             Isa::Portable => "portable",
             Isa::Avx2 => "avx2",
             Isa::Avx512 => "avx512",
             Isa::Avx512Vnni => "avx512vnni",
+            Isa::Avx512Bf16 => "avx512bf16",
         }
     }
 
@@ -134,7 +148,7 @@ impl std::str::FromStr for Isa {
             .find(|isa| isa.name() == name)
             .ok_or_else(|| {
                 Error::InvalidArgument(format!(
-                    "unknown instruction set {name:?}; expected avx512vnni, avx512, avx2 or portable"
+                    "unknown instruction set {name:?}; expected avx512bf16, avx512vnni, avx512, avx2 or portable"
                 ))
             })
     }
@@ -164,7 +178,10 @@ mod tests {
         }
         assert!("sse".parse::<Isa>().is_err());
         assert!(
-            Isa::Portable < Isa::Avx2 && Isa::Avx2 < Isa::Avx512 && Isa::Avx512 < Isa::Avx512Vnni
+            Isa::Portable < Isa::Avx2
+                && Isa::Avx2 < Isa::Avx512
+                && Isa::Avx512 < Isa::Avx512Vnni
+                && Isa::Avx512Vnni < Isa::Avx512Bf16
         );
         assert!(Isa::Portable.available() && Isa::best().available());
     }

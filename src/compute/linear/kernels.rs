@@ -89,7 +89,7 @@ pub(crate) fn max_rows(isa: Isa) -> usize {
         #[cfg(target_arch = "x86_64")]
         Isa::Avx2 => 6,
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx512 => 8,
+        Isa::Avx512 | Isa::Avx512Bf16 => 8,
         _ => 4,
     }
 }
@@ -106,22 +106,24 @@ pub(crate) fn panels_for(isa: Isa, rows: usize) -> usize {
         #[cfg(target_arch = "x86_64")]
         (Isa::Avx2, _) => 1,
         #[cfg(target_arch = "x86_64")]
-        (Isa::Avx512, 1) => 8,
+        (Isa::Avx512 | Isa::Avx512Bf16, 1) => 8,
         #[cfg(target_arch = "x86_64")]
-        (Isa::Avx512, 2) => 4,
+        (Isa::Avx512 | Isa::Avx512Bf16, 2) => 4,
         #[cfg(target_arch = "x86_64")]
-        (Isa::Avx512, _) => 2,
+        (Isa::Avx512 | Isa::Avx512Bf16, _) => 2,
         _ => 1,
     }
 }
 
 /// One tile: `rows` rows of `x`, `panels` panels from `w`, `k` deep, into `out`, requesting
-/// `ahead` (ignored by the portable path).
+/// `ahead` (ignored by the portable and bf16-pair paths).
 ///
 /// # Safety
 /// The CPU runs this path; `x` holds `rows` rows of `k`, interleaved; `w` holds
 /// `panels · k · 16` elements; `out` holds `rows · panels · 16`; `(rows, panels)` is a
-/// combination this path lists (see [`panels_for`]; `panels = 1` always is).
+/// combination this path lists (see [`panels_for`]; `panels = 1` always is). On
+/// [`Isa::Avx512Bf16`], `x` and `w` are in `paired`'s layout (pair words, `w` bf16 panels of
+/// an even `k`).
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn tile<T: KvElement>(
     isa: Isa,
@@ -138,6 +140,11 @@ pub(crate) unsafe fn tile<T: KvElement>(
         Isa::Avx2 => avx2::tile(rows, panels, x, w, k, out, ahead),
         #[cfg(target_arch = "x86_64")]
         Isa::Avx512 => avx512::tile(rows, panels, x, w, k, out, ahead),
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx512Bf16 => {
+            debug_assert!(T::DTYPE == crate::store::dtype::KvDtype::Bf16 && k.is_multiple_of(2));
+            super::paired::tile(rows, panels, x.cast(), w.cast(), k / 2, out)
+        }
         _ => portable::tile(rows, x, w, k, out),
     }
 }
@@ -311,8 +318,8 @@ mod avx2 {
 }
 
 /// AVX-512F: one 16-lane vector per panel; an 8 × 32 tile keeps 16 accumulators. Only AVX-512F
-/// instructions are used: AVX512-BF16's `vdpbf16ps` would round the activations to bf16 and
-/// AVX512-FP16 accumulates in f16, both against the f32-activation, f32-sum invariant.
+/// instructions are used: AVX512-BF16's `vdpbf16ps` rounds the activations to bf16 (it has its
+/// own tiles, `paired`, for prompts) and AVX512-FP16 accumulates in f16.
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use std::arch::x86_64::*;

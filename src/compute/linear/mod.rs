@@ -42,6 +42,8 @@
 //! (K-blocking, a 2-deep software pipeline) is the open step for prefill.
 
 mod kernels;
+#[cfg(target_arch = "x86_64")]
+mod paired;
 pub mod quant;
 #[cfg(test)]
 mod tests;
@@ -64,10 +66,25 @@ const DEQUANTIZED_FROM_ROWS: usize = 64;
 /// never dequantized whole.
 const DEQUANTIZED_CHUNK: usize = 1 << 22;
 
-/// The instruction sets the dense (f32, f16, bf16) tiles are written for.
+/// The instruction sets the dense tiles of f32 and f16 weights are written for.
 pub const ISAS: [Isa; 3] = [Isa::Avx512, Isa::Avx2, Isa::Portable];
 
-/// The instruction set calls take by default: the best this CPU has under `cpu::ceiling`.
+/// Those of bf16 weights: [`ISAS`] and the bf16-pair tiles (`paired`), which a call of
+/// [`PAIRED_FROM_ROWS`] rows or more runs on (fewer take the AVX-512 f32 tiles). f32 and f16
+/// weights never do: their activations stay f32, the precision their dtype was chosen for.
+pub const BF16_ISAS: [Isa; 4] = [Isa::Avx512Bf16, Isa::Avx512, Isa::Avx2, Isa::Portable];
+
+/// Those of quantized weights: `quant`'s int8 kernels below [`DEQUANTIZED_FROM_ROWS`] rows
+/// ([`Isa::Avx512Bf16`] runs them on VNNI), the dense tiles from there, on bf16 pairs for
+/// [`Isa::Avx512Bf16`].
+pub const QUANTIZED_ISAS: [Isa; 4] = [Isa::Avx512Bf16, Isa::Avx512Vnni, Isa::Avx2, Isa::Portable];
+
+/// Rows of `x` from which a bf16 weight's product runs on bf16 pairs: pairing a panel costs
+/// about as much as 16 rows of its products.
+const PAIRED_FROM_ROWS: usize = 16;
+
+/// The instruction set calls on f32 and f16 weights take by default: the best this CPU has
+/// under `cpu::ceiling`.
 pub fn default_isa() -> Isa {
     Isa::default_of(&ISAS)
 }
@@ -191,8 +208,9 @@ impl Linear {
     /// The instruction sets this weight's kernels are written for.
     pub fn isas(&self) -> &'static [Isa] {
         match self.weight {
+            Weight::Dense(Panels::Bf16(_)) => &BF16_ISAS,
             Weight::Dense(_) => &ISAS,
-            Weight::Quantized(_) => &quant::ISAS,
+            Weight::Quantized(_) => &QUANTIZED_ISAS,
         }
     }
 
@@ -225,20 +243,28 @@ impl Linear {
     pub fn forward_with(&self, isa: Isa, x: &[f32], m: usize, y: &mut [f32]) -> Result<()> {
         let (k, n) = (self.in_features, self.out_features);
         check_shapes(k, n, x, m, y)?;
+        let family = if self.is_quantized() {
+            "quantized linear"
+        } else {
+            "linear"
+        };
+        isa.check_for(family, self.isas())?;
         match &self.weight {
-            Weight::Dense(panels) => {
-                isa.check_for("linear", &ISAS)?;
-                match panels {
-                    Panels::F32(w) => multiply(w, k, n, isa, x, m, y, n),
-                    Panels::F16(w) => multiply(w, k, n, isa, x, m, y, n),
-                    Panels::Bf16(w) => multiply(w, k, n, isa, x, m, y, n),
+            Weight::Dense(panels) => match panels {
+                Panels::F32(w) => multiply(w, k, n, isa, x, m, y, n),
+                Panels::F16(w) => multiply(w, k, n, isa, x, m, y, n),
+                Panels::Bf16(w) if isa == Isa::Avx512Bf16 && m < PAIRED_FROM_ROWS => {
+                    multiply(w, k, n, Isa::Avx512, x, m, y, n)
                 }
-            }
+                Panels::Bf16(w) => multiply(w, k, n, isa, x, m, y, n),
+            },
             Weight::Quantized(matrix) if m >= DEQUANTIZED_FROM_ROWS => {
-                isa.check_for("quantized linear", &quant::ISAS)?;
                 forward_dequantized(matrix, isa, x, m, y, DEQUANTIZED_CHUNK)
             }
-            Weight::Quantized(matrix) => matrix.forward_with(isa, x, m, y),
+            Weight::Quantized(matrix) => match isa {
+                Isa::Avx512Bf16 => matrix.forward_with(Isa::Avx512Vnni, x, m, y),
+                isa => matrix.forward_with(isa, x, m, y),
+            },
         }
     }
 }
@@ -273,9 +299,17 @@ fn multiply<T: KvElement>(
     if m == 0 {
         return Ok(());
     }
+    #[cfg(target_arch = "x86_64")]
+    let x = &if isa == Isa::Avx512Bf16 {
+        paired::interleave_pairs(x, m, k, max_rows(isa))
+    } else {
+        interleave(x, m, k, max_rows(isa))
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let x = &interleave(x, m, k, max_rows(isa));
     let run = Run {
         isa,
-        x: &interleave(x, m, k, max_rows(isa)),
+        x,
         m,
         k,
         n,
@@ -420,17 +454,45 @@ impl Run<'_> {
         Ok(())
     }
 
+    /// Whether the tiles run on bf16 pairs (`paired`).
+    fn pairs(&self) -> bool {
+        self.isa == Isa::Avx512Bf16
+    }
+
+    /// Rows of the panels the tiles read: `k`, or the pair rows' `2·⌈k/2⌉` bf16.
+    fn depth(&self) -> usize {
+        if self.pairs() {
+            2 * self.k.div_ceil(2)
+        } else {
+            self.k
+        }
+    }
+
+    /// Elements of `x`'s buffer per row: `k`, or `⌈k/2⌉` pair words.
+    fn x_row(&self) -> usize {
+        if self.pairs() {
+            self.k.div_ceil(2)
+        } else {
+            self.k
+        }
+    }
+
     /// Panels `first..` held in `chunk`, for every row of `x`.
     fn task<T: KvElement>(&self, chunk: &[T], first: usize) {
         let panel_len = self.k * PANEL;
         let rows = self.m.min(max_rows(self.isa));
         let width = panels_for(self.isa, rows);
-        let convert = T::DTYPE != KvDtype::F32 && self.m > rows;
-        let mut scratch = if convert {
-            vec![0.0f32; width * panel_len]
-        } else {
-            Vec::new()
-        };
+        let pairs = self.pairs();
+        let convert = !pairs && T::DTYPE != KvDtype::F32 && self.m > rows;
+        let mut to_f32 = vec![0.0f32; if convert { width * panel_len } else { 0 }];
+        let mut to_pairs = vec![
+            bf16::ZERO;
+            if pairs {
+                width * self.depth() * PANEL
+            } else {
+                0
+            }
+        ];
         let mut done = 0;
         while done < chunk.len() {
             let group = if chunk.len() - done >= width * panel_len {
@@ -442,15 +504,22 @@ impl Run<'_> {
             let (src, rest) = (&chunk[done..end], &chunk[end..]);
             let ahead = Ahead::new(&rest[..rest.len().min(width * panel_len)], self.k);
             let panel = first + done / panel_len;
-            if convert {
-                let dst = &mut scratch[..group * panel_len];
-                // SAFETY: `isa` runs on this CPU (checked by the caller of `all`).
+            // SAFETY (conversions): `isa` runs on this CPU (checked by the caller of `all`).
+            if pairs {
+                #[cfg(target_arch = "x86_64")]
+                {
+                    let dst = &mut to_pairs[..group * self.depth() * PANEL];
+                    unsafe { paired::pair_panels(src, self.k, dst) };
+                    self.rows(group, dst, panel, Ahead::NONE);
+                }
+            } else if convert {
+                let dst = &mut to_f32[..group * panel_len];
                 unsafe { kernels::convert(self.isa, src, dst) };
                 self.rows(group, dst, panel, ahead);
             } else {
                 self.rows(group, src, panel, ahead);
             }
-            done += group * panel_len;
+            done = end;
         }
     }
 
@@ -495,10 +564,10 @@ impl Run<'_> {
         out: &mut [f32; MAX_TILE],
         ahead: Ahead,
     ) {
-        let panel_len = self.k * PANEL;
+        let panel_len = self.depth() * PANEL;
         let w = &w[sub * panel_len..(sub + width) * panel_len];
         // Row tiles are `max_rows` high but the last, so the tile of `row0` starts at `row0 · k`.
-        let x = &self.x[row0 * self.k..(row0 + rows) * self.k];
+        let x = &self.x[row0 * self.x_row()..(row0 + rows) * self.x_row()];
         // SAFETY: `isa` runs on this CPU; `x` holds `rows` interleaved rows of `k`, `w` holds `width` panels,
         // `out` holds MAX_TILE ≥ rows · width · 16 floats, and `(rows, width)` is either
         // `(rows, panels_for(rows))` or `(rows, 1)`, the combinations every path lists.
@@ -509,7 +578,7 @@ impl Run<'_> {
                 width,
                 x.as_ptr(),
                 w.as_ptr(),
-                self.k,
+                self.depth(),
                 out.as_mut_ptr(),
                 ahead,
             )

@@ -228,3 +228,90 @@ fn a_quantized_weight_many_rows_deep_is_the_float_product_of_its_dequantized_row
             .all(|(got, want)| (f64::from(*got) - want).abs() <= 1e-4));
     }
 }
+
+/// `x · W` in f64 over `x` and `W` rounded to bf16: what the bf16-pair tiles compute, to their
+/// f32 sums' rounding.
+fn reference_bf16(x: &[f32], w: &[f32], m: usize, k: usize, n: usize) -> Vec<f64> {
+    let x: Vec<f32> = x.iter().map(|&v| bf16::from_f32(v).to_f32()).collect();
+    reference(&x, w, m, k, n, KvDtype::Bf16)
+}
+
+#[test]
+fn bf16_pair_tiles_are_the_product_of_bf16_rounded_activations_and_weights() {
+    if !Isa::Avx512Bf16.available() {
+        return; // the path cannot run on this CPU (runs wherever it can, as the AVX-512 test)
+    }
+    // Odd k (a zero-padded last pair), tails of rows and panels, and rows either side of
+    // PAIRED_FROM_ROWS (below it the f32 tiles run, within f32 rounding of `reference`).
+    let shapes = [
+        (16, 1, 1),
+        (16, 13, 17),
+        (17, 64, 160),
+        (33, 3, 15),
+        (40, 37, 200),
+        (5, 19, 31),
+    ];
+    for &(m, k, n) in &shapes {
+        let x = values(m * k, 20 + m as u64);
+        let w = values(k * n, 21 + n as u64);
+        let linear = Linear::new(&w, k, n, (n, 1), KvDtype::Bf16).unwrap();
+        let mut y = vec![f32::NAN; m * n];
+        linear.forward_with(Isa::Avx512Bf16, &x, m, &mut y).unwrap();
+        let want = if m >= PAIRED_FROM_ROWS {
+            reference_bf16(&x, &w, m, k, n)
+        } else {
+            reference(&x, &w, m, k, n, KvDtype::Bf16)
+        };
+        let bound = (k * k) as f64 * 6e-8 + 1e-6;
+        for (i, (&got, &want)) in y.iter().zip(&want).enumerate() {
+            assert!(
+                (f64::from(got) - want).abs() <= bound,
+                "m={m} k={k} n={n} at {i}: {got} vs {want}"
+            );
+        }
+    }
+    for dtype in [KvDtype::F32, KvDtype::F16] {
+        let linear = Linear::new(&[1.0; 4], 2, 2, (2, 1), dtype).unwrap();
+        assert!(matches!(
+            linear.forward_with(Isa::Avx512Bf16, &[1.0; 2], 1, &mut [0.0; 2]),
+            Err(Error::InvalidArgument(_))
+        ));
+    }
+}
+
+#[test]
+fn a_quantized_prompt_on_bf16_pairs_is_the_product_of_its_rows_rounded_to_bf16() {
+    if !Isa::Avx512Bf16.available() {
+        return;
+    }
+    let (k, n, m) = (96, 37, DEQUANTIZED_FROM_ROWS + 5);
+    let mut bytes = Vec::new();
+    for (i, v) in values(n * k, 30).into_iter().enumerate() {
+        if i % 32 == 0 {
+            bytes.extend(f16::from_f32(1.0 / 64.0).to_le_bytes());
+        }
+        bytes.push((v * 127.0) as i8 as u8);
+    }
+    let linear = Linear::quantized(k, vec![(QuantFormat::Q8_0, bytes)]).unwrap();
+    let mut w = vec![0.0; n * k];
+    linear
+        .dequantize_rows(&(0..n).collect::<Vec<_>>(), &mut w)
+        .unwrap();
+    let wt: Vec<f32> = (0..k * n).map(|i| w[(i % n) * k + i / n]).collect();
+    let x = values(m * k, 31);
+    let want = reference_bf16(&x, &wt, m, k, n);
+    let mut y = vec![f32::NAN; m * n];
+    linear.forward_with(Isa::Avx512Bf16, &x, m, &mut y).unwrap();
+    for (got, want) in y.iter().zip(&want) {
+        assert!((f64::from(*got) - want).abs() <= 1e-4, "{got} vs {want}");
+    }
+    // Below DEQUANTIZED_FROM_ROWS the same set runs the int8 kernels: as VNNI does.
+    let (mut a, mut b) = (vec![0.0; 3 * n], vec![0.0; 3 * n]);
+    linear
+        .forward_with(Isa::Avx512Bf16, &x[..3 * k], 3, &mut a)
+        .unwrap();
+    linear
+        .forward_with(Isa::Avx512Vnni, &x[..3 * k], 3, &mut b)
+        .unwrap();
+    assert_eq!(a, b);
+}
