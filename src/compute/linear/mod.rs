@@ -301,7 +301,8 @@ fn multiply<T: KvElement>(
     }
     #[cfg(target_arch = "x86_64")]
     let x = &if isa == Isa::Avx512Bf16 {
-        paired::interleave_pairs(x, m, k, max_rows(isa))
+        // SAFETY: the caller checked that `isa` runs on this CPU.
+        pool()?.install(|| unsafe { paired::interleave_pairs(x, m, k, max_rows(isa)) })
     } else {
         interleave(x, m, k, max_rows(isa))
     };

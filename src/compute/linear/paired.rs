@@ -23,32 +23,60 @@
 use std::arch::x86_64::*;
 
 use half::bf16;
+use rayon::prelude::*;
 
 use super::kernels::PANEL;
 use crate::store::dtype::{KvDtype, KvElement};
 
 /// `x` (`[m, k]` row-major) as consecutive row tiles of `tile_rows` rows (the last may be
 /// shorter), in the pair layout, each word's bits carried in an f32 slot (the tiles' activation
-/// buffer type): tile `t` at `t · tile_rows · k2`.
-pub(super) fn interleave_pairs(x: &[f32], m: usize, k: usize, tile_rows: usize) -> Vec<f32> {
+/// buffer type): tile `t` at `t · tile_rows · k2`. Tiles are made in parallel on the pool, each
+/// row converted with `vcvtneps2bf16`: a row's bf16 values in order are its pair words. (Made
+/// one element at a time on one thread, this took 16% of a 512-token prompt.)
+///
+/// # Safety
+/// The CPU has AVX-512F and AVX512-BF16.
+pub(super) unsafe fn interleave_pairs(x: &[f32], m: usize, k: usize, tile_rows: usize) -> Vec<f32> {
     let k2 = k.div_ceil(2);
     let mut tiles = vec![0.0f32; m * k2];
-    for (tile, rows_x) in tiles
-        .chunks_mut(tile_rows * k2)
-        .zip(x.chunks(tile_rows * k))
-    {
-        let rows = rows_x.len() / k;
-        for (r, row) in rows_x.chunks_exact(k).enumerate() {
-            for (kk2, pair) in row.chunks(2).enumerate() {
-                let low = bf16::from_f32(pair[0]).to_bits() as u32;
-                let high = pair
-                    .get(1)
-                    .map_or(0, |&v| bf16::from_f32(v).to_bits() as u32);
-                tile[kk2 * rows + r] = f32::from_bits(low | high << 16);
-            }
-        }
-    }
     tiles
+        .par_chunks_mut(tile_rows * k2)
+        .zip(x.par_chunks(tile_rows * k))
+        .for_each_init(
+            || vec![0u32; k2],
+            |words, (tile, rows_x)| {
+                let rows = rows_x.len() / k;
+                for (r, row) in rows_x.chunks_exact(k).enumerate() {
+                    // SAFETY: the caller's CPU contract; `words` holds ⌈k/2⌉ words.
+                    unsafe { to_bf16(row, words) };
+                    for (kk2, &word) in words.iter().enumerate() {
+                        tile[kk2 * rows + r] = f32::from_bits(word);
+                    }
+                }
+            },
+        );
+    tiles
+}
+
+/// `row` rounded to bf16 (nearest even) into `words`, two values a word (zero past the row).
+#[target_feature(enable = "avx512f,avx512bf16,avx2,fma,f16c")]
+unsafe fn to_bf16(row: &[f32], words: &mut [u32]) {
+    let mut chunks = row.chunks_exact(16);
+    for (i, chunk) in (&mut chunks).enumerate() {
+        let halves = _mm512_cvtneps_pbh(_mm512_loadu_ps(chunk.as_ptr()));
+        _mm256_storeu_si256(
+            words.as_mut_ptr().add(8 * i).cast(),
+            std::mem::transmute(halves),
+        );
+    }
+    let done = row.len() - chunks.remainder().len();
+    for (j, pair) in chunks.remainder().chunks(2).enumerate() {
+        let low = bf16::from_f32(pair[0]).to_bits() as u32;
+        let high = pair
+            .get(1)
+            .map_or(0, |&v| bf16::from_f32(v).to_bits() as u32);
+        words[done / 2 + j] = low | high << 16;
+    }
 }
 
 /// Pairs the panels of `src` (`k × 16` each, any element type) into `dst` (`2·⌈k/2⌉ × 16` bf16
