@@ -66,7 +66,7 @@ unsafe fn to_bf16(row: &[f32], words: &mut [u32]) {
         let halves = _mm512_cvtneps_pbh(_mm512_loadu_ps(chunk.as_ptr()));
         _mm256_storeu_si256(
             words.as_mut_ptr().add(8 * i).cast(),
-            std::mem::transmute(halves),
+            std::mem::transmute::<__m256bh, __m256i>(halves),
         );
     }
     let done = row.len() - chunks.remainder().len();
