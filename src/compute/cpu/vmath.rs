@@ -34,10 +34,15 @@ const TAYLOR: [f32; 8] = [
 pub fn exp_nonpositive(x: f32) -> f32 {
     const ROUND: f32 = 12_582_912.0; // 1.5 × 2^23: adding it rounds to the nearest integer
     let clamped = x.max(EXP_MIN);
-    let n = (clamped * std::f32::consts::LOG2_E + ROUND) - ROUND;
+    let shifted = clamped * std::f32::consts::LOG2_E + ROUND;
+    let n = shifted - ROUND;
     let f = (clamped - n * LN2_HI) - n * LN2_LO;
     let poly = TAYLOR[1..].iter().fold(TAYLOR[0], |p, &c| p * f + c);
-    let scale = f32::from_bits(((n as i32 + 127) as u32) << 23);
+    // `n` as an integer read from `shifted`'s mantissa, not `n as i32`: Rust's saturating
+    // float-to-int cast does not vectorise (its NaN and range checks went scalar, most of the
+    // sampler's softmax time).
+    let n_int = shifted.to_bits() as i32 - ROUND.to_bits() as i32;
+    let scale = f32::from_bits(((n_int + 127) as u32) << 23);
     if x >= EXP_MIN {
         poly * scale
     } else {
