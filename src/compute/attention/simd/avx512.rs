@@ -3,7 +3,10 @@
 //! load each K/V vector once per 4 query rows and each query/weight once per 4 rows.
 //!
 //! Rows whose `head_dim` is not a multiple of 16 go to the AVX2 kernels (this CPU has AVX2:
-//! `Isa::Avx512` implies it), so no loop here has a tail. Horizontal sums fold each 512-bit
+//! `Isa::Avx512` implies it), so no loop here has a tail; so do f16 K/V, whose 512-bit
+//! conversion was the slower (Zen 4, `bench attention --quick --dtypes float16`, AVX2 and AVX-512
+//! alternated twice: decode of 1 × 2,048 0.34-0.42 vs 0.46-0.58 ms, 4 × 8,192 4.0-6.2 vs
+//! 5.8-6.7 ms; f32 and bf16 gained, 1 × 2,048 bf16 0.42-0.59 vs 0.33-0.35 ms). Horizontal sums fold each 512-bit
 //! accumulator to 256 bits and reuse AVX2's transposing add tree, 4 × 2 sums at a time.
 
 use std::arch::x86_64::*;
@@ -12,7 +15,7 @@ use super::ahead::Ahead;
 use super::avx2::{store_sums_4x2, Avx2};
 use super::Kernels;
 use crate::compute::cpu::vmath;
-use crate::store::dtype::{load16, KvElement};
+use crate::store::dtype::{load16, KvDtype, KvElement};
 
 pub(crate) struct Avx512;
 
@@ -165,7 +168,7 @@ impl Kernels for Avx512 {
         stride: usize,
         prefetch: &[T],
     ) {
-        if !d.is_multiple_of(16) {
+        if !d.is_multiple_of(16) || T::DTYPE == KvDtype::F16 {
             return Avx2::scores(q, m, k, rows, d, scores, stride, prefetch);
         }
         assert!(
@@ -216,7 +219,7 @@ impl Kernels for Avx512 {
         acc: &mut [f32],
         prefetch: &[T],
     ) {
-        if !d.is_multiple_of(16) {
+        if !d.is_multiple_of(16) || T::DTYPE == KvDtype::F16 {
             return Avx2::accumulate(p, stride, m, v, rows, d, acc, prefetch);
         }
         assert!(
