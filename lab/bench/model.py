@@ -14,8 +14,10 @@ Peers, when built by ``make peers`` (``--peers``, or automatically when ``.peers
 llama.cpp's ``llama-bench`` (pp512, tg64) and ``llama-batched-bench`` (``-npp 40 -ntg 64 -npl
 4,16,32``) on the same GGUF at Q4_1, F16 and F32, and transformers' ``generate`` in float32 on 1
 thread and on torch's default (scripts/bench_transformers.py in the peers venv, one persistent
-process each). Every round runs each contender once, in a rotated order; the report gives medians
-over rounds, the load average of the machine at each figure, and pagedkv's ratio to each peer.
+process each), and for SmolLM2 vLLM's CPU build offline in bfloat16 (``--vllm-dtype``;
+scripts/bench_vllm.py in .venv-vllm, from ``make peers-vllm``). Every round runs each contender
+once, in a rotated order; the report gives medians over rounds, the load average of the machine at
+each figure, and pagedkv's ratio to each peer.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ from pagedkv.loaders.registry import locate_registered
 from pagedkv.models import DEFAULT_WEIGHT_DTYPE, WEIGHT_DTYPES, LlamaConfig, LlamaModel
 from pagedkv.sampling import SamplingParams
 
+from . import http
+
 MODELS = ("smollm2-135m", "gemma3-270m")
 PROMPT_TOKENS = 512
 BATCH_PROMPT_TOKENS = 40
@@ -65,6 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     peers.add_argument("--no-peers", dest="peers", action="store_false", help="pagedkv only")
     parser.add_argument("--peers-dir", type=Path, default=REPO / ".peers", help="what `make peers` built (default .peers/)")
     parser.add_argument("--peers-venv", type=Path, default=REPO / ".venv-peers", help="the venv with torch and transformers")
+    parser.add_argument("--vllm-venv", type=Path, default=REPO / ".venv-vllm",
+                        help="vLLM's venv, from `make peers` (default .venv-vllm/; a peer when it exists)")
+    parser.add_argument("--vllm-dtype", choices=("bfloat16", "float32"), default="bfloat16", help="what vLLM computes in")
     parser.add_argument("--plot", type=Path, default=None, help="draw tokens/s against concurrent sequences to this PNG")
 
 
@@ -194,31 +201,20 @@ def llama_batched_bench(peers: Path, gguf: Path, threads: int, batches: tuple[in
     return {f"batch_{row['pl']}": float(row["speed_tg"]) for row in rows}
 
 
-class TransformersPeer:
-    """scripts/bench_transformers.py in the peers venv: loaded once, one round per request."""
+class ScriptPeer:
+    """A peer script speaking JSON lines (scripts/bench_transformers.py, scripts/bench_vllm.py):
+    loaded once, its first line describes it, then one round of figures per request."""
 
-    def __init__(self, venv: Path, gguf: Path, threads: int, batches: tuple[int, ...]) -> None:
-        self.process = subprocess.Popen(
-            [
-                str(venv / "bin" / "python"),
-                str(REPO / "scripts" / "bench_transformers.py"),
-                "--gguf",
-                str(gguf),
-                "--threads",
-                str(threads),
-                "--batches",
-                ",".join(map(str, batches)),
-            ],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
+    def __init__(self, command: list[str], env: dict[str, str] | None = None) -> None:
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         self.info = self._read()
 
     def _read(self) -> dict:
-        line = self.process.stdout.readline()
+        # The next JSON object line: a library may print its own lines to stdout (vLLM does).
+        while (line := self.process.stdout.readline()) and not line.startswith("{"):
+            pass
         if not line:
-            raise RuntimeError(f"the transformers peer exited ({self.process.wait()})")
+            raise RuntimeError(f"the peer {self.process.args[1]} exited ({self.process.wait()})")
         return json.loads(line)
 
     def round(self) -> dict[str, float]:
@@ -227,8 +223,32 @@ class TransformersPeer:
         return self._read()
 
     def close(self) -> None:
+        """Ends the script (end of input), killed if it has not exited within a minute."""
         self.process.stdin.close()
-        self.process.wait(timeout=60)
+        try:
+            self.process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def transformers_peer(venv: Path, gguf: Path, threads: int, batches: tuple[int, ...]) -> ScriptPeer:
+    """transformers' ``generate`` in float32 on ``threads`` torch threads (0: torch's default)."""
+    return ScriptPeer([str(venv / "bin" / "python"), str(REPO / "scripts" / "bench_transformers.py"), "--gguf", str(gguf),
+                       "--threads", str(threads), "--batches", ",".join(map(str, batches))])
+
+
+def vllm_peer(args: argparse.Namespace, batches: tuple[int, ...]) -> ScriptPeer:
+    """vLLM's CPU build offline (scripts/bench_vllm.py), with the CPU settings `bench http` gives
+    its server (KV space for the largest batch, threads bound to this process's cores)."""
+    settings = argparse.Namespace(vllm_venv=args.vllm_venv, vllm_dtype=args.vllm_dtype, model=args.model,
+                                  peers_dir=args.peers_dir, threads=pagedkv.get_num_threads())
+    python, directory = http.vllm_paths(settings)
+    # Its logs to stderr: stdout carries the JSON lines.
+    env = http.vllm_env(settings, max(PROMPT_TOKENS, max(batches) * (BATCH_PROMPT_TOKENS + NEW_TOKENS)) + 16)
+    env["VLLM_LOGGING_STREAM"] = "ext://sys.stderr"
+    return ScriptPeer([str(python), str(REPO / "scripts" / "bench_vllm.py"), "--model", str(directory),
+                       "--dtype", args.vllm_dtype, "--batches", ",".join(map(str, batches))], env)
 
 
 # ---- the run --------------------------------------------------------------------------------
@@ -287,35 +307,41 @@ def run(args) -> int:
 
     contenders: list[tuple[str, Callable[[], None]]] = [("pagedkv", pagedkv_round)]
     peers_info: dict[str, object] = {}
-    transformers_peers: list[TransformersPeer] = []
-    if use_peers:
-        peers = args.peers_dir
-        peers_info["llama.cpp"] = (peers / "version.txt").read_text().strip() if (peers / "version.txt").exists() else None
-        for precision, path in peer_files(args.model, peers).items():
+    script_peers: list[ScriptPeer] = []
 
-            def llama_round(precision=precision, path=path) -> None:
-                record(
-                    f"llama.cpp {precision}",
-                    {**llama_bench(peers, path, threads), **llama_batched_bench(peers, path, threads, batches)},
-                )
+    def add_script_peer(name: str, peer: ScriptPeer) -> None:
+        script_peers.append(peer)
+        peers_info[name] = peer.info
+        contenders.append((name, lambda: record(name, peer.round())))
 
-            contenders.append((f"llama.cpp {precision}", llama_round))
-        gguf = locate_registered(args.model)
-        # transformers reads SmolLM2's GGUF (scripts/bench_transformers.py); Gemma 3 has no such peer.
-        for torch_threads in ((1, 0) if args.model == MODELS[0] else ()):
-            peer = TransformersPeer(args.peers_venv, gguf, torch_threads, batches)
-            transformers_peers.append(peer)
-            name = f"transformers f32 {peer.info['threads']}t"
-            peers_info[name] = peer.info
-            contenders.append((name, lambda peer=peer, name=name: record(name, peer.round())))
     try:
+        if use_peers:
+            peers = args.peers_dir
+            peers_info["llama.cpp"] = (peers / "version.txt").read_text().strip() if (peers / "version.txt").exists() else None
+            for precision, path in peer_files(args.model, peers).items():
+
+                def llama_round(precision=precision, path=path) -> None:
+                    record(
+                        f"llama.cpp {precision}",
+                        {**llama_bench(peers, path, threads), **llama_batched_bench(peers, path, threads, batches)},
+                    )
+
+                contenders.append((f"llama.cpp {precision}", llama_round))
+            gguf = locate_registered(args.model)
+            # transformers reads SmolLM2's GGUF (scripts/bench_transformers.py); Gemma 3 has no such peer.
+            for torch_threads in ((1, 0) if args.model == MODELS[0] else ()):
+                peer = transformers_peer(args.peers_venv, gguf, torch_threads, batches)
+                add_script_peer(f"transformers f32 {peer.info['threads']}t", peer)
+            # vLLM serves SmolLM2 converted to a Hugging Face directory (`make peers-vllm`).
+            if args.model == MODELS[0] and (args.vllm_venv / "bin" / "python").exists():
+                add_script_peer(f"vllm {args.vllm_dtype}", vllm_peer(args, batches))
         for sample in range(samples):
             shift = sample % len(contenders)
             for name, measure in contenders[shift:] + contenders[:shift]:
                 print(f"round {sample + 1}/{samples}: {name} (load {_load():.1f})", file=sys.stderr, flush=True)
                 measure()
     finally:
-        for peer in transformers_peers:
+        for peer in script_peers:
             peer.close()
 
     medians = {

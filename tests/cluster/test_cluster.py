@@ -104,7 +104,7 @@ async def long_stream_on_each_replica(cluster: Cluster, tag: str) -> list[asynci
     """Starts one long greedy stream per replica (least loaded: the second goes to the replica
     the first left idle), each waited on until it is open there."""
     tasks = []
-    for i, replica in enumerate(cluster.replicas()):
+    for i in range(len(cluster.replicas())):
         tasks.append(asyncio.ensure_future(generate(cluster, f"{tag} long {i}: once upon a time", LONG)))
         await asyncio.to_thread(until, lambda n=i + 1: sum(r.streams for r in cluster.replicas()) == n, 30,
                                 "the long stream open")
