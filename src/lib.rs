@@ -17,6 +17,7 @@
 mod alloc;
 pub mod compute;
 pub mod error;
+pub mod grammar;
 pub mod ids;
 pub mod kv;
 pub mod memory;

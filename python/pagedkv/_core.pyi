@@ -22,6 +22,9 @@ from typing_extensions import Self, final
 
 __all__ = [
     "__version__",
+    "Vocabulary",
+    "Grammar",
+    "GrammarMatcher",
     "BlockManager",
     "KVCache",
     "GroupSpec",
@@ -865,3 +868,48 @@ def sample_rows(
     1]`` into ``history_tokens`` and ``history_counts``) and their logit biases likewise
     (``bias_offsets`` into ``bias_tokens`` and ``bias_values``): ``(tokens, logprobs, top_ids,
     top_logprobs)``; unused entries hold -1 and NaN. Used by :func:`pagedkv.sampling.sample`."""
+
+
+@final
+class Vocabulary:
+    """A tokenizer's tokens as bytes (``tokens[id]``), which of them are special (stand for no
+    text), and its end-of-sequence id: what grammars are compiled against."""
+
+    def __new__(cls, tokens: Sequence[bytes], special: Sequence[bool], eos_token_id: int) -> Self: ...
+    def __len__(self) -> int: ...
+
+
+@final
+class Grammar:
+    """A grammar compiled for a vocabulary, from exactly one of ``json_schema`` (JSON text),
+    ``regex``, ``lark`` (llguidance's Lark dialect, start rule ``start``) or ``choice`` (strings).
+    A grammar that does not compile, or matches no output, is ``InvalidArgumentError``."""
+
+    def __new__(
+        cls,
+        vocabulary: Vocabulary,
+        *,
+        json_schema: str | None = None,
+        regex: str | None = None,
+        lark: str | None = None,
+        choice: Sequence[str] | None = None,
+    ) -> Self: ...
+    def matcher(self) -> GrammarMatcher:
+        """A matcher at the start of an output."""
+
+
+@final
+class GrammarMatcher:
+    """One output's position in a grammar: which tokens may come next, and advancing past one."""
+
+    def allowed(self) -> npt.NDArray[np.bool_]:
+        """A bool array over the vocabulary: the tokens that may come next (only the
+        end-of-sequence token once the output is complete and cannot go on)."""
+    def advance(self, token: int) -> None:
+        """Moves past ``token``; ``InvalidArgumentError`` (nothing changed) if it may not come next."""
+    @property
+    def is_accepting(self) -> bool:
+        """Whether the output so far is complete."""
+    @property
+    def is_finished(self) -> bool:
+        """Whether the grammar allows nothing more."""

@@ -11,6 +11,7 @@ mod block_manager;
 mod decoder;
 mod errors;
 mod events;
+mod grammar;
 mod hashing;
 mod kv_cache;
 mod kv_spec;
@@ -28,6 +29,9 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::check_classes(m.py())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     m.add_class::<block_manager::PyBlockManager>()?;
+    m.add_class::<grammar::PyVocabulary>()?;
+    m.add_class::<grammar::PyGrammar>()?;
+    m.add_class::<grammar::PyGrammarMatcher>()?;
     m.add_class::<kv_cache::PyKVCache>()?;
     m.add_class::<prefix_index::PyPrefixIndex>()?;
     m.add_class::<kv_spec::PyGroupSpec>()?;

@@ -1,0 +1,94 @@
+"""pagedkv._core.Vocabulary / Grammar / GrammarMatcher (issue 22's first part: the mask in the
+core): the allowed tokens of small grammars against a brute force over the vocabulary, a JSON
+schema's output validating, and bad grammars refused with a typed error."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from pagedkv import InvalidArgumentError
+from pagedkv._core import Grammar, Vocabulary
+
+WORDS = [bytes([b]) for b in range(256)] + [b"ab", b"abc", b"yes", b"no", b"ma", b"aybe", b"</s>"]
+EOS = len(WORDS) - 1
+SPECIAL = [i == EOS for i in range(len(WORDS))]
+
+
+@pytest.fixture(scope="module")
+def vocabulary() -> Vocabulary:
+    return Vocabulary(WORDS, SPECIAL, EOS)
+
+
+def brute_force(output: bytes, language: list[str]) -> np.ndarray:
+    members = [m.encode() for m in language]
+    allowed = np.array([any(m.startswith(output + w) for m in members) for w in WORDS])
+    allowed[EOS] = output in members
+    return allowed
+
+
+@pytest.mark.parametrize("spec, language", [
+    (dict(choice=["yes", "no", "maybe"]), ["yes", "no", "maybe"]),
+    (dict(regex="a(b|c){1,2}"), ["ab", "ac", "abb", "abc", "acb", "acc"]),
+    (dict(lark='start: "n" ("o" | "ab")'), ["no", "nab"]),
+])
+@pytest.mark.parametrize("longest", [True, False])
+def test_masks_equal_the_brute_force_at_every_step(vocabulary, spec, language, longest) -> None:
+    matcher = Grammar(vocabulary, **spec).matcher()
+    assert len(vocabulary) == len(WORDS)
+    output = b""
+    while True:
+        allowed = matcher.allowed()
+        np.testing.assert_array_equal(allowed, brute_force(output, language), err_msg=repr(output))
+        choices = np.flatnonzero(allowed)
+        token = int(choices[-1] if longest else choices[0])
+        if token == EOS:
+            break
+        matcher.advance(token)
+        output += WORDS[token]
+    assert output.decode() in language and matcher.is_accepting
+
+
+def test_a_json_schema_output_parses_and_validates(vocabulary) -> None:
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 1, "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}
+    matcher = Grammar(vocabulary, json_schema=json.dumps(schema)).matcher()
+    output = b""
+    while not (allowed := matcher.allowed())[EOS]:
+        text = [t for t in np.flatnonzero(allowed) if not WORDS[t].isspace()]
+        matcher.advance(int(text[0]))
+        output += WORDS[int(text[0])]
+    value = json.loads(output)
+    assert list(value) == ["n"] and 1 <= value["n"] <= 9
+
+
+@pytest.mark.parametrize("spec", [
+    dict(json_schema="{not json"), dict(json_schema='{"type": "no such type"}'), dict(regex="a("),
+    dict(lark="start: undefined_rule"), dict(choice=[]),
+    dict(json_schema='{"type": "string", "minLength": 2, "maxLength": 1}'),  # matches nothing
+])
+def test_a_bad_grammar_is_a_typed_error(vocabulary, spec) -> None:
+    with pytest.raises(InvalidArgumentError):
+        Grammar(vocabulary, **spec)
+
+
+def test_bad_arguments_and_tokens_change_nothing(vocabulary) -> None:
+    with pytest.raises(TypeError, match="exactly one"):
+        Grammar(vocabulary)
+    with pytest.raises(TypeError, match="exactly one"):
+        Grammar(vocabulary, regex="a", choice=["a"])
+    with pytest.raises(InvalidArgumentError):
+        Vocabulary([b"a"], [False], 1)
+    matcher = Grammar(vocabulary, regex="ab").matcher()
+    before = matcher.allowed()
+    for token in (ord("z"), EOS + 1, EOS):
+        with pytest.raises((InvalidArgumentError, OverflowError)):
+            matcher.advance(token)
+    with pytest.raises((InvalidArgumentError, OverflowError)):
+        matcher.advance(-1)
+    np.testing.assert_array_equal(matcher.allowed(), before)
+    matcher.advance(ord("a"))
+    matcher.advance(ord("b"))
+    assert matcher.is_accepting and np.flatnonzero(matcher.allowed()).tolist() == [EOS]
