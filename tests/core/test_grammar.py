@@ -92,3 +92,33 @@ def test_bad_arguments_and_tokens_change_nothing(vocabulary) -> None:
     matcher.advance(ord("a"))
     matcher.advance(ord("b"))
     assert matcher.is_accepting and np.flatnonzero(matcher.allowed()).tolist() == [EOS]
+
+
+TEXTS = ["Hello, world!", "naïve café — ünïcödé 👋🏽 日本語", "  two spaces\tand\ttabs\n{\"json\": [1, 2.5e-3, null]}"]
+
+
+@pytest.fixture(scope="module", params=["tiny", "smollm2-135m", "gemma3-270m"])
+def tokenizer(request):
+    from pagedkv.loaders import load_model
+    from pagedkv.text import ByteTokenizer
+
+    return ByteTokenizer() if request.param == "tiny" else load_model(request.param, weight_dtype="auto")[1]
+
+
+def test_a_tokenizers_token_bytes_spell_every_text_it_encodes(tokenizer) -> None:
+    words, special = tokenizer.token_bytes()
+    assert len(words) == len(special) == tokenizer.vocab_size
+    for text in TEXTS:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        assert b"".join(words[t] for t in ids) == text.encode(), text
+        assert not any(special[t] for t in ids)
+
+
+def test_a_choice_on_a_real_vocabulary_allows_exactly_the_prefixes(tokenizer) -> None:
+    words, special = tokenizer.token_bytes()
+    eos = next(t for t, s in enumerate(special) if s)
+    matcher = Grammar(Vocabulary(words, special, eos), choice=["yes", "no"]).matcher()
+    allowed = np.flatnonzero(matcher.allowed())
+    assert allowed.size > 0
+    assert all(not special[t] and any(c.startswith(words[t]) for c in (b"yes", b"no")) for t in allowed)
+    assert {words[t] for t in allowed} >= {b"y", b"n"}

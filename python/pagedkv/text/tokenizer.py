@@ -10,7 +10,9 @@ reads no file.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
+from functools import cache
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -36,6 +38,11 @@ class Tokenizer(Protocol):
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """Text of ``token_ids``, special tokens left out."""
+        ...
+
+    def token_bytes(self) -> tuple[list[bytes], list[bool]]:
+        """Each id's bytes of text, and whether it is special (stands for no text): what a grammar
+        (:class:`pagedkv._core.Vocabulary`) matches outputs against."""
         ...
 
     @property
@@ -70,6 +77,11 @@ class ByteTokenizer:
     def max_token_chars(self) -> int:
         """1: a token is one byte of the text."""
         return 1
+
+    def token_bytes(self) -> tuple[list[bytes], list[bool]]:
+        """Ids 0-2 special (named as written), then one byte each."""
+        names = [b"<pad>", b"<s>", b"</s>"]
+        return names + [bytes([b]) for b in range(256)], [True] * self._OFFSET + [False] * 256
 
     def decode(self, token_ids: Sequence[int]) -> str:
         """The UTF-8 text of the byte ids, special ids skipped; invalid bytes become U+FFFD."""
@@ -121,6 +133,28 @@ class HFTokenizer:
             self._max_token_chars = max(map(len, self._tokenizer.get_vocab(with_added_tokens=True)), default=1)
         return self._max_token_chars
 
+    def token_bytes(self) -> tuple[list[bytes], list[bool]]:
+        """Read from the vocabulary through the tokenizer's decoder: a byte-level one (GPT-2's,
+        SmolLM2's) maps each character of an entry back to its byte; otherwise (SentencePiece,
+        Gemma's) "▁" is a space and ``<0xXX>`` a byte. Special added tokens are their names."""
+        spec = json.loads(self._tokenizer.to_str())
+        special = {t["id"] for t in spec.get("added_tokens", []) if t.get("special")}
+        added = {t["id"] for t in spec.get("added_tokens", [])}
+        byte_level = "ByteLevel" in json.dumps(spec.get("decoder"))
+        words, flags = [b""] * self.vocab_size, [False] * self.vocab_size
+        for piece, token in self._tokenizer.get_vocab(with_added_tokens=True).items():
+            flags[token] = token in special
+            if token in added:
+                words[token] = piece.encode()
+            elif byte_level:
+                table = _byte_level_bytes()
+                words[token] = bytes(table[c] for c in piece) if all(c in table for c in piece) else piece.encode()
+            elif byte := _BYTE_PIECE.fullmatch(piece):
+                words[token] = bytes([int(byte.group(1), 16)])
+            else:
+                words[token] = piece.replace("\u2581", " ").encode()
+        return words, flags
+
     def decode(self, token_ids: Sequence[int]) -> str:
         """Text of ``token_ids`` with special tokens skipped."""
         return str(self._tokenizer.decode(list(token_ids), skip_special_tokens=True))
@@ -135,3 +169,15 @@ class HFTokenizer:
         config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": self.bos_token or None,
                   "eos_token": self.eos_token or None, "chat_template": self.chat_template}
         (directory / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
+
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
+
+
+@cache
+def _byte_level_bytes() -> dict[str, int]:
+    """The byte-level tokenizers' character for each byte, inverted: printable Latin-1 bytes stand
+    for themselves, the other 68 for the characters from U+0100 on, in byte order (GPT-2's map)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    others = [b for b in range(256) if b not in printable]
+    return {chr(b): b for b in printable} | {chr(256 + i): b for i, b in enumerate(others)}
