@@ -862,12 +862,16 @@ def sample_rows(
     bias_offsets: npt.NDArray[np.int64],
     bias_tokens: npt.NDArray[np.int32],
     bias_values: npt.NDArray[np.float32],
+    masks: npt.NDArray[np.uint32] | None = None,
+    mask_rows: npt.NDArray[np.int64] | None = None,
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.float32], npt.NDArray[np.int64], npt.NDArray[np.float32]]:
     """One token per row of ``logits`` ``[rows, vocab]`` under that row of ``params`` ``[rows,
     len(SAMPLING_COLUMNS)]``, the rows' token histories in CSR form (``history_offsets`` ``[rows +
     1]`` into ``history_tokens`` and ``history_counts``) and their logit biases likewise
     (``bias_offsets`` into ``bias_tokens`` and ``bias_values``): ``(tokens, logprobs, top_ids,
-    top_logprobs)``; unused entries hold -1 and NaN. Used by :func:`pagedkv.sampling.sample`."""
+    top_logprobs)``; unused entries hold -1 and NaN. Rows ``mask_rows`` (distinct) sample only the
+    tokens their row of ``masks`` (``[len(mask_rows), ceil(vocab / 32)]``, a grammar's bitmask:
+    bit ``t % 32`` of word ``t // 32``) allows. Used by :func:`pagedkv.sampling.sample`."""
 
 
 @final

@@ -37,6 +37,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -315,9 +316,10 @@ def sample(
     params: Sequence[SamplingParams],
     generators: Sequence[np.random.Generator],
     histories: Sequence[TokenHistory | None] | None = None,
+    masks: Mapping[int, np.ndarray] | None = None,
 ) -> np.ndarray:
     """The tokens of :func:`sample_with_logprobs` (int64 ``[rows]``)."""
-    return sample_with_logprobs(logits, params, generators, histories).tokens
+    return sample_with_logprobs(logits, params, generators, histories, masks).tokens
 
 
 def sample_with_logprobs(
@@ -325,10 +327,13 @@ def sample_with_logprobs(
     params: Sequence[SamplingParams],
     generators: Sequence[np.random.Generator],
     histories: Sequence[TokenHistory | None] | None = None,
+    masks: Mapping[int, np.ndarray] | None = None,
 ) -> Samples:
     """Samples each row of ``logits`` ``[rows, vocab]`` under ``params[row]``, drawing one
     uniform number from ``generators[row]`` (greedy rows draw nothing) and penalising by
-    ``histories[row]`` (None: no history, so no penalty applies)."""
+    ``histories[row]`` (None: no history, so no penalty applies). ``masks[row]`` (a bool array
+    over the vocabulary, as :meth:`pagedkv._core.GrammarMatcher.allowed` gives) keeps that row to
+    the tokens it allows, before penalties, filters and logprobs; other rows are untouched."""
     logits = np.asarray(logits)
     rows = len(params)
     histories = [None] * rows if histories is None else list(histories)
@@ -351,7 +356,7 @@ def sample_with_logprobs(
     offsets[1:] = np.cumsum([0 if h is None else len(h.tokens) for h in histories])
     tokens = np.concatenate([h.tokens for h in present]) if present else np.empty(0, np.int32)
     counts = np.concatenate([h.counts for h in present]) if present else np.empty(0, np.int32)
-    bias = _BiasRows(params)
+    bias = _BiasRows(params, _packed_masks(masks or {}, rows, vocab))
     logits = logits.astype(np.float32, copy=False)
     try:
         return Samples(*_core.sample_rows(logits, table, offsets, tokens, counts, *bias.arrays()))
@@ -361,22 +366,39 @@ def sample_with_logprobs(
         return _sample_rows_alone(logits, table, offsets, tokens, counts, bias)
 
 
-class _BiasRows:
-    """The rows' logit biases in the kernel's CSR form."""
+def _packed_masks(masks: Mapping[int, np.ndarray], rows: int, vocab: int) -> dict[int, np.ndarray]:
+    """Each row's bool mask as the kernel's uint32 words (bit ``t % 32`` of word ``t / 32``)."""
+    packed = {}
+    for row, mask in masks.items():
+        mask = np.asarray(mask)
+        if mask.dtype != np.bool_ or mask.shape != (vocab,) or not 0 <= row < rows:
+            raise ShapeError(f"masks[{row}] must be a bool array of {vocab} for a row below {rows}")
+        bits = np.zeros(-(-vocab // 32) * 32, dtype=np.bool_)
+        bits[:vocab] = mask
+        packed[row] = np.packbits(bits, bitorder="little").view("<u4").astype(np.uint32)
+    return packed
 
-    def __init__(self, params: Sequence[SamplingParams]) -> None:
+
+class _BiasRows:
+    """The rows' logit biases in the kernel's CSR form, and their grammar masks (packed)."""
+
+    def __init__(self, params: Sequence[SamplingParams], masks: Mapping[int, np.ndarray]) -> None:
         self.offsets = np.zeros(len(params) + 1, dtype=np.int64)
         self.offsets[1:] = np.cumsum([len(p.logit_bias) for p in params])
         pairs = [pair for p in params for pair in p.logit_bias]  # type: ignore[union-attr]
         self.tokens = np.array([t for t, _ in pairs], dtype=np.int32)
         self.values = np.array([v for _, v in pairs], dtype=np.float32)
+        self.masks = masks
 
-    def arrays(self, row: int | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Every row's, or ``row``'s alone."""
+    def arrays(self, row: int | None = None) -> tuple[np.ndarray, ...] | tuple[Any, ...]:
+        """Every row's, or ``row``'s alone: the kernel's bias and mask arguments."""
         if row is None:
-            return self.offsets, self.tokens, self.values
+            rows = sorted(self.masks)
+            masks = (np.stack([self.masks[r] for r in rows]), np.array(rows, dtype=np.int64)) if rows else (None, None)
+            return self.offsets, self.tokens, self.values, *masks
         start, end = int(self.offsets[row]), int(self.offsets[row + 1])
-        return np.array([0, end - start], dtype=np.int64), self.tokens[start:end], self.values[start:end]
+        mask = (self.masks[row][None], np.zeros(1, dtype=np.int64)) if row in self.masks else (None, None)
+        return np.array([0, end - start], dtype=np.int64), self.tokens[start:end], self.values[start:end], *mask
 
 
 def _sample_rows_alone(

@@ -75,12 +75,15 @@ pub struct History<'a> {
     pub counts: &'a [i32],
 }
 
-/// Values added to some tokens' logits of a row after its penalties (`tokens[i]` gets
-/// `values[i]`; a token given twice gets both).
+/// What moves a row's logits besides its penalties: values added to some tokens after the
+/// penalties (`tokens[i]` gets `values[i]`; a token given twice gets both), and the tokens a
+/// grammar allows (bit `t % 32` of word `t / 32`; `None`: every token), applied first, so every
+/// other token is out of the penalties, the filters, the draw and the logprobs alike.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct Bias<'a> {
     pub tokens: &'a [i32],
     pub values: &'a [f32],
+    pub allowed: Option<&'a [u32]>,
 }
 
 /// What one row gave.
@@ -143,6 +146,15 @@ pub fn sample_with(
         ensure(b.values.iter().all(|v| v.is_finite()), || {
             format!("row {r}: a logit bias is not finite")
         })?;
+        ensure(
+            b.allowed.is_none_or(|m| m.len() == vocab.div_ceil(32)),
+            || {
+                format!(
+                    "row {r}: an allowed-token mask needs {} words",
+                    vocab.div_ceil(32)
+                )
+            },
+        )?;
     }
     for (r, (h, p)) in histories.iter().zip(params).enumerate() {
         ensure(h.tokens.len() == h.counts.len(), || {
@@ -180,6 +192,7 @@ struct Scratch {
     select: Vec<f32>,
     candidates: Vec<(u32, f32)>,
     ordered: Vec<(u32, f32)>,
+    masked: Vec<f32>,
 }
 
 /// [`sample_row`] compiled for `isa`.
@@ -236,6 +249,21 @@ fn sample_row(
     bias: &Bias<'_>,
     s: &mut Scratch,
 ) -> Sampled {
+    // A grammar's mask first: the disallowed tokens are -inf for everything that follows.
+    let row = match bias.allowed {
+        None => row,
+        Some(mask) => {
+            s.masked.clear();
+            s.masked.extend(row.iter().enumerate().map(|(t, &x)| {
+                if mask[t / 32] & (1 << (t % 32)) != 0 {
+                    x
+                } else {
+                    f32::NEG_INFINITY
+                }
+            }));
+            &s.masked[..]
+        }
+    };
     let (max, nan) = max_and_nan(row);
     if nan || max == f32::NEG_INFINITY {
         return Sampled {
@@ -250,6 +278,7 @@ fn sample_row(
         select,
         candidates,
         ordered,
+        ..
     } = s;
     // The softmax's limit: the +inf tokens share all the mass; penalties and biases cannot tell
     // them apart.
@@ -290,8 +319,10 @@ fn sample_row(
         .top_logprobs
         .map(|_| raw_max + log_sum_exp_shifted(raw, raw_max));
     let top = match (p.top_logprobs, log_normalizer) {
+        // Tokens of probability 0 (a mask's -inf) are not among the most likely.
         (Some(n), Some(z)) if n > 0 => top_n(raw, n.min(raw.len()), select)
             .into_iter()
+            .filter(|&(_, x)| x > f32::NEG_INFINITY)
             .map(|(i, x)| (i, x - z))
             .collect(),
         _ => Vec::new(),
@@ -775,6 +806,7 @@ mod tests {
         let bias = Bias {
             tokens: &tokens,
             values: &values,
+            allowed: None,
         };
         let greedy = RowParams {
             top_logprobs: Some(1),
@@ -797,13 +829,71 @@ mod tests {
         let outside = Bias {
             tokens: &[4],
             values: &[1.0],
+            allowed: None,
         };
         assert!(sample(&row, 4, &[greedy], &[History::default()], &[outside]).is_err());
         let infinite = Bias {
             tokens: &[0],
             values: &[f32::INFINITY],
+            allowed: None,
         };
         assert!(sample(&row, 4, &[greedy], &[History::default()], &[infinite]).is_err());
+    }
+
+    #[test]
+    fn a_mask_keeps_its_row_to_the_allowed_tokens_and_leaves_the_others_as_they_were() {
+        let vocab = 40;
+        let rows: Vec<f32> = (0..2 * vocab)
+            .map(|i| ((i * 7) % 13) as f32 * 0.3)
+            .collect();
+        let allowed = [(1u32 << 3) | (1 << 20), 1 << (37 - 32)]; // tokens 3, 20 and 37
+        let masked = Bias {
+            allowed: Some(&allowed),
+            ..Bias::default()
+        };
+        let histories = [History::default(); 2];
+        for isa in Isa::available_of(&ISAS) {
+            for uniform in [0.0, 0.2, 0.5, 0.8, 0.999] {
+                let p = RowParams {
+                    uniform,
+                    top_logprobs: Some(3),
+                    ..params(1.0)
+                };
+                let both = sample_with(
+                    isa,
+                    &rows,
+                    vocab,
+                    &[p, p],
+                    &histories,
+                    &[masked, Bias::default()],
+                )
+                .unwrap();
+                assert!([3, 20, 37].contains(&both[0].token), "{isa:?} {uniform}");
+                // Logprobs over the allowed tokens only; the top ones are among them.
+                let kept = [3, 20, 37].map(|t| rows[t]);
+                let z = kept.iter().map(|x| x.exp()).sum::<f32>().ln();
+                let token = both[0].token as usize;
+                assert!((both[0].logprob - (rows[token] - z)).abs() < 1e-5);
+                assert!(both[0].top.iter().all(|&(t, _)| [3, 20, 37].contains(&t)));
+                // The unmasked row beside it: as if sampled alone.
+                let alone = sample_with(
+                    isa,
+                    &rows[vocab..],
+                    vocab,
+                    &[p],
+                    &histories[..1],
+                    &[Bias::default()],
+                )
+                .unwrap();
+                assert_eq!(both[1], alone[0]);
+            }
+        }
+        let short = Bias {
+            allowed: Some(&allowed[..1]),
+            ..Bias::default()
+        };
+        let greedy = params(0.0);
+        assert!(sample(&rows[..vocab], vocab, &[greedy], &histories[..1], &[short]).is_err());
     }
 
     #[test]

@@ -86,6 +86,7 @@ fn csr_pairs<'a, A, B>(
 /// (`bias_offsets` into `bias_tokens` int32 and `bias_values` float32). `n` is the largest
 /// `top_logprobs`; unused entries hold -1 and NaN.
 #[pyfunction]
+#[pyo3(signature = (logits, params, history_offsets, history_tokens, history_counts, bias_offsets, bias_tokens, bias_values, masks=None, mask_rows=None))]
 #[allow(clippy::type_complexity, clippy::too_many_arguments)]
 fn sample_rows<'py>(
     py: Python<'py>,
@@ -97,6 +98,8 @@ fn sample_rows<'py>(
     bias_offsets: &Bound<'py, PyAny>,
     bias_tokens: &Bound<'py, PyAny>,
     bias_values: &Bound<'py, PyAny>,
+    masks: Option<&Bound<'py, PyAny>>,
+    mask_rows: Option<&Bound<'py, PyAny>>,
 ) -> PyResult<(
     Bound<'py, PyArray1<i64>>,
     Bound<'py, PyArray1<f32>>,
@@ -133,8 +136,18 @@ fn sample_rows<'py>(
     let (bias_tokens, bias_values) = (c_order(&bias_tokens)?, c_order(&bias_values)?);
     let biases: Vec<Bias<'_>> = csr_pairs(&bias_offsets, rows, &bias_tokens, &bias_values, "bias")?
         .into_iter()
-        .map(|(tokens, values)| Bias { tokens, values })
+        .map(|(tokens, values)| Bias {
+            tokens,
+            values,
+            allowed: None,
+        })
         .collect();
+    let masks = grammar_masks(masks, mask_rows, rows, vocab)?;
+    let mut biases = biases;
+    for (row, mask) in &masks.1 {
+        biases[*row].allowed =
+            Some(&masks.0[*mask * vocab.div_ceil(32)..(*mask + 1) * vocab.div_ceil(32)]);
+    }
     let logits = c_order(&logits)?;
     let width = row_params
         .iter()
@@ -169,6 +182,45 @@ fn sample_rows<'py>(
             .reshape([rows, width])?
             .into_any(),
     ))
+}
+
+/// The masks' words (C order) and, per masked row, its row of them; `ShapeError` unless both or
+/// neither are given, shaped alike, naming distinct rows of the batch.
+#[allow(clippy::type_complexity)]
+fn grammar_masks(
+    masks: Option<&Bound<'_, PyAny>>,
+    mask_rows: Option<&Bound<'_, PyAny>>,
+    rows: usize,
+    vocab: usize,
+) -> PyResult<(Vec<u32>, Vec<(usize, usize)>)> {
+    let (masks, mask_rows) = match (masks, mask_rows) {
+        (None, None) => return Ok((Vec::new(), Vec::new())),
+        (Some(m), Some(r)) => (m, r),
+        _ => return Err(shape_error("masks and mask_rows come together".to_string())),
+    };
+    let masks: PyReadonlyArray<'_, u32, Ix2> = typed_array(masks, "masks", "uint32")?;
+    let mask_rows: PyReadonlyArray<'_, i64, Ix1> = typed_array(mask_rows, "mask_rows", "int64")?;
+    let count = mask_rows.shape()[0];
+    expect_shape(
+        masks.shape(),
+        &[Some(count), Some(vocab.div_ceil(32))],
+        "masks",
+    )?;
+    let mut seen = vec![false; rows];
+    let mut pairs = Vec::with_capacity(count);
+    for (i, &row) in c_order(&mask_rows)?.iter().enumerate() {
+        let row = usize::try_from(row)
+            .ok()
+            .filter(|&r| r < rows && !seen[r])
+            .ok_or_else(|| {
+                shape_error(format!(
+                    "mask_rows must be distinct rows below {rows}, got {row}"
+                ))
+            })?;
+        seen[row] = true;
+        pairs.push((row, i));
+    }
+    Ok((c_order(&masks)?.into_owned(), pairs))
 }
 
 pub(crate) fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {

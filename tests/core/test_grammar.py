@@ -9,7 +9,7 @@ import json
 import numpy as np
 import pytest
 
-from pagedkv import InvalidArgumentError
+from pagedkv import InvalidArgumentError, ShapeError
 from pagedkv._core import Grammar, Vocabulary
 
 WORDS = [bytes([b]) for b in range(256)] + [b"ab", b"abc", b"yes", b"no", b"ma", b"aybe", b"</s>"]
@@ -122,3 +122,33 @@ def test_a_choice_on_a_real_vocabulary_allows_exactly_the_prefixes(tokenizer) ->
     assert allowed.size > 0
     assert all(not special[t] and any(c.startswith(words[t]) for c in (b"yes", b"no")) for t in allowed)
     assert {words[t] for t in allowed} >= {b"y", b"n"}
+
+
+def test_a_grammars_mask_constrains_its_row_and_leaves_the_batch_beside_it_alone(vocabulary) -> None:
+    """The sampler applies the mask before everything else: a constrained row sampled beside an
+    unconstrained one changes nothing for the latter (tokens and logprobs as sampled alone)."""
+    from pagedkv.sampling import SamplingParams, sample_with_logprobs
+
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((2, len(WORDS))).astype(np.float32) * 3
+    params = [SamplingParams(temperature=0.9, top_p=0.95, seed=s, logprobs=True, top_logprobs=3) for s in (1, 2)]
+    matcher = Grammar(vocabulary, choice=["yes", "no", "maybe"]).matcher()
+    output = b""
+    for _ in range(8):
+        mask = matcher.allowed()
+        gens = [p.make_generator(len(output)) for p in params]
+        both = sample_with_logprobs(logits, params, gens, masks={0: mask})
+        alone = sample_with_logprobs(logits[1:], params[1:], [params[1].make_generator(len(output))])
+        assert both.tokens[1] == alone.tokens[0] and both.logprobs[1] == alone.logprobs[0]
+        np.testing.assert_array_equal(both.top_ids[1], alone.top_ids[0])
+        token = int(both.tokens[0])
+        assert mask[token] and set(both.top_ids[0][both.top_ids[0] >= 0]) <= set(np.flatnonzero(mask))
+        if token == EOS:
+            break
+        matcher.advance(token)
+        output += WORDS[token]
+    assert output.decode() in ("yes", "no", "maybe")
+    with pytest.raises(ShapeError):
+        sample_with_logprobs(logits, params, gens, masks={0: mask[:-1]})
+    with pytest.raises(ShapeError):
+        sample_with_logprobs(logits, params, gens, masks={2: mask})
