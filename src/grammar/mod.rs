@@ -201,16 +201,18 @@ impl Matcher {
                 self.size
             )));
         }
-        let mut mask = vec![0u32; self.size.div_ceil(32)];
-        self.allowed(&mut mask)?;
-        if mask[token as usize / 32] & (1 << (token % 32)) == 0 {
+        // One validation of this token, not a mask over the vocabulary: advancing runs once per
+        // token of every constrained sequence.
+        let consumed = self
+            .inner
+            .try_consume_tokens(&[token])
+            .map_err(|e| Error::InvalidArgument(format!("the grammar failed: {e}")))?;
+        if consumed == 0 {
             return Err(Error::InvalidArgument(format!(
                 "token {token} does not continue the grammar here"
             )));
         }
-        self.inner
-            .consume_token(token)
-            .map_err(|e| Error::InvalidArgument(format!("the grammar failed: {e}")))
+        Ok(())
     }
 
     /// Whether the output so far is complete (end of sequence is allowed).
