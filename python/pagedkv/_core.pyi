@@ -25,6 +25,8 @@ __all__ = [
     "Vocabulary",
     "Grammar",
     "GrammarMatcher",
+    "PendingMasks",
+    "start_masks",
     "BlockManager",
     "KVCache",
     "GroupSpec",
@@ -917,3 +919,19 @@ class GrammarMatcher:
     @property
     def is_finished(self) -> bool:
         """Whether the grammar allows nothing more."""
+
+
+def start_masks(matchers: Sequence[GrammarMatcher]) -> PendingMasks:
+    """Starts computing the masks of ``matchers`` (one vocabulary) on the worker pool, returning at
+    once: the caller runs the forward pass meanwhile and collects them with ``wait``."""
+
+
+@final
+class PendingMasks:
+    """Masks being computed (:func:`start_masks`)."""
+
+    def wait(self) -> tuple[npt.NDArray[np.uint32], list[str | None], float]:
+        """Blocks (the GIL released) until every mask is ready: a uint32 array ``[rows, ceil(vocab
+        / 32)]`` (bit ``t % 32`` of word ``t // 32`` set when token ``t`` may come), each row's error
+        (None, or why its grammar failed: its mask is then all zero), and the seconds the masks
+        took on the pool. Once only."""

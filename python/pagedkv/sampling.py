@@ -34,6 +34,7 @@ submitted.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -43,10 +44,11 @@ import numpy as np
 
 import pagedkv._core as _core
 from pagedkv.errors import InvalidArgumentError, ShapeError
+from pagedkv.grammar.spec import StructuredOutputs
 
 __all__ = [
     "MAX_LOGIT_BIAS", "MAX_LOGIT_BIAS_TOKENS", "MAX_STOP_STRING_CHARS", "MAX_STOP_STRINGS", "MAX_TOP_LOGPROBS",
-    "NO_TOKEN", "PromptScores", "SamplingParams", "Samples",
+    "NO_TOKEN", "PromptScores", "RowMasks", "SamplingParams", "Samples",
     "TokenHistory", "sample", "sample_with_logprobs",
 ]
 
@@ -102,6 +104,11 @@ class SamplingParams:
       (OpenAI's); at most :data:`MAX_LOGIT_BIAS_TOKENS` tokens, each below the vocabulary's size
       (checked when sampled: a token past it fails the request). Kept as sorted (token, value)
       pairs. Logprobs stay those of the raw logits.
+    - ``structured_outputs``: None, or what every sample's text must match
+      (:class:`~pagedkv.grammar.StructuredOutputs`: a JSON schema, a regex, choices, a Lark
+      grammar). The engine compiles it when the request is submitted (an invalid one is refused
+      then) and masks, at every step, the tokens that would leave it: before penalties, filters and
+      logprobs. A sample whose output the grammar completes ends ("stop").
 
     The float parameters must be numbers a float64 holds exactly (the kernel's parameter matrix
     is float64): an int past 2**53, or past the float range, is refused.
@@ -124,6 +131,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] = ()
     prompt_logprobs: int | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         def is_int(value: object) -> bool:
@@ -169,6 +177,10 @@ class SamplingParams:
             )
         object.__setattr__(self, "stop", tuple(stop))
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputs):
+            raise InvalidArgumentError(
+                f"structured_outputs must be None or StructuredOutputs, got {type(self.structured_outputs).__name__}"
+            )
 
     @property
     def greedy(self) -> bool:
@@ -295,11 +307,22 @@ class Samples:
     prompt_scores: PromptScores | None = None
 
     @classmethod
-    def certain(cls, tokens: np.ndarray, params: Sequence[SamplingParams]) -> Samples:
+    def certain(cls, tokens: np.ndarray, params: Sequence[SamplingParams], masks: RowMasks | None = None) -> Samples:
         """``tokens`` drawn with probability 1, for a runner that picks them without logits (a
         simulated or scripted model): a row that asked for logprobs gets 0 for its token, and its
-        token as its only alternative."""
-        tokens = np.asarray(tokens, dtype=np.int64)
+        token as its only alternative. A row of ``masks`` whose token its mask does not allow
+        takes the lowest one it does (:data:`NO_TOKEN` if none: refused, with a failed grammar's
+        reason)."""
+        tokens = np.array(tokens, dtype=np.int64)
+        refused: dict[int, str] = {}
+        if masks is not None:
+            for row, words in zip(masks.rows.tolist(), masks.words, strict=True):
+                allowed = np.flatnonzero(np.unpackbits(words.view(np.uint8), bitorder="little"))
+                if tokens[row] not in allowed:
+                    tokens[row] = allowed[0] if len(allowed) else NO_TOKEN
+            refused = {row: why for row, why in masks.errors.items()}
+            empty = [row for row in masks.rows.tolist() if tokens[row] == NO_TOKEN and row not in refused]
+            refused |= dict.fromkeys(empty, "its grammar allows no token")
         asked = np.array([p.logprobs for p in params], dtype=bool)
         width = max((p.top_logprobs for p in params), default=0)
         with_top = np.array([p.top_logprobs > 0 for p in params], dtype=bool)
@@ -308,7 +331,7 @@ class Samples:
         if width:
             top_ids[with_top, 0] = tokens[with_top]
             top_logprobs[with_top, 0] = 0.0
-        return cls(tokens, np.where(asked, 0.0, np.nan).astype(np.float32), top_ids, top_logprobs)
+        return cls(tokens, np.where(asked, 0.0, np.nan).astype(np.float32), top_ids, top_logprobs, refused)
 
 
 def sample(
@@ -316,7 +339,7 @@ def sample(
     params: Sequence[SamplingParams],
     generators: Sequence[np.random.Generator],
     histories: Sequence[TokenHistory | None] | None = None,
-    masks: Mapping[int, np.ndarray] | None = None,
+    masks: RowMasks | Mapping[int, np.ndarray] | None = None,
 ) -> np.ndarray:
     """The tokens of :func:`sample_with_logprobs` (int64 ``[rows]``)."""
     return sample_with_logprobs(logits, params, generators, histories, masks).tokens
@@ -327,13 +350,14 @@ def sample_with_logprobs(
     params: Sequence[SamplingParams],
     generators: Sequence[np.random.Generator],
     histories: Sequence[TokenHistory | None] | None = None,
-    masks: Mapping[int, np.ndarray] | None = None,
+    masks: RowMasks | Mapping[int, np.ndarray] | None = None,
 ) -> Samples:
     """Samples each row of ``logits`` ``[rows, vocab]`` under ``params[row]``, drawing one
     uniform number from ``generators[row]`` (greedy rows draw nothing) and penalising by
-    ``histories[row]`` (None: no history, so no penalty applies). ``masks[row]`` (a bool array
-    over the vocabulary, as :meth:`pagedkv._core.GrammarMatcher.allowed` gives) keeps that row to
-    the tokens it allows, before penalties, filters and logprobs; other rows are untouched."""
+    ``histories[row]`` (None: no history, so no penalty applies). ``masks`` (a :class:`RowMasks`,
+    or by row a bool array over the vocabulary, as :meth:`pagedkv._core.GrammarMatcher.allowed`
+    gives) keep their rows to the tokens they allow, before penalties, filters and logprobs; other
+    rows are untouched. A row whose grammar failed (:attr:`RowMasks.errors`) is refused."""
     logits = np.asarray(logits)
     rows = len(params)
     histories = [None] * rows if histories is None else list(histories)
@@ -356,33 +380,56 @@ def sample_with_logprobs(
     offsets[1:] = np.cumsum([0 if h is None else len(h.tokens) for h in histories])
     tokens = np.concatenate([h.tokens for h in present]) if present else np.empty(0, np.int32)
     counts = np.concatenate([h.counts for h in present]) if present else np.empty(0, np.int32)
-    bias = _BiasRows(params, _packed_masks(masks or {}, rows, vocab))
+    if masks is not None and not isinstance(masks, RowMasks):
+        masks = RowMasks.from_bools(masks, rows, vocab)
+    bias = _BiasRows(params, masks)
     logits = logits.astype(np.float32, copy=False)
     try:
-        return Samples(*_core.sample_rows(logits, table, offsets, tokens, counts, *bias.arrays()))
+        samples = Samples(*_core.sample_rows(logits, table, offsets, tokens, counts, *bias.arrays()))
     except ShapeError:
         raise  # the arrays disagree: the caller's bug, not one row's
     except InvalidArgumentError:
-        return _sample_rows_alone(logits, table, offsets, tokens, counts, bias)
+        samples = _sample_rows_alone(logits, table, offsets, tokens, counts, bias)
+    if masks is not None and masks.errors:  # a failed grammar's row has an empty mask: no token
+        samples = dataclasses.replace(samples, refused={**samples.refused, **masks.errors})
+    return samples
 
 
-def _packed_masks(masks: Mapping[int, np.ndarray], rows: int, vocab: int) -> dict[int, np.ndarray]:
-    """Each row's bool mask as the kernel's uint32 words (bit ``t % 32`` of word ``t / 32``)."""
-    packed = {}
-    for row, mask in masks.items():
-        mask = np.asarray(mask)
-        if mask.dtype != np.bool_ or mask.shape != (vocab,) or not 0 <= row < rows:
-            raise ShapeError(f"masks[{row}] must be a bool array of {vocab} for a row below {rows}")
-        bits = np.zeros(-(-vocab // 32) * 32, dtype=np.bool_)
-        bits[:vocab] = mask
-        packed[row] = np.packbits(bits, bitorder="little").view("<u4").astype(np.uint32)
-    return packed
+@dataclass(frozen=True)
+class RowMasks:
+    """Grammar masks of some rows of a batch: ``words`` uint32 ``[k, ceil(vocab / 32)]`` (bit
+    ``t % 32`` of word ``t // 32`` set when token ``t`` may come next) for rows ``rows`` int64
+    ``[k]`` (distinct); ``errors``: rows whose grammar failed, by row, with why (they are refused:
+    :attr:`Samples.refused`)."""
+
+    words: np.ndarray
+    rows: np.ndarray
+    errors: Mapping[int, str] = field(default_factory=dict)
+
+    @classmethod
+    def from_bools(cls, masks: Mapping[int, np.ndarray], rows: int, vocab: int) -> RowMasks:
+        """Each row's bool mask over the vocabulary (``masks[row]``), packed."""
+        packed = []
+        for row, mask in sorted(masks.items()):
+            mask = np.asarray(mask)
+            if mask.dtype != np.bool_ or mask.shape != (vocab,) or not 0 <= row < rows:
+                raise ShapeError(f"masks[{row}] must be a bool array of {vocab} for a row below {rows}")
+            bits = np.zeros(-(-vocab // 32) * 32, dtype=np.bool_)
+            bits[:vocab] = mask
+            packed.append(np.packbits(bits, bitorder="little").view("<u4").astype(np.uint32))
+        words = np.stack(packed) if packed else np.empty((0, -(-vocab // 32)), dtype=np.uint32)
+        return cls(words, np.array(sorted(masks), dtype=np.int64))
+
+    def of_row(self, row: int) -> tuple[np.ndarray, np.ndarray] | tuple[None, None]:
+        """The kernel's mask arguments for ``row`` sampled alone."""
+        where = np.flatnonzero(self.rows == row)
+        return (self.words[where], np.zeros(1, dtype=np.int64)) if len(where) else (None, None)
 
 
 class _BiasRows:
     """The rows' logit biases in the kernel's CSR form, and their grammar masks (packed)."""
 
-    def __init__(self, params: Sequence[SamplingParams], masks: Mapping[int, np.ndarray]) -> None:
+    def __init__(self, params: Sequence[SamplingParams], masks: RowMasks | None) -> None:
         self.offsets = np.zeros(len(params) + 1, dtype=np.int64)
         self.offsets[1:] = np.cumsum([len(p.logit_bias) for p in params])
         pairs = [pair for p in params for pair in p.logit_bias]  # type: ignore[union-attr]
@@ -392,12 +439,12 @@ class _BiasRows:
 
     def arrays(self, row: int | None = None) -> tuple[np.ndarray, ...] | tuple[Any, ...]:
         """Every row's, or ``row``'s alone: the kernel's bias and mask arguments."""
+        masks = self.masks
         if row is None:
-            rows = sorted(self.masks)
-            masks = (np.stack([self.masks[r] for r in rows]), np.array(rows, dtype=np.int64)) if rows else (None, None)
-            return self.offsets, self.tokens, self.values, *masks
+            given = masks is not None and len(masks.rows) > 0
+            return self.offsets, self.tokens, self.values, *((masks.words, masks.rows) if given else (None, None))
         start, end = int(self.offsets[row]), int(self.offsets[row + 1])
-        mask = (self.masks[row][None], np.zeros(1, dtype=np.int64)) if row in self.masks else (None, None)
+        mask = (None, None) if masks is None else masks.of_row(row)
         return np.array([0, end - start], dtype=np.int64), self.tokens[start:end], self.values[start:end], *mask
 
 

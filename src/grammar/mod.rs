@@ -20,6 +20,9 @@ use llguidance::{Matcher as LlgMatcher, ParserFactory};
 
 use crate::error::{Error, Result};
 
+mod masks;
+pub use masks::{Masks, PendingMasks, SharedMatcher};
+
 /// A tokenizer's tokens as bytes, with its end-of-sequence token.
 pub struct Vocabulary {
     factory: Arc<ParserFactory>,
@@ -78,7 +81,8 @@ impl Vocabulary {
 /// What an output must match.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum GrammarSpec {
-    /// A JSON schema, as JSON text.
+    /// A JSON schema, as JSON text. Its output is one line, items separated by ", " and keys by
+    /// ": ", unless the schema's `x-guidance` object sets llguidance's JSON options itself.
     JsonSchema(String),
     /// A regular expression the whole output matches.
     Regex(String),
@@ -102,8 +106,20 @@ impl Grammar {
         };
         let (what, grammar) = match spec {
             GrammarSpec::JsonSchema(text) => {
-                let schema: serde_json::Value =
+                let mut schema: serde_json::Value =
                     serde_json::from_str(text).map_err(|e| invalid("JSON schema", &e))?;
+                if let Some(object) = schema.as_object_mut() {
+                    // Whitespace fixed between items (", ", ": ") unless the schema says otherwise
+                    // ("x-guidance"): with llguidance's default (any whitespace) the tiny random
+                    // model wrote tabs and newlines until its length limit, never closing a brace.
+                    object.entry("x-guidance").or_insert_with(|| {
+                        serde_json::json!({
+                            "whitespace_flexible": false,
+                            "item_separator": ", ",
+                            "key_separator": ": ",
+                        })
+                    });
+                }
                 ("JSON schema", TopLevelGrammar::from_json_schema(schema))
             }
             GrammarSpec::Regex(rx) => ("regex", TopLevelGrammar::from_regex(rx)),

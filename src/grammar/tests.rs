@@ -1,4 +1,5 @@
 use super::*;
+use std::sync::{Arc, Mutex};
 
 /// Every byte, a few multi-byte tokens, and a special end-of-sequence token (the last).
 fn vocabulary() -> (Vocabulary, Vec<Vec<u8>>, u32) {
@@ -156,4 +157,61 @@ fn bad_grammars_and_tokens_are_typed_errors_and_change_nothing() {
     assert!(matcher.is_accepting());
     matcher.allowed(&mut after).unwrap();
     assert_eq!(allowed_set(&after, vocab.len()), vec![eos]);
+}
+
+#[test]
+fn pending_masks_equal_each_matchers_own_mask_and_keep_rows_in_order() {
+    let (vocab, _, _) = vocabulary();
+    let choice = Grammar::compile(
+        &vocab,
+        &GrammarSpec::Choice(vec!["yes".into(), "no".into()]),
+    )
+    .unwrap();
+    let digits = Grammar::compile(&vocab, &GrammarSpec::Regex("[0-9]{2,3}".into())).unwrap();
+    let matchers: Vec<SharedMatcher> = (0..9)
+        .map(|i| {
+            let mut m = if i % 2 == 0 {
+                choice.matcher()
+            } else {
+                digits.matcher()
+            };
+            if i % 4 == 1 {
+                m.advance(b'7' as u32).unwrap(); // some rows mid-output
+            }
+            Arc::new(Mutex::new(m))
+        })
+        .collect();
+    let masks = PendingMasks::start(matchers.clone())
+        .unwrap()
+        .wait()
+        .unwrap();
+    assert_eq!(masks.words, vocab.mask_words());
+    assert_eq!(masks.bits.len(), 9 * masks.words);
+    for (row, matcher) in matchers.iter().enumerate() {
+        let mut own = vec![0u32; vocab.mask_words()];
+        matcher.lock().unwrap().allowed(&mut own).unwrap();
+        assert_eq!(
+            &masks.bits[row * masks.words..][..masks.words],
+            &own[..],
+            "row {row}"
+        );
+        assert_eq!(masks.errors[row], None);
+    }
+    let empty = PendingMasks::start(Vec::new()).unwrap().wait().unwrap();
+    assert!(empty.bits.is_empty() && empty.errors.is_empty());
+}
+
+#[test]
+fn pending_masks_refuse_matchers_of_different_vocabularies() {
+    let (vocab, _, _) = vocabulary();
+    let small = Vocabulary::new(&[b"a".to_vec(), b"</s>".to_vec()], &[false, true], 1).unwrap();
+    let spec = GrammarSpec::Regex("a+".into());
+    let matchers: Vec<SharedMatcher> = [&vocab, &small]
+        .into_iter()
+        .map(|v| Arc::new(Mutex::new(Grammar::compile(v, &spec).unwrap().matcher())))
+        .collect();
+    assert!(matches!(
+        PendingMasks::start(matchers),
+        Err(Error::Shape(_))
+    ));
 }

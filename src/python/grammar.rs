@@ -4,13 +4,14 @@
 
 use std::sync::{Arc, Mutex};
 
-use numpy::PyArray1;
+use numpy::{PyArray1, PyArray2};
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 
 use super::errors::IntoPyResult;
 use super::sync::detached;
-use crate::grammar::{Grammar, GrammarSpec, Matcher, Vocabulary};
+use crate::error::Error;
+use crate::grammar::{Grammar, GrammarSpec, Matcher, PendingMasks, SharedMatcher, Vocabulary};
 
 /// A tokenizer's tokens as bytes (``tokens[id]``), which of them are special (stand for no
 /// text), and its end-of-sequence id: what grammars are compiled against.
@@ -86,7 +87,7 @@ impl PyGrammar {
     fn matcher(&self) -> PyGrammarMatcher {
         let grammar = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         PyGrammarMatcher {
-            inner: Mutex::new(grammar.matcher()),
+            inner: Arc::new(Mutex::new(grammar.matcher())),
         }
     }
 }
@@ -94,7 +95,7 @@ impl PyGrammar {
 /// One output's position in a grammar: which tokens may come next, and advancing past one.
 #[pyclass(name = "GrammarMatcher", module = "pagedkv", frozen)]
 pub struct PyGrammarMatcher {
-    inner: Mutex<Matcher>,
+    inner: SharedMatcher,
 }
 
 impl PyGrammarMatcher {
@@ -135,5 +136,52 @@ impl PyGrammarMatcher {
     #[getter]
     fn is_finished(&self) -> bool {
         self.with(|m| m.is_finished())
+    }
+}
+
+/// Starts computing the masks of ``matchers`` (one vocabulary) on the worker pool, returning at
+/// once: the caller runs the forward pass meanwhile and collects them with ``wait``.
+#[pyfunction]
+pub fn start_masks(matchers: Vec<PyRef<'_, PyGrammarMatcher>>) -> PyResult<PyPendingMasks> {
+    let shared = matchers.iter().map(|m| Arc::clone(&m.inner)).collect();
+    let pending = PendingMasks::start(shared).py_err()?;
+    Ok(PyPendingMasks {
+        inner: Mutex::new(Some(pending)),
+    })
+}
+
+/// Masks being computed (``start_masks``).
+#[pyclass(name = "PendingMasks", module = "pagedkv", frozen)]
+pub struct PyPendingMasks {
+    inner: Mutex<Option<PendingMasks>>,
+}
+
+#[pymethods]
+impl PyPendingMasks {
+    /// Blocks (the GIL released) until every mask is ready: a uint32 array ``[rows, ceil(vocab /
+    /// 32)]`` (bit ``t % 32`` of word ``t / 32`` set when token ``t`` may come), and each row's
+    /// error (None, or why its grammar failed: its mask is then all zero), and the seconds the
+    /// masks took on the pool. Once only.
+    #[allow(clippy::type_complexity)]
+    fn wait<'py>(
+        &self,
+        py: Python<'py>,
+    ) -> PyResult<(Bound<'py, PyArray2<u32>>, Vec<Option<String>>, f64)> {
+        let pending = self
+            .inner
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+            .ok_or_else(|| Error::InvalidArgument("these masks were already collected".into()))
+            .py_err()?;
+        let masks = detached(py, || pending.wait())?;
+        let rows = masks.errors.len();
+        let array = numpy::ndarray::Array2::from_shape_vec((rows, masks.words), masks.bits)
+            .expect("rows × words bits");
+        Ok((
+            PyArray2::from_owned_array(py, array),
+            masks.errors,
+            masks.seconds,
+        ))
     }
 }

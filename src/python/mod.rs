@@ -32,6 +32,8 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<grammar::PyVocabulary>()?;
     m.add_class::<grammar::PyGrammar>()?;
     m.add_class::<grammar::PyGrammarMatcher>()?;
+    m.add_class::<grammar::PyPendingMasks>()?;
+    m.add_function(wrap_pyfunction!(grammar::start_masks, m)?)?;
     m.add_class::<kv_cache::PyKVCache>()?;
     m.add_class::<prefix_index::PyPrefixIndex>()?;
     m.add_class::<kv_spec::PyGroupSpec>()?;

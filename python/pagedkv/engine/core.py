@@ -56,6 +56,12 @@ Invariants:
   has them all).
 - Per-sample state (histories, generators, texts) is built only once the scheduler has accepted
   the request, and so its ``n``: a refused request costs nothing per sample.
+- A request with ``structured_outputs`` has its grammar compiled (:attr:`grammars`, a bounded
+  cache) before the scheduler sees it, so one that does not compile changes nothing; each of its
+  samples then has a matcher (:mod:`pagedkv.engine.constraints`). A step starts the masks of its
+  constrained rows on the worker pool before the runner runs; the runner applies them when it
+  samples. Each kept token advances its sample's matcher in :meth:`_append`; a sample whose
+  grammar has finished ends there with "stop", as a stop string ends it.
 """
 
 from __future__ import annotations
@@ -70,14 +76,16 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from pagedkv._core import KvSpec, Scheduler, SchedulerOutput
+from pagedkv._core import Grammar, GrammarMatcher, KvSpec, Scheduler, SchedulerOutput
 from pagedkv.callbacks import call_guarded
 from pagedkv.engine.config import EngineConfig
+from pagedkv.engine.constraints import GrammarStats, StepMasks, matchers_of
 from pagedkv.engine.output_processor import append_token
 from pagedkv.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput, TokenEvent, TokenLogprob
 from pagedkv.engine.prompt_scoring import ScoreRows, rows_of, scoring_salt
 from pagedkv.engine.runners import ModelRunner
 from pagedkv.errors import InvalidArgumentError
+from pagedkv.grammar import GrammarCompiler
 from pagedkv.kv_events import AllBlocksCleared, KvEventPublisher, KvSnapshot
 from pagedkv.sampling import NO_TOKEN, Samples, SamplingParams, TokenHistory
 from pagedkv.text.detokenizer import SampleText
@@ -119,6 +127,7 @@ class _Request:
     output: RequestOutput
     texts: list[SampleText] | None  # per sample; None without a tokenizer
     histories: list[TokenHistory] | None  # per sample; None without a penalty
+    matchers: list[GrammarMatcher] | None  # per sample; None without structured outputs
     # The output's: held by the step appending tokens (outside the core's lock) and by an abort
     # ending it, so neither sees the other's half-made change.
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -196,6 +205,9 @@ class EngineCore:
         # before the first: what benchmarks and tracing read about a step.
         self.last_step: SchedulerOutput | None = None
         self._tracer = None if tracer is None else tracer.observe(clock)
+        # Structured outputs: compiled once per distinct constraint (a bounded cache), masked per step.
+        self.grammars = GrammarCompiler(tokenizer, runner.vocab_size, eos_token_ids)
+        self._grammar_stats = GrammarStats()
 
     def add_request(
         self,
@@ -227,6 +239,9 @@ class EngineCore:
             if not getattr(self.runner, "scores_prompts", False):
                 raise InvalidArgumentError("prompt_logprobs needs a model with logits at every position (this runner has none)")
             cache_salt = scoring_salt(request_id, cache_salt)
+        # Compiled before the scheduler sees the request (outside the lock: a big schema takes
+        # milliseconds), so a constraint that does not compile changes nothing.
+        grammar = None if params.structured_outputs is None else self.grammars.compile(params.structured_outputs)
         arrival = self.clock() if arrival_time is None else arrival_time
         with self._lock:
             # The scheduler validates n (with every other limit) before any per-sample work:
@@ -243,7 +258,7 @@ class EngineCore:
                 cache_salt=cache_salt,
             )
             try:
-                request = self._new_request(request_id, token_ids, params, prompt, arrival)
+                request = self._new_request(request_id, token_ids, params, prompt, arrival, grammar)
             except BaseException:
                 self.scheduler.abort(request_id)  # e.g. MemoryError: the refused request leaves no trace
                 raise
@@ -253,10 +268,12 @@ class EngineCore:
         return request.output
 
     def _new_request(
-        self, request_id: str, token_ids: list[int], params: SamplingParams, prompt: str | None, arrival: float
+        self, request_id: str, token_ids: list[int], params: SamplingParams, prompt: str | None, arrival: float,
+        grammar: Grammar | None,
     ) -> _Request:
         """The per-sample state of a request the scheduler has accepted (so ``params.n`` is at
-        most ``max_num_seqs``): its outputs, generators, texts and (with a penalty) histories."""
+        most ``max_num_seqs``): its outputs, generators, texts, (with a penalty) histories and (with
+        a ``grammar``) matchers."""
         n = params.n
         histories = None
         if params.penalized:  # O(prompt) once; presence/frequency see only the output
@@ -273,7 +290,8 @@ class EngineCore:
         generators = [params.make_generator(i) for i in range(n)]
         tokenizer = self.tokenizer
         texts = None if tokenizer is None else [SampleText(tokenizer, params.stop) for _ in range(n)]
-        return _Request(params, generators, output, texts, histories)
+        matchers = None if grammar is None else matchers_of(grammar, n)
+        return _Request(params, generators, output, texts, histories, matchers)
 
     def abort(self, request_id: str) -> RequestOutput:
         """Stops a request in any state, freeing its blocks; returns its final output. Raises
@@ -314,10 +332,12 @@ class EngineCore:
                 generators = [r.generators[i] for r, i in zip(requests, indices, strict=True)]
                 histories = [None if r.histories is None else r.histories[i] for r, i in zip(requests, indices, strict=True)]
                 scoring, scored = _scoring(step, row_requests)
+                masks = self._start_masks(requests, indices)
+                extra = {} if masks is None else {"masks": masks}  # a runner without constraints takes none
                 if scoring is None:
-                    samples = self.runner.run(step, params, generators, histories)
+                    samples = self.runner.run(step, params, generators, histories, **extra)
                 else:
-                    samples = self.runner.run(step, params, generators, histories, scoring)
+                    samples = self.runner.run(step, params, generators, histories, scoring, **extra)
                     self._keep_scores(scored, samples)
                 tokens = np.asarray(samples.tokens, dtype=np.int64)
             now = self.clock()
@@ -348,6 +368,15 @@ class EngineCore:
             # thread instead of spinning on empty steps (holding no lock, so requests still come in).
             time.sleep(_LOAD_WAIT_SECONDS)
         return events, failed + finished
+
+    def _start_masks(self, requests: Sequence[_Request], indices: Sequence[int]) -> StepMasks | None:
+        """Starts computing the masks of the step's constrained sample rows on the worker pool
+        (None when it has none)."""
+        rows = [row for row, request in enumerate(requests) if request.matchers is not None]
+        if not rows:
+            return None
+        matchers = [requests[row].matchers[indices[row]] for row in rows]  # type: ignore[index]
+        return StepMasks(rows, matchers, self._grammar_stats)
 
     @staticmethod
     def _keep_scores(scored: list[tuple[_Request, np.ndarray]], samples: Samples) -> None:
@@ -427,10 +456,14 @@ class EngineCore:
                     assert logprob is not None and logprob.token_id == token, "every kept token has its sampled logprob"
                 text = None if request.texts is None else request.texts[index]
                 try:
-                    event = append_token(request.output, text, index, token, reason, logprob, now)
-                except BaseException as error:  # noqa: BLE001 - whatever the tokenizer raises fails this request only
-                    _log.error("the tokenizer raised %r decoding request %r", error, request_id, exc_info=error)
-                    request.output.error = f"its tokens cannot be decoded: {error!r}"
+                    completed = self._advance_grammar(request, index, token, reason)
+                    event = append_token(request.output, text, index, token, reason or completed, logprob, now)
+                except BaseException as error:  # noqa: BLE001 - whatever the tokenizer or grammar raises fails this request only
+                    if isinstance(error, InvalidArgumentError):  # the grammar's: a token the mask allowed
+                        request.output.error = f"its grammar refused token {token}: {error}"
+                    else:
+                        _log.error("the tokenizer raised %r decoding request %r", error, request_id, exc_info=error)
+                        request.output.error = f"its tokens cannot be decoded: {error!r}"
                     for failed in request.output.outputs:
                         failed.finish_reason = "error"
                     ended[request_id] = None
@@ -443,6 +476,17 @@ class EngineCore:
                         ended[request_id] = None
                 events.append(event)
         return events, ended, stopped
+
+    @staticmethod
+    def _advance_grammar(request: _Request, index: int, token: int, reason: str | None) -> str | None:
+        """Advances sample ``index``'s matcher past ``token`` (not past a token the scheduler
+        ended the sample with: nothing follows it); "stop" once the grammar has finished. Raises
+        :class:`InvalidArgumentError` for a token the grammar refuses, changing nothing."""
+        if request.matchers is None or reason is not None:
+            return None
+        matcher = request.matchers[index]
+        matcher.advance(token)
+        return "stop" if matcher.is_finished else None
 
     def _settle(self, ended: dict[str, None], stopped: list[tuple[str, int]]) -> dict[str, _Request]:
         """Under the lock: takes out of the scheduler what :meth:`_append` ended — a sample a stop
@@ -475,8 +519,10 @@ class EngineCore:
 
     def stats(self) -> dict[str, float]:
         """The scheduler's cumulative stats, current (they include every completed step), with
-        the disk tier's (``disk_*``) when it has one."""
-        return self.scheduler.stats()
+        the disk tier's (``disk_*``) when it has one, and the grammars' (``grammar_*``: compiles,
+        their seconds, cache hits, rejected constraints; masked steps and rows, the masks' seconds
+        on the pool and the seconds steps waited for them)."""
+        return self.scheduler.stats() | self.grammars.stats() | self._grammar_stats.snapshot()
 
     def kv_groups(self) -> list[KvGroup]:
         """The KV cache groups of the model's layout (``Scheduler.kv_groups``): what each keeps and

@@ -73,6 +73,7 @@ from pagedkv.errors import (
     ModelError,
     PagedKVError,
 )
+from pagedkv.grammar import GrammarCompiler
 from pagedkv.kv_events import KvEventPublisher, KvSnapshot
 from pagedkv.loaders.generation_config import default_sampling_params
 from pagedkv.loaders.identity import WeightsDigest, kv_identity
@@ -176,6 +177,13 @@ class Engine:
     def core(self) -> EngineCore:
         """The core the worker steps (read its scheduler's figures; do not step it)."""
         return self._state.core
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The compiler of this engine's structured outputs (a bounded cache): compile a
+        constraint ahead (``grammars.compile(spec)``, from any thread) so that submitting it does
+        not pay the compile."""
+        return self._state.core.grammars
 
     def submit(
         self,
@@ -282,7 +290,8 @@ class Engine:
 
     def stats(self) -> dict[str, float]:
         """The scheduler's cumulative figures, current: once a handle has ended, they include
-        the step that ended it. With a disk tier, its figures too (``disk_*`` keys)."""
+        the step that ended it. With a disk tier, its figures too (``disk_*`` keys); the
+        grammars' (``grammar_*``, :meth:`EngineCore.stats`)."""
         return self.core.stats()
 
     @property

@@ -16,6 +16,7 @@ from typing import Protocol
 import numpy as np
 
 from pagedkv._core import KvSpec
+from pagedkv.engine.constraints import StepMasks
 from pagedkv.engine.prompt_scoring import ScoreRows, score
 from pagedkv.models.simulated import SimulatedModel
 from pagedkv.models.step import ModelStep
@@ -39,12 +40,16 @@ class ModelRunner(Protocol):
         generators: Sequence[np.random.Generator],
         histories: Sequence[TokenHistory | None],
         scoring: ScoreRows | None = None,
+        masks: StepMasks | None = None,
     ) -> Samples:
         """The samples of ``step.logits_indices``: row r drawn under ``params[r]`` from
         ``generators[r]``, penalised by ``histories[r]`` (None: no penalty), with the logprobs
         ``params[r]`` asks for (:func:`~pagedkv.sampling.sample_with_logprobs`);
         :data:`~pagedkv.sampling.NO_TOKEN` for a row with nothing to draw from; with
-        ``scoring``, the scores of those token rows (:attr:`Samples.prompt_scores`)."""
+        ``scoring``, the scores of those token rows (:attr:`Samples.prompt_scores`). ``masks``
+        (given only when the step has constrained rows: a runner serving no structured outputs
+        need not take it) are the grammar masks being computed: collected (``masks.wait()``)
+        after the forward pass, applied when sampling."""
         ...
 
 
@@ -79,12 +84,15 @@ class PagedModelRunner:
         generators: Sequence[np.random.Generator],
         histories: Sequence[TokenHistory | None],
         scoring: ScoreRows | None = None,
+        masks: StepMasks | None = None,
     ) -> Samples:
         if scoring is None or not len(scoring.rows):
-            return sample_with_logprobs(self.model.forward(step), params, generators, histories)
+            logits = self.model.forward(step)  # the masks are computed on the pool meanwhile
+            return sample_with_logprobs(logits, params, generators, histories, None if masks is None else masks.wait())
         sampled = np.asarray(step.logits_indices)
         hidden = self.model.hidden(step, np.concatenate([sampled, scoring.rows]))
-        samples = sample_with_logprobs(self.model.logits(hidden[: len(sampled)]), params, generators, histories)
+        logits = self.model.logits(hidden[: len(sampled)])
+        samples = sample_with_logprobs(logits, params, generators, histories, None if masks is None else masks.wait())
         return dataclasses.replace(samples, prompt_scores=score(hidden[len(sampled) :], scoring, self.model.logits))
 
 
@@ -106,7 +114,9 @@ class SimulatedRunner:
         generators: Sequence[np.random.Generator],
         histories: Sequence[TokenHistory | None],
         scoring: ScoreRows | None = None,
+        masks: StepMasks | None = None,
     ) -> Samples:
-        """The simulated model's tokens, each certain (it has no logits: no penalty applies)."""
+        """The simulated model's tokens, each certain (it has no logits: no penalty applies); a
+        constrained row whose token its grammar does not allow takes the lowest one it does."""
         self.clock.advance(self.model.step_seconds(step))
-        return Samples.certain(self.model.sample(step), params)
+        return Samples.certain(self.model.sample(step), params, None if masks is None else masks.wait())
