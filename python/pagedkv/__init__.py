@@ -51,6 +51,7 @@ from pagedkv.errors import (
     ShapeError,
     UnknownSequenceError,
 )
+from pagedkv.grammar import GrammarCompiler, StructuredOutputs
 from pagedkv.kv_events import AllBlocksCleared, BlockRemoved, BlockStored, KvEventBatch, KvEventPublisher, KvSnapshot
 from pagedkv.models import CacheStep, Gemma3Config, Gemma3Model, LlamaConfig, LlamaModel, SimulatedModel
 from pagedkv.sampling import SamplingParams
@@ -89,6 +90,8 @@ __all__ = [
     "LlamaConfig",
     "LlamaModel",
     "SamplingParams",
+    "StructuredOutputs",
+    "GrammarCompiler",
     "SimulatedModel",
     "Engine",
     "EngineConfig",

@@ -13,7 +13,7 @@ import jsonschema
 import numpy as np
 import pytest
 
-from pagedkv import InvalidArgumentError
+from pagedkv import Engine, InvalidArgumentError
 from pagedkv.engine import EngineConfig, EngineCore, PagedModelRunner, SimulatedRunner, VirtualClock
 from pagedkv.grammar import GrammarCompiler, StructuredOutputs
 from pagedkv.models import LlamaModel, SimulatedModel
@@ -192,3 +192,22 @@ def test_structured_outputs_refuse_values_asking_for_none_or_two_or_malformed(ba
         StructuredOutputs(**bad)
     with pytest.raises(InvalidArgumentError):
         SamplingParams(structured_outputs=bad)  # not a StructuredOutputs at all
+
+
+def metric(text: str, name: str) -> float:
+    line = next(line for line in text.splitlines() if line.startswith(f"pagedkv:{name}_total{{"))
+    return float(line.rsplit(" ", 1)[1])
+
+
+def test_prometheus_counts_compiles_rejections_and_masks_read_when_scraped():
+    """Read from the engine's stats at each scrape: a constraint refused while the engine idles
+    is counted before any step runs."""
+    with Engine.from_pretrained("tiny") as engine:
+        with pytest.raises(InvalidArgumentError):
+            engine.submit("x", constrained(regex="(unclosed"))
+        assert metric(engine.metrics.text(), "grammar_rejected") == 1
+        engine.generate(["a", "b"], constrained(regex="[a-z]{3}"))
+        text = engine.metrics.text()
+    assert metric(text, "grammar_compiles") == 1 and metric(text, "grammar_cache_hits") == 1
+    assert metric(text, "grammar_mask_rows") >= 2 * 3  # three letters each, two requests
+    assert metric(text, "grammar_mask_seconds") > 0 and metric(text, "grammar_compile_seconds") > 0

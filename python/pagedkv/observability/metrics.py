@@ -10,14 +10,16 @@ benchmarks) never collide; :meth:`EngineMetrics.serve` exposes it at ``/metrics`
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from pagedkv.errors import PagedKVError
 from pagedkv.observability.metrics_http import MetricsServer
 
-__all__ = ["EngineMetrics"]
+__all__ = ["GRAMMAR_COUNTERS", "EngineMetrics"]
 
 # Latency buckets (seconds) spanning a tiny CPU model's milliseconds to a loaded server's minutes.
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -79,13 +81,16 @@ class EngineMetrics:
         self._servers: list[MetricsServer] = []
 
     def follow(self, stats: Callable[[], Mapping[str, float]]) -> None:
-        """Makes the load gauges (running, waiting, KV usage) read ``stats()`` (``Scheduler.stats()``'s
+        """Makes the load gauges (running, waiting, KV usage) read ``stats()`` (``EngineCore.stats()``'s
         keys) at each scrape: current whatever changed since the last step (requests aborted while
-        the engine idles), never the last step's values; NaN once it cannot answer (a failed core)."""
+        the engine idles), never the last step's values; NaN once it cannot answer (a failed core).
+        The grammar counters (:data:`GRAMMAR_COUNTERS`) are read from it at each scrape too: a
+        constraint refused while the engine idles is counted at once."""
 
         for gauge, key in ((self.num_requests_running, "num_running"), (self.num_requests_waiting, "num_waiting"),
                            (self.kv_cache_usage_perc, "kv_usage")):
             gauge.set_function(_reading(stats, key))
+        self.registry.register(_GrammarCounters(stats, self.model_name))
 
     def follow_groups(self, attention: Sequence[str], usage: Callable[[], Sequence[float]]) -> None:
         """Makes ``pagedkv:kv_cache_group_usage_perc{group, attention}`` read ``usage()`` (the
@@ -141,6 +146,42 @@ class EngineMetrics:
     def text(self) -> str:
         """The exposition text, as ``/metrics`` serves it."""
         return generate_latest(self.registry).decode()
+
+
+# Structured outputs' counters: ``EngineCore.stats()`` key → (metric name, help). Sums of seconds
+# beside their counts give the mean compile and mask times (rate(sum) / rate(count)).
+GRAMMAR_COUNTERS: Mapping[str, tuple[str, str]] = {
+    "grammar_compiles": ("grammar_compiles", "Structured-output constraints compiled (cache misses)."),
+    "grammar_compile_seconds": ("grammar_compile_seconds", "Seconds spent compiling constraints."),
+    "grammar_cache_hits": ("grammar_cache_hits", "Constraints found compiled in the grammar cache."),
+    "grammar_rejected": ("grammar_rejected", "Constraints refused: they do not compile or match nothing (a 400)."),
+    "grammar_mask_steps": ("grammar_mask_steps", "Steps that computed grammar masks."),
+    "grammar_mask_rows": ("grammar_mask_rows", "Grammar masks computed (one per constrained row per step)."),
+    "grammar_mask_seconds": ("grammar_mask_seconds", "Seconds the grammar masks took on the worker pool."),
+    "grammar_mask_wait_seconds": ("grammar_mask_wait_seconds",
+                                  "Seconds steps waited for grammar masks after the forward pass (the part not hidden)."),
+}
+
+
+class _GrammarCounters(Collector):
+    """The grammar counters, read from the engine's stats at each scrape (their one owner)."""
+
+    def __init__(self, stats: Callable[[], Mapping[str, float]], model_name: str) -> None:
+        self._stats = stats
+        self._model_name = model_name
+
+    def describe(self) -> list[CounterMetricFamily]:
+        return [CounterMetricFamily(f"pagedkv:{name}", doc, labels=["model_name"]) for name, doc in GRAMMAR_COUNTERS.values()]
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        try:
+            stats = self._stats()
+        except PagedKVError:
+            return  # a failed core: nothing to read
+        for key, (name, doc) in GRAMMAR_COUNTERS.items():
+            family = CounterMetricFamily(f"pagedkv:{name}", doc, labels=["model_name"])
+            family.add_metric([self._model_name], float(stats.get(key, 0.0)))
+            yield family
 
 
 def _reading(source: Callable[[], Mapping[str, float]] | Callable[[], Sequence[float]], key: str | int) -> Callable[[], float]:
