@@ -6,6 +6,7 @@ it valid) and the simulated runner (which picks tokens without logits)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -14,6 +15,7 @@ import numpy as np
 import pytest
 
 from pagedkv import Engine, InvalidArgumentError
+from pagedkv.cluster.feed import continuation
 from pagedkv.engine import EngineConfig, EngineCore, PagedModelRunner, SimulatedRunner, VirtualClock
 from pagedkv.grammar import GrammarCompiler, StructuredOutputs
 from pagedkv.models import LlamaModel, SimulatedModel
@@ -211,3 +213,24 @@ def test_prometheus_counts_compiles_rejections_and_masks_read_when_scraped():
     assert metric(text, "grammar_compiles") == 1 and metric(text, "grammar_cache_hits") == 1
     assert metric(text, "grammar_mask_rows") >= 2 * 3  # three letters each, two requests
     assert metric(text, "grammar_mask_seconds") > 0 and metric(text, "grammar_compile_seconds") > 0
+
+
+def test_a_migrated_sample_continues_its_grammar_past_the_tokens_it_carries(weights):
+    """A replica's loss resubmits a sample as prompt + its tokens so far (``continuation``): its
+    matcher starts past them, so the whole output still matches; a carried token the grammar
+    refuses refuses the request."""
+    params = constrained(json=SCHEMA, max_tokens=200, seed=5)
+    whole = run(make_core(weights), {"r": (prompt("p"), params)})["r"].outputs[0]
+    cut = len(whole.token_ids) // 2
+    carried_prompt, carried = continuation(prompt("p"), params, whole.token_ids[:cut])
+    assert carried.structured_outputs.continued_from == tuple(whole.token_ids[:cut])
+    assert carried.structured_outputs.key == params.structured_outputs.key  # the same compiled grammar
+    rest = run(make_core(weights), {"r": (carried_prompt, carried)})["r"].outputs[0]
+    assert rest.finish_reason == "stop"
+    jsonschema.validate(json.loads(ByteTokenizer().decode(whole.token_ids[:cut] + rest.token_ids)), SCHEMA)
+    core = make_core(weights)
+    refused = dataclasses.replace(carried, structured_outputs=dataclasses.replace(
+        carried.structured_outputs, continued_from=tuple(prompt("not json"))[1:]))
+    with pytest.raises(InvalidArgumentError, match="does not continue"):
+        core.add_request("bad", carried_prompt, refused)
+    assert not core.has_unfinished()

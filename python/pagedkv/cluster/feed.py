@@ -140,8 +140,13 @@ class ReplicaFeed:
 
 def continuation(prompt: Sequence[int], params: SamplingParams, streamed: Sequence[int]) -> tuple[list[int], SamplingParams]:
     """The request that carries on one sample on another replica after ``streamed`` of its tokens
-    reached the client: ``prompt`` plus those tokens, one sample, ``max_tokens`` less their number."""
-    return [*prompt, *streamed], dataclasses.replace(params, n=1, max_tokens=params.max_tokens - len(streamed))
+    reached the client: ``prompt`` plus those tokens, one sample, ``max_tokens`` less their number,
+    and a constraint (``structured_outputs``) that continues past them rather than starting over."""
+    structured = params.structured_outputs
+    if structured is not None:
+        structured = dataclasses.replace(structured, continued_from=tuple(streamed))
+    carried = dataclasses.replace(params, n=1, max_tokens=params.max_tokens - len(streamed), structured_outputs=structured)
+    return [*prompt, *streamed], carried
 
 
 def replica_answer(

@@ -4,7 +4,8 @@ metrics export.
 
 Invariants:
 
-- A sample's matcher has advanced past exactly the tokens its output kept, in order: the engine
+- A sample's matcher has advanced past exactly the tokens its output kept, in order (after those
+  it carried from another engine, ``StructuredOutputs.continued_from``): the engine
   core advances it in the step that appends each token (never for a token the scheduler ended the
   sample with: end of sequence or the length limit) and reads its mask at the next step that
   samples it. Preemption recomputes K/V, never tokens, so a matcher never goes back.
@@ -28,9 +29,15 @@ from pagedkv.sampling import RowMasks
 __all__ = ["GrammarStats", "StepMasks", "matchers_of"]
 
 
-def matchers_of(grammar: Grammar, n: int) -> list[GrammarMatcher]:
-    """One matcher per sample of a request, each at the start of its output."""
-    return [grammar.matcher() for _ in range(n)]
+def matchers_of(grammar: Grammar, n: int, continued_from: Sequence[int] = ()) -> list[GrammarMatcher]:
+    """One matcher per sample of a request, each past the tokens its output already has
+    (``continued_from``: a migrated sample's). Raises :class:`~pagedkv.errors.InvalidArgumentError`
+    for a token the grammar refuses there."""
+    matchers = [grammar.matcher() for _ in range(n)]
+    for matcher in matchers:
+        for token in continued_from:
+            matcher.advance(token)
+    return matchers
 
 
 class GrammarStats:

@@ -290,7 +290,8 @@ class EngineCore:
         generators = [params.make_generator(i) for i in range(n)]
         tokenizer = self.tokenizer
         texts = None if tokenizer is None else [SampleText(tokenizer, params.stop) for _ in range(n)]
-        matchers = None if grammar is None else matchers_of(grammar, n)
+        structured = params.structured_outputs
+        matchers = None if grammar is None or structured is None else matchers_of(grammar, n, structured.continued_from)
         return _Request(params, generators, output, texts, histories, matchers)
 
     def abort(self, request_id: str) -> RequestOutput:

@@ -45,7 +45,10 @@ class StructuredOutputs:
     - ``choice``: the output is exactly one of these strings;
     - ``grammar``: a Lark grammar (llguidance's dialect, start rule ``start``).
 
-    The names are vLLM's ``structured_outputs`` fields.
+    The names are vLLM's ``structured_outputs`` fields. ``continued_from``: token ids the output
+    already has (a sample carried on by another engine, :func:`pagedkv.cluster.feed.continuation`):
+    each sample's matcher starts past them; a token the grammar refuses there refuses the
+    request. It is no part of the constraint (:attr:`key`).
     """
 
     json: Mapping[str, Any] | str | bool | None = None
@@ -53,8 +56,15 @@ class StructuredOutputs:
     choice: Sequence[str] | None = None
     grammar: str | None = None
     json_object: bool = False
+    continued_from: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        continued = self.continued_from
+        if not isinstance(continued, (tuple, list)) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in continued
+        ):
+            raise InvalidArgumentError(f"continued_from must be token ids, got {continued!r:.80}")
+        object.__setattr__(self, "continued_from", tuple(continued))
         if not isinstance(self.json_object, bool):
             raise InvalidArgumentError(f"json_object must be a bool, got {self.json_object!r}")
         given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
