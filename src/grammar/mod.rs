@@ -82,7 +82,8 @@ impl Vocabulary {
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum GrammarSpec {
     /// A JSON schema, as JSON text. Its output is one line, items separated by ", " and keys by
-    /// ": ", unless the schema's `x-guidance` object sets llguidance's JSON options itself.
+    /// ": ", unless the schema's `x-guidance` object sets llguidance's JSON options itself; an
+    /// object with `properties` and no `additionalProperties` has no others ([`close_objects`]).
     JsonSchema(String),
     /// A regular expression the whole output matches.
     Regex(String),
@@ -90,6 +91,52 @@ pub enum GrammarSpec {
     Lark(String),
     /// Exactly one of these strings.
     Choice(Vec<String>),
+}
+
+/// Makes every object schema that lists `properties` and says nothing of `additionalProperties`
+/// allow no others, as xgrammar's strict mode (vLLM's default backend) does. JSON Schema would
+/// allow any: Gemma 3 270M, asked for {city, population, landmarks}, wrote those and then "area",
+/// "climate", "climate"… until its 200-token limit, in both of two runs. A schema saying
+/// `additionalProperties` (true, or a schema) keeps it.
+fn close_objects(schema: &mut serde_json::Value) {
+    let Some(object) = schema.as_object_mut() else {
+        return;
+    };
+    if object.contains_key("properties") && !object.contains_key("additionalProperties") {
+        object.insert(
+            "additionalProperties".into(),
+            serde_json::Value::Bool(false),
+        );
+    }
+    // Only the keywords whose values are schemas (a property may be named "properties").
+    for (keyword, value) in object.iter_mut() {
+        match keyword.as_str() {
+            "properties" | "patternProperties" | "$defs" | "definitions" | "dependentSchemas" => {
+                if let Some(map) = value.as_object_mut() {
+                    map.values_mut().for_each(close_objects);
+                }
+            }
+            "anyOf" | "oneOf" | "allOf" | "prefixItems" => {
+                if let Some(list) = value.as_array_mut() {
+                    list.iter_mut().for_each(close_objects);
+                }
+            }
+            "items" => match value {
+                serde_json::Value::Array(list) => list.iter_mut().for_each(close_objects),
+                other => close_objects(other),
+            },
+            "additionalProperties"
+            | "additionalItems"
+            | "unevaluatedProperties"
+            | "not"
+            | "if"
+            | "then"
+            | "else"
+            | "contains"
+            | "propertyNames" => close_objects(value),
+            _ => {}
+        }
+    }
 }
 
 /// A grammar compiled against a vocabulary, shared by the matchers of every sequence using it.
@@ -108,6 +155,7 @@ impl Grammar {
             GrammarSpec::JsonSchema(text) => {
                 let mut schema: serde_json::Value =
                     serde_json::from_str(text).map_err(|e| invalid("JSON schema", &e))?;
+                close_objects(&mut schema);
                 if let Some(object) = schema.as_object_mut() {
                     // Whitespace fixed between items (", ", ": ") unless the schema says otherwise
                     // ("x-guidance"): with llguidance's default (any whitespace) the tiny random

@@ -98,12 +98,8 @@ fn a_json_schema_output_parses_and_validates() {
         loop {
             matcher.allowed(&mut mask).unwrap();
             let allowed = allowed_set(&mask, vocab.len());
-            // Prefer ending; else the pick among the text tokens (not JSON's free whitespace).
-            let text: Vec<u32> = allowed
-                .iter()
-                .copied()
-                .filter(|&t| t != eos && !tokens[t as usize].iter().all(u8::is_ascii_whitespace))
-                .collect();
+            // Prefer ending; else the pick among the others (the whitespace is fixed: no loop).
+            let text: Vec<u32> = allowed.iter().copied().filter(|&t| t != eos).collect();
             if allowed.contains(&eos) || text.is_empty() {
                 break;
             }
@@ -214,4 +210,34 @@ fn pending_masks_refuse_matchers_of_different_vocabularies() {
         PendingMasks::start(matchers),
         Err(Error::Shape(_))
     ));
+}
+
+#[test]
+fn objects_listing_properties_allow_no_others_unless_the_schema_says_so() {
+    let mut schema = serde_json::json!({
+        "type": "object",
+        "properties": {
+            "properties": {"type": "object", "properties": {"a": {"type": "integer"}}},
+            "list": {"type": "array", "items": {"properties": {"b": {}}}},
+            "open": {"properties": {"c": {}}, "additionalProperties": true},
+        },
+        "anyOf": [{"properties": {"d": {}}}],
+        "$defs": {"node": {"properties": {"e": {}}}},
+        "enum": [{"properties": {}}],
+    });
+    close_objects(&mut schema);
+    let closed = |pointer: &str| schema.pointer(pointer).cloned();
+    let no = Some(serde_json::Value::Bool(false));
+    assert_eq!(closed("/additionalProperties"), no);
+    assert_eq!(closed("/properties/properties/additionalProperties"), no);
+    assert_eq!(closed("/properties/list/items/additionalProperties"), no);
+    assert_eq!(closed("/anyOf/0/additionalProperties"), no);
+    assert_eq!(closed("/$defs/node/additionalProperties"), no);
+    assert_eq!(
+        closed("/properties/open/additionalProperties"),
+        Some(true.into())
+    );
+    // A property named "properties" is a property, and an enum's values are values: untouched.
+    assert_eq!(closed("/properties/additionalProperties"), None);
+    assert_eq!(closed("/enum/0/additionalProperties"), None);
 }
