@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 RUST_SOURCES := $(shell find src -name '*.rs') Cargo.toml pyproject.toml
 PY_DEPS := maturin numpy threadpoolctl pytest pytest-timeout hypothesis safetensors tokenizers gguf jinja2 prometheus-client rich matplotlib ruff mypy \
-	fastapi uvicorn pydantic openai httpx opentelemetry-api opentelemetry-sdk ray
+	fastapi uvicorn pydantic openai httpx opentelemetry-api opentelemetry-sdk ray jsonschema langchain-openai
 
 .PHONY: demo test lint test-rust test-loom test-python bench develop clean
 

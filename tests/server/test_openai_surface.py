@@ -102,19 +102,17 @@ def test_every_recorded_client_request_is_answered(http, recorded):
         assert all("usage" not in c for c in deltas)
 
 
-@pytest.mark.parametrize("field, value", [
-    ("response_format", {"type": "json_object"}),
-    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}),
-    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-    ("tool_choice", "required"),
-    ("guided_json", {"type": "object"}),
-    ("guided_choice", ["a", "b"]),
-    ("structured_outputs", {"regex": "a+"}),
-    ("min_tokens", 3),
-    ("best_of", 3),
+# (Constraints and tools are honoured: tests/server/test_structured_outputs.py, test_tools.py.)
+@pytest.mark.parametrize("field, value, endpoint", [
+    ("functions", [{"name": "f", "parameters": {}}], "/v1/chat/completions"),
+    ("function_call", {"name": "f"}, "/v1/chat/completions"),
+    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}], "/v1/completions"),
+    ("tool_choice", "required", "/v1/completions"),
+    ("suffix", "y", "/v1/completions"),
+    ("min_tokens", 3, "/v1/chat/completions"),
+    ("best_of", 3, "/v1/completions"),
 ])
-def test_a_constraint_pagedkv_cannot_honour_is_a_400_naming_it_and_queues_nothing(http, field, value):
-    endpoint = "/v1/completions" if field == "best_of" else "/v1/chat/completions"
+def test_a_constraint_pagedkv_cannot_honour_is_a_400_naming_it_and_queues_nothing(http, field, value, endpoint):
     body = {"model": MODEL, "max_tokens": 2, field: value}
     body.update({"prompt": "x"} if endpoint == "/v1/completions" else {"messages": [{"role": "user", "content": "x"}]})
     before = http.get("/health").json()["num_waiting"]

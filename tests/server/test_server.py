@@ -216,7 +216,7 @@ def error_of(raised: pytest.ExceptionInfo) -> dict:
 
 
 @pytest.mark.parametrize("fields, param", [
-    ({"extra_body": {"response_format": {"type": "json_object"}}}, "response_format"),  # a constraint not supported
+    ({"suffix": "y"}, "suffix"),  # a field not supported
     ({"extra_body": {"temperature": "hot"}}, "temperature"),  # a wrong type
     ({"extra_body": {"max_tokens": True}}, "max_tokens"),  # a bool is not an int
     ({"prompt": ""}, "prompt"),  # an empty prompt

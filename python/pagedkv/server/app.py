@@ -14,8 +14,9 @@ Invariants:
   served model (or none) or gets a 404; a field it cannot honour is a 400, an unknown one is
   ignored and counted (:mod:`pagedkv.server.fields`); everything else about it is checked when its submissions are
   built, before any answer starts: a refused request queues nothing. Prompts are rendered and
-  tokenized off the event loop (:class:`~pagedkv.server.prompts.PromptEncoder`): nothing a
-  request sends costs the loop more than its validation.
+  tokenized, and constraints compiled, off the event loop
+  (:class:`~pagedkv.server.prompts.PromptEncoder`, :func:`~pagedkv.server.constraints.compile_constraint`):
+  nothing a request sends costs the loop more than its validation.
 - The client's going away aborts its generation, streaming or not (:func:`_until_disconnect`).
 - The engine is never stepped here: submissions go through the client's ``submit``, which never
   blocks the event loop (a full queue is a 429 at once).
@@ -35,6 +36,7 @@ from pagedkv._core import __version__
 from pagedkv.engine import Engine, RequestOutput
 from pagedkv.server.auth import ApiKeyAuth
 from pagedkv.server.client import EngineClient, LocalEngine
+from pagedkv.server.constraints import compile_constraint, request_constraint
 from pagedkv.server.errors import BodyLimit, ModelNotFoundError, install_handlers
 from pagedkv.server.fields import IgnoredFields, check_unhonoured
 from pagedkv.server.formats import ChatFormat, CompletionFormat, Format
@@ -97,12 +99,16 @@ def build_app(engine: Engine | EngineClient, model_name: str, *, default_max_tok
                        fmt: Format, chat: bool) -> Response:
         check_model(body.model)
         ignored.record(body.check(), http.url.path)
-        params = sampling_params(body, client.default_params, default_max_tokens if chat else COMPLETIONS_MAX_TOKENS)
+        constraint = request_constraint(body)
+        params = sampling_params(body, client.default_params, default_max_tokens if chat else COMPLETIONS_MAX_TOKENS,
+                                 constraint.structured_outputs)
+        await compile_constraint(getattr(client, "grammars", None), constraint)
         trace = {k: v for k in _TRACE_HEADERS if (v := http.headers.get(k)) is not None}
         echo = isinstance(body, CompletionRequest) and body.echo
         generation = await Generation.submit(client, encoder, prompts, params, chat=chat, cache_salt=body.cache_salt,
                                              trace_headers=trace or None, prefix="chatcmpl" if chat else "cmpl",
-                                             echo=echo, score_only=echo and body.score_only)  # type: ignore[union-attr]
+                                             echo=echo, score_only=echo and body.score_only,  # type: ignore[union-attr]
+                                             functions=constraint.functions, tools=constraint.tools)
         if body.stream:
             events = stream(generation, fmt, body.include_usage, body.continuous_usage)
             return StreamingResponse(events, media_type="text/event-stream")
@@ -115,7 +121,7 @@ def build_app(engine: Engine | EngineClient, model_name: str, *, default_max_tok
     @app.post("/v1/completions")
     async def completions(http: Request, body: CompletionRequest) -> Response:
         prompt = body.prompt
-        prompts: list[Prompt] = [prompt] if isinstance(prompt, str) or _is_ids(prompt) else list(prompt)  # type: ignore[arg-type]
+        prompts: list[Prompt] = [prompt] if isinstance(prompt, str) or _is_ids(prompt) else list(prompt)  # type: ignore[arg-type, list-item]
         return await generate(http, body, prompts, completion_format, chat=False)
 
     @app.post("/v1/chat/completions")

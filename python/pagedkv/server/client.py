@@ -9,6 +9,10 @@ Invariants:
   is queued; a refused one raises there (a bad argument, a full queue, a closed engine), having
   queued nothing. They never block the event loop.
 - ``shutdown(drain=True, timeout=0)`` stops accepting at once; ``drain=False`` aborts what runs.
+- A client may have ``grammars``, the engine's :class:`~pagedkv.grammar.GrammarCompiler`: the
+  server then compiles a request's constraint in a worker thread before submitting it, so the
+  engine's own compile (in ``submit``, on the event loop's thread) is a cache hit. A cluster has
+  none: its replicas compile in their own processes.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 from pagedkv.engine import Engine, RequestHandle
+from pagedkv.grammar import GrammarCompiler
 from pagedkv.sampling import SamplingParams
 from pagedkv.text.tokenizer import Tokenizer
 
@@ -62,6 +67,11 @@ class LocalEngine:
     @property
     def max_model_len(self) -> int:
         return self.engine.core.max_model_len
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        """The engine's compiler of constraints (and its cache)."""
+        return self.engine.grammars
 
     async def submit(self, prompt: Sequence[int], params: SamplingParams, *, cache_salt: str | None,
                      trace_headers: Mapping[str, str] | None) -> RequestHandle:

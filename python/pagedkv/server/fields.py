@@ -1,5 +1,13 @@
-"""The fields of a request pagedkv does not honour: refused when they ask for what it cannot do
-yet, else ignored (and counted, by :class:`IgnoredFields`).
+"""The fields of a request an endpoint does not declare: refused when they ask for what that
+endpoint cannot do, else ignored (and counted, by :class:`IgnoredFields`).
+
+What chat and completions honour is declared by their request models (:mod:`pagedkv.server.protocol`)
+and never reaches this table: ``response_format``, vLLM's ``structured_outputs`` and the legacy
+``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``, ``guided_json_object`` and
+``guided_whitespace_pattern`` (both endpoints), ``tools``, ``tool_choice`` and
+``parallel_tool_calls`` (chat): :mod:`pagedkv.server.constraints`. The table still lists them for
+the endpoints that do not (``/v1/responses``, ``/tokenize``, ``tools`` on completions), where they
+stay refused.
 
 Invariants:
 
@@ -10,9 +18,9 @@ Invariants:
 - A value that asks for nothing is accepted: ``response_format: {"type": "text"}``,
   ``tool_choice: "none"``, an empty ``tools`` list, ``best_of`` equal to ``n``.
 - Every other name is ignored, as vLLM and llama.cpp ignore it: SDKs add fields of their own
-  (``store``, ``metadata``, ``parallel_tool_calls``, ``service_tier``…) that change nothing an
-  answer says. Each ignored name is logged once and counted, under a bounded set of labels (the
-  names come from clients).
+  (``store``, ``metadata``, ``service_tier``…) that change nothing an answer says, and
+  ``guided_decoding_backend`` names an implementation, not a constraint. Each ignored name is
+  logged once and counted, under a bounded set of labels (the names come from clients).
 """
 
 from __future__ import annotations
@@ -27,17 +35,21 @@ from prometheus_client import CollectorRegistry, Counter
 
 from pagedkv.errors import InvalidArgumentError
 
-__all__ = ["MAX_NAMED_FIELDS", "REFUSED", "IgnoredFields", "NotSupportedError", "check_unhonoured"]
+__all__ = ["MAX_NAMED_FIELDS", "REFUSED", "FieldError", "IgnoredFields", "NotSupportedError", "check_unhonoured"]
 
 _log = logging.getLogger("pagedkv.server")
 
 
-class NotSupportedError(InvalidArgumentError):
-    """A request asked for something pagedkv cannot do yet (a 400 naming ``param``)."""
+class FieldError(InvalidArgumentError):
+    """A request field's value is refused (a 400 naming ``param``, the field's path)."""
 
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+class NotSupportedError(FieldError):
+    """A request asked for something pagedkv cannot do yet (a 400 naming ``param``)."""
 
 
 def _not_none(value: Any) -> bool:
@@ -52,7 +64,7 @@ def _choice(value: Any) -> bool:
     return value not in (None, "none", "auto")
 
 
-# Field -> whether its value asks for something pagedkv cannot do yet. bool: any value but an
+# Field -> whether its value asks for something the endpoint cannot do. bool: any value but an
 # empty or false one asks.
 REFUSED: Mapping[str, Callable[[Any], bool]] = {
     "response_format": lambda v: v is not None and not (isinstance(v, dict) and v.get("type") == "text"),
@@ -67,7 +79,6 @@ REFUSED: Mapping[str, Callable[[Any], bool]] = {
     "guided_choice": _not_none,
     "guided_grammar": _not_none,
     "guided_json_object": bool,
-    "guided_decoding_backend": _not_none,
     "guided_whitespace_pattern": _not_none,
     "min_tokens": bool,
     "include_stop_str_in_output": bool,

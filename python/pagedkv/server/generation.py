@@ -11,9 +11,12 @@ Invariants:
   server calls it whenever its client goes away, so no request outlives its connection.
 - The text of a choice is its sample's :attr:`CompletionOutput.text`, which is the concatenation
   of its events' deltas: a stream and a whole response of the same seed say the same.
-- ``finish_reason`` is OpenAI's: "stop" (EOS, a stop token or a stop string) or "length"
-  (``max_tokens``, or the model's length); a sample the engine aborted or failed has none, and
+- ``finish_reason`` is OpenAI's: "stop" (EOS, a stop token, a stop string, or the end of what
+  a constraint allows) or "length" (``max_tokens``, or the model's length), "tool_calls" for a
+  sample that stopped after calling tools; a sample the engine aborted or failed has none, and
   :meth:`Generation.check_ended` raises for it.
+- With :attr:`Generation.tools`, each choice's text is read by a fresh
+  :class:`~pagedkv.server.tools.ToolCallParser`, streamed or whole.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from pagedkv.errors import PagedKVError
 from pagedkv.sampling import SamplingParams
 from pagedkv.server.client import EngineClient
 from pagedkv.server.prompts import Prompt, PromptEncoder
+from pagedkv.server.tools import Function, ToolUse
 from pagedkv.text.tokenizer import Tokenizer
 
 __all__ = ["Generation", "finish_reason", "usage"]
@@ -37,9 +41,13 @@ __all__ = ["Generation", "finish_reason", "usage"]
 _FINISH = {"stop": "stop", "length": "length", "max_model_len": "length"}
 
 
-def finish_reason(reason: str | None) -> str | None:
-    """OpenAI's name of an engine finish reason (None for one OpenAI has none for: abort, error)."""
-    return _FINISH.get(reason) if reason is not None else None
+def finish_reason(reason: str | None, called: bool = False) -> str | None:
+    """OpenAI's name of an engine finish reason (None for one OpenAI has none for: abort,
+    error); "tool_calls" for a stop after calls (``called``)."""
+    if reason is None:
+        return None
+    named = _FINISH.get(reason)
+    return "tool_calls" if called and named == "stop" else named
 
 
 @dataclass
@@ -54,15 +62,19 @@ class Generation:
     # Completions' echo: the prompt before each choice; score_only: and nothing generated after it.
     echo: bool = False
     score_only: bool = False
+    # Chat with tools to call: how calls are read out of each choice's text.
+    tools: ToolUse | None = None
 
     @classmethod
     async def submit(cls, client: EngineClient, encoder: PromptEncoder, prompts: Sequence[Prompt], params: SamplingParams,
                      *, chat: bool, cache_salt: str | None, trace_headers: Mapping[str, str] | None,
-                     prefix: str, echo: bool = False, score_only: bool = False) -> Generation:
+                     prefix: str, echo: bool = False, score_only: bool = False,
+                     functions: Sequence[Function] | None = None, tools: ToolUse | None = None) -> Generation:
         """Encodes every prompt (off the event loop: a refused one raises before anything is
-        queued), then queues each without waiting for room (a full queue raises
-        ``EngineOverloadedError`` at once: the client is told to retry rather than held)."""
-        token_ids = [await encoder.encode(prompt, chat) for prompt in prompts]
+        queued; a conversation offers ``functions``), then queues each without waiting for room
+        (a full queue raises ``EngineOverloadedError`` at once: the client is told to retry
+        rather than held)."""
+        token_ids = [await encoder.encode(prompt, chat, functions=functions) for prompt in prompts]
         handles: list[RequestHandle] = []
         try:
             for ids in token_ids:
@@ -71,7 +83,7 @@ class Generation:
             for handle in handles:
                 handle.abort()
             raise
-        return cls(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), handles, params.n, params, echo, score_only)
+        return cls(f"{prefix}-{uuid.uuid4().hex}", int(time.time()), handles, params.n, params, echo, score_only, tools)
 
     def abort(self) -> None:
         for handle in self.handles:

@@ -12,6 +12,9 @@ Invariants:
 - Rendering and tokenizing run in at most :data:`ENCODER_THREADS` threads; tokenizing releases
   the GIL (:meth:`~pagedkv.text.tokenizer.HFTokenizer.encode`) and rendering is bounded in time
   and size (:mod:`pagedkv.text.chat`), so a thread is never held long.
+- A conversation's tool calls, tool results and offered functions are rendered as
+  :func:`pagedkv.server.tools.prepare_conversation` says: by the template where it reads
+  ``tools``, else in the tool-call format of :mod:`pagedkv.server.tools`.
 - Errors are those of :mod:`pagedkv.text.prompt`: :class:`~pagedkv.errors.InvalidArgumentError`
   or :class:`~pagedkv.errors.NoChatTemplateError`, raised to the request's handler.
 """
@@ -22,8 +25,11 @@ import asyncio
 import functools
 from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from pagedkv.errors import InvalidArgumentError
+from pagedkv.server.tools import Function, prepare_conversation
+from pagedkv.text.chat import template_reads
 from pagedkv.text.prompt import encode_chat, encode_text
 from pagedkv.text.tokenizer import Tokenizer
 
@@ -34,7 +40,7 @@ __all__ = ["ENCODER_THREADS", "Prompt", "PromptEncoder"]
 ENCODER_THREADS = 4
 
 # A text prompt, token ids, or a conversation.
-Prompt = str | Sequence[int] | Sequence[Mapping[str, str]]
+Prompt = str | Sequence[int] | Sequence[Mapping[str, Any]]
 
 
 class PromptEncoder:
@@ -46,12 +52,14 @@ class PromptEncoder:
         self._pool = ThreadPoolExecutor(ENCODER_THREADS, thread_name_prefix="pagedkv-prompts")
 
     async def encode(self, prompt: Prompt, chat: bool, *, add_special_tokens: bool = True,
-                     add_generation_prompt: bool = True) -> Sequence[int]:
+                     add_generation_prompt: bool = True, functions: Sequence[Function] | None = None) -> Sequence[int]:
         """The token ids of ``prompt``: a conversation (``chat``) rendered with the tokenizer's
-        chat template then tokenized, a text tokenized, token ids as they are."""
+        chat template, offering ``functions``, then tokenized; a text tokenized; token ids as
+        they are."""
         loop = asyncio.get_running_loop()
         if chat:
-            render = functools.partial(encode_chat, self._tokenizer, prompt, add_generation_prompt)  # type: ignore[arg-type]
+            render = functools.partial(_encode_conversation, self._tokenizer, prompt, functions,  # type: ignore[arg-type]
+                                       add_generation_prompt)
             text, token_ids = await loop.run_in_executor(self._pool, render)
             self._check_length(text)  # rendered within its bounds; refused here if it cannot fit
             return token_ids
@@ -74,3 +82,11 @@ class PromptEncoder:
                 f"the prompt of {len(text)} characters cannot fit max_model_len: it holds more than "
                 f"{self._max_chars // self._tokenizer.max_token_chars} tokens"
             )
+
+
+def _encode_conversation(tokenizer: Tokenizer, messages: Sequence[Mapping[str, Any]], functions: Sequence[Function] | None,
+                         add_generation_prompt: bool) -> tuple[str, list[int]]:
+    template = getattr(tokenizer, "chat_template", None)  # None: encode_chat raises NoChatTemplateError
+    reads_tools = template is not None and template_reads(template, "tools")
+    conversation, tools = prepare_conversation(messages, functions, reads_tools)
+    return encode_chat(tokenizer, conversation, add_generation_prompt, tools=tools)

@@ -7,32 +7,41 @@ Invariants:
   (temperature ≥ 0, n ≥ 1, top_p in (0, 1], …) are checked once, by
   :class:`~pagedkv.sampling.SamplingParams` and the scheduler, when the request is built
   (:func:`sampling_params`), so the server and the library can never disagree.
+- Constraints on the output are honoured, never dropped (:mod:`pagedkv.server.constraints`):
+  ``response_format`` (``text``, ``json_object``, ``json_schema``), vLLM's ``structured_outputs``
+  and its legacy ``guided_*`` aliases on both endpoints; ``tools``, ``tool_choice`` and
+  ``parallel_tool_calls`` on chat (:mod:`pagedkv.server.tools`). Their nested objects refuse
+  unknown keys: a key naming a constraint pagedkv does not know is a 400, not ignored.
 - Every other field is either refused or ignored, never half-honoured (:mod:`pagedkv.server.fields`):
-  one whose meaning pagedkv cannot honour yet (a JSON schema, tools, ``echo``…) is a 400 saying it
-  is not supported unless its value asks for nothing (``response_format: {"type": "text"}``); any
-  other name is ignored, as vLLM and llama.cpp ignore it, and counted. Clients add fields of their
-  own (``store``, ``metadata``, ``parallel_tool_calls``…), so refusing unknown names refused them.
+  one whose meaning pagedkv cannot honour yet (``functions``, ``suffix``, ``min_tokens``…) is a
+  400 saying it is not supported unless its value asks for nothing; any other name is ignored, as
+  vLLM and llama.cpp ignore it, and counted. Clients add fields of their own (``store``,
+  ``metadata``…), so refusing unknown names refused them.
 - A refused body becomes FastAPI's ``RequestValidationError``, which :mod:`pagedkv.server.errors`
   answers with OpenAI's 400.
 
 Extensions beyond OpenAI, with vLLM's names: ``top_k``, ``min_p``, ``repetition_penalty``,
-``stop_token_ids``, ``ignore_eos``, ``cache_salt``.
+``stop_token_ids``, ``ignore_eos``, ``cache_salt``, ``structured_outputs``, ``guided_json``,
+``guided_regex``, ``guided_choice``, ``guided_grammar``, ``guided_json_object``,
+``guided_whitespace_pattern``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from pagedkv.errors import InvalidArgumentError
+from pagedkv.grammar import StructuredOutputs
 from pagedkv.sampling import SamplingParams
 from pagedkv.server.fields import NotSupportedError, check_unhonoured
 
 __all__ = [
-    "ChatCompletionRequest", "ChatMessage", "CompletionRequest", "DetokenizeRequest", "RequestBody", "StreamOptions",
-    "TokenizeRequest", "sampling_params",
+    "ChatCompletionRequest", "ChatMessage", "CompletionRequest", "DetokenizeRequest", "FunctionDefinition",
+    "JsonSchemaFormat", "NamedToolChoice", "RequestBody", "ResponseFormat", "StreamOptions", "StructuredOutputsRequest",
+    "TokenizeRequest", "ToolDefinition", "sampling_params",
 ]
 
 
@@ -46,6 +55,78 @@ class RequestBody(BaseModel):
     :func:`pagedkv.server.fields.check_unhonoured`."""
 
     model_config = ConfigDict(extra="allow", strict=True)
+
+
+class _Closed(BaseModel):
+    """A nested object of a constraint: strict types, and an unknown key is refused (a key naming
+    a constraint must never be dropped)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=False)
+
+
+class JsonSchemaFormat(_Closed):
+    """``response_format.json_schema``: the output is JSON valid under ``schema`` (always
+    enforced: ``strict`` false asks for no less)."""
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Closed):
+    """OpenAI's ``response_format``: ``text`` (no constraint), ``json_object`` (any JSON
+    object), ``json_schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(_Closed):
+    """vLLM's ``structured_outputs``: one of ``json`` (a schema), ``regex``, ``choice``,
+    ``grammar`` (Lark, llguidance's dialect) or ``json_object``; with a JSON one,
+    ``whitespace_pattern`` (the whitespace allowed between its tokens) or
+    ``disable_any_whitespace`` (none)."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    whitespace_pattern: str | None = None
+    disable_any_whitespace: bool = False
+
+    def constraint(self) -> dict[str, Any]:
+        """The fields of :class:`~pagedkv.grammar.StructuredOutputs` given."""
+        given = {"json": self.json_, "regex": self.regex, "choice": self.choice, "grammar": self.grammar,
+                 "json_object": self.json_object or None}
+        return {name: value for name, value in given.items() if value is not None}
+
+
+class FunctionDefinition(_Closed):
+    """A function the model may call: ``parameters`` a JSON schema of an object (always
+    enforced on its calls' arguments: ``strict`` false asks for no less)."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(_Closed):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class _FunctionName(_Closed):
+    name: str
+
+
+class NamedToolChoice(_Closed):
+    """``tool_choice`` naming the one function to call."""
+
+    type: Literal["function"]
+    function: _FunctionName
 
 
 class StreamOptions(RequestBody):
@@ -111,6 +192,15 @@ class _Sampling(RequestBody):
     user: str | None = None
     cache_salt: str | None = None
     logit_bias: dict[str, float] | None = None
+    # Constraints (pagedkv.server.constraints): OpenAI's, vLLM's, and vLLM's legacy aliases.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_json_object: bool | None = None
+    guided_whitespace_pattern: str | None = None
 
     def _max_tokens(self) -> int | None:
         return self.max_tokens
@@ -174,12 +264,17 @@ class CompletionRequest(_Sampling):
 
 class ChatCompletionRequest(_Sampling):
     """``POST /v1/chat/completions``: ``max_completion_tokens`` is OpenAI's newer name of
-    ``max_tokens`` (giving both is refused)."""
+    ``max_tokens`` (giving both is refused); ``tools`` the functions the model may call, as
+    ``tool_choice`` says ("none", "auto" — the default with tools —, "required", or one function
+    named), more than one call at once unless ``parallel_tool_calls`` is false."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     def _logprobs(self) -> tuple[bool, int]:
         return self.logprobs, self.top_logprobs or 0
@@ -222,12 +317,13 @@ def _token_keys(bias: dict[str, float]) -> dict[int, float]:
 
 
 def sampling_params(request: CompletionRequest | ChatCompletionRequest, default: SamplingParams,
-                    default_max_tokens: int) -> SamplingParams:
+                    default_max_tokens: int, structured_outputs: StructuredOutputs | None = None) -> SamplingParams:
     """The engine's parameters for ``request``: its fields where given, else the engine's
     ``default`` parameters, except ``max_tokens``, which defaults to ``default_max_tokens`` (the
     scheduler ends a sample earlier if the model's length runs out, so a request without it gets
-    what the model has room for, capped). Raises :class:`InvalidArgumentError` for values
-    :class:`SamplingParams` refuses."""
+    what the model has room for, capped), and ``structured_outputs``, the request's constraint
+    (:func:`pagedkv.server.constraints.request_constraint`). Raises
+    :class:`InvalidArgumentError` for values :class:`SamplingParams` refuses."""
     logprobs, top_logprobs = request._logprobs()
     given = {
         "max_tokens": request._max_tokens(),
@@ -244,8 +340,9 @@ def sampling_params(request: CompletionRequest | ChatCompletionRequest, default:
         "logit_bias": None if request.logit_bias is None else _token_keys(request.logit_bias),
         "prompt_logprobs": request._prompt_logprobs(),
     }
-    fields = {name: value for name, value in given.items() if value is not None}
+    fields: dict[str, Any] = {name: value for name, value in given.items() if value is not None}
     fields.setdefault("max_tokens", default_max_tokens)
-    fields.update(n=request.n, ignore_eos=request.ignore_eos, logprobs=logprobs, top_logprobs=top_logprobs)
+    fields.update(n=request.n, ignore_eos=request.ignore_eos, logprobs=logprobs, top_logprobs=top_logprobs,
+                  structured_outputs=structured_outputs)
     return dataclasses.replace(default, **fields)
 

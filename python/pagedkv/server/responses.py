@@ -74,7 +74,7 @@ class ResponsesRequest(RequestBody):
         """The engine's parameters: the request's where given, else ``default``'s
         (``max_output_tokens`` else ``default_max_tokens``)."""
         given = {"max_tokens": self.max_output_tokens, "temperature": self.temperature, "top_p": self.top_p}
-        fields = {name: value for name, value in given.items() if value is not None}
+        fields: dict[str, Any] = {name: value for name, value in given.items() if value is not None}
         fields.setdefault("max_tokens", default_max_tokens)
         return dataclasses.replace(default, **fields)
 

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator
 
 from pagedkv.errors import PagedKVError
 from pagedkv.server.errors import classify, error_body
-from pagedkv.server.formats import Format
+from pagedkv.server.formats import Format, StreamState
 from pagedkv.server.generation import Generation, usage
 
 __all__ = ["DONE", "running_usage", "sse", "stream"]
@@ -40,6 +40,7 @@ def sse(body: dict) -> str:
 async def stream(generation: Generation, fmt: Format, include_usage: bool, continuous_usage: bool = False) -> AsyncIterator[str]:
     logprobs = generation.params.logprobs
     offsets: dict[int, int] = {}  # characters streamed per choice (completions' text_offset)
+    state: StreamState = {}
     prompt_tokens = sum(len(h.prompt_token_ids) for h in generation.handles)
     produced = 0  # tokens of every choice so far
     try:
@@ -53,7 +54,8 @@ async def stream(generation: Generation, fmt: Format, include_usage: bool, conti
             offset = offsets.get(index, 0)
             offsets[index] = offset + len(event.text)
             so_far = running_usage(prompt_tokens, produced) if continuous_usage else None
-            yield sse(fmt.chunk(generation, [fmt.chunk_choice(index, event, logprobs, offset)], so_far))
+            for choice in fmt.chunk_choices(generation, state, index, event, offset):
+                yield sse(fmt.chunk(generation, [choice], so_far))
         outputs = await generation.outputs()
         generation.check_ended(outputs)
         if include_usage:

@@ -5,8 +5,9 @@ Rendered as transformers' ``apply_chat_template`` renders it: an immutable sandb
 environment with ``trim_blocks`` and ``lstrip_blocks``, the ``loopcontrols`` extension, a
 ``tojson`` filter that keeps non-ASCII text, the globals ``raise_exception`` (a template refusing
 a conversation) and ``strftime_now``, and the variables ``messages``, ``add_generation_prompt``,
-``bos_token`` and ``eos_token``. The text is then tokenized without adding special tokens: the
-template writes them.
+``bos_token``, ``eos_token`` and, when functions are offered, ``tools`` (OpenAI's tool
+definitions; :func:`template_reads` tells whether a template uses it). The text is then tokenized
+without adding special tokens: the template writes them.
 
 Invariants: :func:`check_messages` is the one validator of a conversation; a conversation it
 accepts that the template still refuses (``raise_exception``) or fails on (any error: a
@@ -39,6 +40,7 @@ from pagedkv.errors import CheckpointError, InvalidArgumentError
 
 __all__ = [
     "MAX_JSON_INDENT", "MAX_RENDERED_CHARS", "MAX_RENDER_SECONDS", "check_messages", "check_template", "render_chat",
+    "template_reads",
 ]
 
 # Bounds of one rendering. SmolLM2's template renders a four-message conversation in 30 µs (105 µs
@@ -80,19 +82,22 @@ def render_chat(
     add_generation_prompt: bool = True,
     bos_token: str = "",
     eos_token: str = "",
+    tools: Sequence[Mapping[str, Any]] | None = None,
     source: object = "chat template",
 ) -> str:
     """The prompt text of ``messages`` (checked by :func:`check_messages`) under ``template``;
     ``add_generation_prompt`` ends it with the opening of the assistant's turn (templates that
-    support it). Raises :class:`InvalidArgumentError` for messages refused by the checks or by
-    the template, :class:`CheckpointError` (naming ``source``) for a template that does not
-    compile."""
+    support it); ``tools``: the tool definitions offered, as transformers passes them. Raises
+    :class:`InvalidArgumentError` for messages refused by the checks or by the template,
+    :class:`CheckpointError` (naming ``source``) for a template that does not compile."""
     import jinja2
 
     checked = check_messages(messages)
     compiled = _compile(template, str(source))
-    variables = {"messages": checked, "add_generation_prompt": add_generation_prompt, "bos_token": bos_token,
-                 "eos_token": eos_token}
+    variables: dict[str, Any] = {"messages": checked, "add_generation_prompt": add_generation_prompt,
+                                 "bos_token": bos_token, "eos_token": eos_token}
+    if tools is not None:
+        variables["tools"] = [dict(tool) for tool in tools]
     try:
         return _render_bounded(compiled, variables)
     except _RenderTimeout:
@@ -148,6 +153,20 @@ def _check_binop(operator: str, left: object, right: object) -> None:
         sequence, count = (left, right) if is_int(right) else (right, left)
         if is_int(count) and isinstance(sequence, (str, list, tuple)) and len(sequence) * count > MAX_RENDERED_CHARS:  # type: ignore[operator]
             raise InvalidArgumentError(f"the chat template repeats a {type(sequence).__name__} past {MAX_RENDERED_CHARS} items")
+
+
+@lru_cache(maxsize=16)
+def template_reads(template: str, variable: str) -> bool:
+    """Whether ``template`` reads the variable ``variable`` (``tools``: whether it renders tool
+    definitions itself). A template that does not parse reads nothing (rendering it reports why)."""
+    import jinja2
+    import jinja2.meta
+
+    try:
+        parsed = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(template)
+    except jinja2.TemplateError:
+        return False
+    return variable in jinja2.meta.find_undeclared_variables(parsed)
 
 
 def check_template(template: str, source: object = "chat template") -> None:

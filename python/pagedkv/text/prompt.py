@@ -10,6 +10,7 @@ Invariant: a prompt that cannot be encoded raises :class:`InvalidArgumentError` 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from pagedkv.errors import InvalidArgumentError, NoChatTemplateError
 from pagedkv.text.chat import render_chat
@@ -26,10 +27,11 @@ def encode_text(tokenizer: Tokenizer, text: str, add_special_tokens: bool = True
         raise InvalidArgumentError(f"the prompt cannot be tokenized: {error}") from None
 
 
-def encode_chat(tokenizer: Tokenizer, messages: Sequence[Mapping[str, str]],
-                add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+def encode_chat(tokenizer: Tokenizer, messages: Sequence[Mapping[str, Any]],
+                add_generation_prompt: bool = True, tools: Sequence[Mapping[str, Any]] | None = None) -> tuple[str, list[int]]:
     """The rendered text of a conversation and its token ids (without special tokens added: the
-    template writes them), as transformers' ``apply_chat_template`` renders it."""
+    template writes them), as transformers' ``apply_chat_template`` renders it; ``tools``: the
+    template's ``tools`` variable (OpenAI's tool definitions)."""
     template = getattr(tokenizer, "chat_template", None)  # a tokenizer of the protocol before chat
     if template is None:
         raise NoChatTemplateError(f"the model's tokenizer ({type(tokenizer).__name__}) has no chat template")
@@ -37,6 +39,7 @@ def encode_chat(tokenizer: Tokenizer, messages: Sequence[Mapping[str, str]],
         template,
         messages,
         add_generation_prompt=add_generation_prompt,
+        tools=tools,
         bos_token=getattr(tokenizer, "bos_token", ""),
         eos_token=getattr(tokenizer, "eos_token", ""),
         source=getattr(tokenizer, "path", "the tokenizer's chat template"),
