@@ -27,6 +27,7 @@ __all__ = [
     "GrammarMatcher",
     "PendingMasks",
     "start_masks",
+    "prepared_json_schema",
     "BlockManager",
     "KVCache",
     "GroupSpec",
@@ -935,3 +936,9 @@ class PendingMasks:
         / 32)]`` (bit ``t % 32`` of word ``t // 32`` set when token ``t`` may come), each row's error
         (None, or why its grammar failed: its mask is then all zero), and the seconds the masks
         took on the pool. Once only."""
+
+
+def prepared_json_schema(schema: str) -> str:
+    """A JSON schema (JSON text) as grammars compile it, as JSON text: what to embed in a Lark
+    grammar's ``%json`` so that it holds the same output as a ``json_schema`` constraint.
+    ``InvalidArgumentError`` for text that is not JSON."""

@@ -81,9 +81,7 @@ impl Vocabulary {
 /// What an output must match.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum GrammarSpec {
-    /// A JSON schema, as JSON text. Its output is one line, items separated by ", " and keys by
-    /// ": ", unless the schema's `x-guidance` object sets llguidance's JSON options itself; an
-    /// object with `properties` and no `additionalProperties` has no others ([`close_objects`]).
+    /// A JSON schema, as JSON text, compiled as [`prepared_json_schema`] prepares it.
     JsonSchema(String),
     /// A regular expression the whole output matches.
     Regex(String),
@@ -91,6 +89,28 @@ pub enum GrammarSpec {
     Lark(String),
     /// Exactly one of these strings.
     Choice(Vec<String>),
+}
+
+/// A JSON schema (JSON text) as it is compiled, here and inside a Lark grammar's `%json` blocks
+/// (a tool call's arguments): its objects closed ([`close_objects`]) and, unless its `x-guidance`
+/// object sets llguidance's JSON options itself, its output on one line with ", " between items
+/// and ": " after keys. With llguidance's default (any whitespace) the tiny random model wrote
+/// tabs and newlines until its length limit, never closing a brace.
+pub fn prepared_json_schema(
+    text: &str,
+) -> std::result::Result<serde_json::Value, serde_json::Error> {
+    let mut schema: serde_json::Value = serde_json::from_str(text)?;
+    close_objects(&mut schema);
+    if let Some(object) = schema.as_object_mut() {
+        object.entry("x-guidance").or_insert_with(|| {
+            serde_json::json!({
+                "whitespace_flexible": false,
+                "item_separator": ", ",
+                "key_separator": ": ",
+            })
+        });
+    }
+    Ok(schema)
 }
 
 /// Makes every object schema that lists `properties` and says nothing of `additionalProperties`
@@ -153,21 +173,7 @@ impl Grammar {
         };
         let (what, grammar) = match spec {
             GrammarSpec::JsonSchema(text) => {
-                let mut schema: serde_json::Value =
-                    serde_json::from_str(text).map_err(|e| invalid("JSON schema", &e))?;
-                close_objects(&mut schema);
-                if let Some(object) = schema.as_object_mut() {
-                    // Whitespace fixed between items (", ", ": ") unless the schema says otherwise
-                    // ("x-guidance"): with llguidance's default (any whitespace) the tiny random
-                    // model wrote tabs and newlines until its length limit, never closing a brace.
-                    object.entry("x-guidance").or_insert_with(|| {
-                        serde_json::json!({
-                            "whitespace_flexible": false,
-                            "item_separator": ", ",
-                            "key_separator": ": ",
-                        })
-                    });
-                }
+                let schema = prepared_json_schema(text).map_err(|e| invalid("JSON schema", &e))?;
                 ("JSON schema", TopLevelGrammar::from_json_schema(schema))
             }
             GrammarSpec::Regex(rx) => ("regex", TopLevelGrammar::from_regex(rx)),

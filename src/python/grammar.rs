@@ -11,7 +11,9 @@ use pyo3::prelude::*;
 use super::errors::IntoPyResult;
 use super::sync::detached;
 use crate::error::Error;
-use crate::grammar::{Grammar, GrammarSpec, Matcher, PendingMasks, SharedMatcher, Vocabulary};
+use crate::grammar::{
+    prepared_json_schema, Grammar, GrammarSpec, Matcher, PendingMasks, SharedMatcher, Vocabulary,
+};
 
 /// A tokenizer's tokens as bytes (``tokens[id]``), which of them are special (stand for no
 /// text), and its end-of-sequence id: what grammars are compiled against.
@@ -184,4 +186,15 @@ impl PyPendingMasks {
             masks.seconds,
         ))
     }
+}
+
+/// A JSON schema (JSON text) as grammars compile it, as JSON text: what to embed in a Lark
+/// grammar's ``%json`` so that it holds the same output as a ``json_schema`` constraint.
+/// ``InvalidArgumentError`` for text that is not JSON.
+#[pyfunction(name = "prepared_json_schema")]
+pub fn py_prepared_json_schema(schema: &str) -> PyResult<String> {
+    prepared_json_schema(schema)
+        .map(|value| value.to_string())
+        .map_err(|e| Error::InvalidArgument(format!("the JSON schema is not JSON: {e}")))
+        .py_err()
 }

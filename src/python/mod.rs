@@ -34,6 +34,7 @@ fn _core(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<grammar::PyGrammarMatcher>()?;
     m.add_class::<grammar::PyPendingMasks>()?;
     m.add_function(wrap_pyfunction!(grammar::start_masks, m)?)?;
+    m.add_function(wrap_pyfunction!(grammar::py_prepared_json_schema, m)?)?;
     m.add_class::<kv_cache::PyKVCache>()?;
     m.add_class::<prefix_index::PyPrefixIndex>()?;
     m.add_class::<kv_spec::PyGroupSpec>()?;

@@ -38,6 +38,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from pagedkv._core import prepared_json_schema
 from pagedkv.errors import PagedKVError
 from pagedkv.server.fields import FieldError
 
@@ -59,16 +60,6 @@ _NAME_KEY = '{"name": '
 _ARGUMENTS_KEY = ', "arguments": '
 _CALL_END = "}" + _TAG_GAP + TOOL_CALL_CLOSE
 
-# llguidance's JSON options for the schemas inside the grammar: json.dumps's separators, no other
-# whitespace (as the core writes a JSON schema constraint's output, src/grammar/mod.rs).
-_COMPACT_JSON = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-
-# The keywords whose values are schemas, or maps or lists of them (for _closed).
-_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
-_SCHEMAS = ("items", "additionalProperties", "additionalItems", "unevaluatedProperties", "not", "if", "then", "else",
-            "contains", "propertyNames")
-
 # OpenAI's rule for a function's name; it also keeps names free of anything to escape.
 _FUNCTION_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 
@@ -83,32 +74,9 @@ def _compact(value: Any) -> str:
 
 
 def _json_rule(schema: Mapping[str, Any]) -> str:
-    """A Lark rule body holding ``schema`` as the core holds a JSON schema constraint: written
-    on one line (:data:`_COMPACT_JSON`, unless the schema sets ``x-guidance`` itself) and its
-    objects closed (:func:`_closed`)."""
-    closed = _closed(schema)
-    closed.setdefault("x-guidance", _COMPACT_JSON)
-    return f"%json {_compact(closed)}"
-
-
-def _closed(schema: Any) -> Any:
-    """``schema`` with every object listing ``properties`` and saying nothing of
-    ``additionalProperties`` allowing no others: the core's rule for JSON schema constraints
-    (``close_objects`` in src/grammar/mod.rs, as xgrammar's strict mode); a model let free writes
-    made-up properties until its length runs out."""
-    if not isinstance(schema, Mapping):
-        return schema
-    closed = dict(schema)
-    if "properties" in closed and "additionalProperties" not in closed:
-        closed["additionalProperties"] = False
-    for keyword, value in closed.items():
-        if keyword in _SCHEMA_MAPS and isinstance(value, Mapping):
-            closed[keyword] = {name: _closed(item) for name, item in value.items()}
-        elif keyword in (*_SCHEMA_LISTS, "items") and isinstance(value, list):
-            closed[keyword] = [_closed(item) for item in value]
-        elif keyword in _SCHEMAS:
-            closed[keyword] = _closed(value)
-    return closed
+    """A Lark rule body holding ``schema`` as the core holds a ``json_schema`` constraint (its
+    objects closed, its output on one line: ``prepared_json_schema``, the rule's one owner)."""
+    return f"%json {prepared_json_schema(_compact(schema))}"
 
 
 @dataclass(frozen=True)
