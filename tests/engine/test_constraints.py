@@ -234,3 +234,28 @@ def test_a_migrated_sample_continues_its_grammar_past_the_tokens_it_carries(weig
     with pytest.raises(InvalidArgumentError, match="does not continue"):
         core.add_request("bad", carried_prompt, refused)
     assert not core.has_unfinished()
+
+
+class CountingTokenizer(ByteTokenizer):
+    """Counts how often the grammar compiler asks for the vocabulary's bytes."""
+
+    spelled = 0
+
+    def token_bytes(self):
+        self.spelled += 1
+        return super().token_bytes()
+
+
+def test_the_vocabulary_built_in_the_background_is_the_one_compiles_use():
+    tokenizer = CountingTokenizer()
+    compiler = GrammarCompiler(tokenizer, 300, [EOS])
+    thread = compiler.prepare_in_background()
+    thread.join(timeout=120)
+    assert not thread.is_alive() and tokenizer.spelled == 1
+    compiler.compile(StructuredOutputs(regex="a+"))
+    assert tokenizer.spelled == 1
+    # Without a tokenizer the thread builds nothing and raises nothing; compiling says why.
+    silent = GrammarCompiler(None, 300, [EOS])
+    silent.prepare_in_background().join(timeout=120)
+    with pytest.raises(InvalidArgumentError, match="tokenizer"):
+        silent.compile(StructuredOutputs(regex="a+"))

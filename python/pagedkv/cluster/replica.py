@@ -112,6 +112,7 @@ class Replica:
 
     def _start_engine(self) -> None:
         self.engine = Engine.from_pretrained(self._model, **self._engine_kwargs)
+        self.engine.grammars.prepare_in_background()  # the first constraint need not wait for it
         self.incarnation = uuid.uuid4().hex
         self._news: asyncio.Event | None = None  # set when an event batch is published (for the engine's life)
 

@@ -94,6 +94,23 @@ class GrammarCompiler:
                 self._vocabulary = self._build_vocabulary()
             return self._vocabulary
 
+    def prepare_in_background(self) -> threading.Thread:
+        """Starts building the vocabulary in a daemon thread, so that the first constraint does
+        not wait for it (Gemma 3's 262,144 tokens take ~2 s: 1.0 s spelling them, 0.8 s in
+        llguidance's token trie). A server calls it at start-up; a constraint arriving meanwhile
+        waits for the one build. A model that cannot constrain (no tokenizer or end of sequence)
+        builds nothing: its first constraint gets the error."""
+
+        def build() -> None:
+            try:
+                self.vocabulary()
+            except InvalidArgumentError:
+                pass  # said again, to the request, by compile()
+
+        thread = threading.Thread(target=build, name="pagedkv-grammar-vocabulary", daemon=True)
+        thread.start()
+        return thread
+
     def _build_vocabulary(self) -> Vocabulary:
         if self._tokenizer is None:
             raise InvalidArgumentError("structured outputs need text: this engine has no tokenizer")

@@ -147,6 +147,8 @@ def serve(engine: Engine | EngineClient, model_name: str, host: str, port: int, 
     and origins: see :func:`~pagedkv.server.app.build_app`."""
     app = build_app(engine, model_name, default_max_tokens=default_max_tokens, max_request_bytes=max_request_bytes,
                     api_key=api_key, protect_metrics=protect_metrics, allowed_origins=allowed_origins)
+    if isinstance(engine, Engine):  # a cluster's replicas build theirs
+        engine.grammars.prepare_in_background()
     soft_limit = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     if soft_limit != resource.RLIM_INFINITY:
         max_connections = max(1, min(max_connections, soft_limit - _SPARE_DESCRIPTORS))
