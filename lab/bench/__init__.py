@@ -12,6 +12,7 @@ BENCHES = {
     "serve": "lab.bench.serve",
     "model": "lab.bench.model",
     "sampling": "lab.bench.sampling",
+    "grammar": "lab.bench.grammar",
     "http": "lab.bench.http",
     "tiers": "lab.bench.tiers",
     "kv-groups": "lab.bench.kv_groups",
