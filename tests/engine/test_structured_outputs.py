@@ -186,7 +186,7 @@ def test_an_unconstrained_request_beside_constrained_ones_gets_the_tokens_it_get
     assert beside.logprobs == alone.logprobs
 
 
-@pytest.mark.parametrize("name", ["invoice", "recursive_tree", "oneof_payment"])
+@pytest.mark.parametrize("name", ["invoice", "nested_arrays_of_objects", "oneof_payment"])
 def test_each_of_n_samples_validates(smollm2, name: str) -> None:
     params = corpus_params(name, "sampled", n=4, seed=9)
     output = run(make_core(smollm2), smollm2[1], {"n": (SCHEMAS[name]["prompt"], params)})["n"]
