@@ -66,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models", type=comma_list(model_name), default=MODELS, help=f"comma-separated, of {', '.join(MODELS)}")
     parser.add_argument("--batches", type=comma_list(positive_int), default=None, help="decode batch sizes (default 1,16)")
     parser.add_argument("--new-tokens", type=positive_int, default=None, help="tokens per request (default 64)")
-    parser.add_argument("--rounds", type=positive_int, default=None, help="engine rounds per batch (default 3)")
+    parser.add_argument("--rounds", type=positive_int, default=None, help="engine rounds per batch (default 5)")
     parser.add_argument("--repeats", type=positive_int, default=None, help="compiles per schema (default 5)")
     parser.add_argument("--schemas", type=Path, default=CORPUS, help="the JSON schema corpus")
     parser.add_argument("--weight-dtype", default="auto", help="as load_model takes it (default: as the GGUF ships)")
@@ -229,7 +229,7 @@ def bench_model(name: str, args: argparse.Namespace, corpus: list[dict[str, Any]
 def run(args: argparse.Namespace) -> int:
     args.batches = args.batches or ((1, 4) if args.quick else (1, 16))
     args.new_tokens = args.new_tokens or (16 if args.quick else 64)
-    args.rounds = args.rounds or (1 if args.quick else 3)
+    args.rounds = args.rounds or (1 if args.quick else 5)
     args.repeats = args.repeats or (1 if args.quick else 5)
     corpus = json.loads(args.schemas.read_text())
     table = sys.stderr if args.json else sys.stdout
