@@ -934,8 +934,8 @@ class PendingMasks:
     def wait(self) -> tuple[npt.NDArray[np.uint32], list[str | None], float]:
         """Blocks (the GIL released) until every mask is ready: a uint32 array ``[rows, ceil(vocab
         / 32)]`` (bit ``t % 32`` of word ``t // 32`` set when token ``t`` may come), each row's error
-        (None, or why its grammar failed: its mask is then all zero), and the seconds the masks
-        took on the pool. Once only."""
+        (None, or why its grammar failed: its mask is then all zero), and the seconds spent
+        computing them (summed over rows). Once only."""
 
 
 def prepared_json_schema(schema: str) -> str:

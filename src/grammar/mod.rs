@@ -118,11 +118,25 @@ pub fn prepared_json_schema(
 /// allow any: Gemma 3 270M, asked for {city, population, landmarks}, wrote those and then "area",
 /// "climate", "climate"… until its 200-token limit, in both of two runs. A schema saying
 /// `additionalProperties` (true, or a schema) keeps it.
+///
+/// Not closed: an object whose properties siblings may add to (`allOf`, `anyOf`, `oneOf`, `$ref`
+/// beside its `properties`), nor the parts of an `allOf`, nor the alternatives beside an object's
+/// own `properties` (each names part of one object's properties: closing each would refuse the
+/// others', and the schema would match nothing). The alternatives of a plain `anyOf`/`oneOf`
+/// (a tagged union) are whole objects, and closed.
 fn close_objects(schema: &mut serde_json::Value) {
+    close_objects_below(schema, true);
+}
+
+fn close_objects_below(schema: &mut serde_json::Value, close_here: bool) {
     let Some(object) = schema.as_object_mut() else {
         return;
     };
-    if object.contains_key("properties") && !object.contains_key("additionalProperties") {
+    let extended = ["allOf", "anyOf", "oneOf", "$ref"]
+        .iter()
+        .any(|k| object.contains_key(*k));
+    let has_properties = object.contains_key("properties");
+    if close_here && !extended && has_properties && !object.contains_key("additionalProperties") {
         object.insert(
             "additionalProperties".into(),
             serde_json::Value::Bool(false),
@@ -136,7 +150,15 @@ fn close_objects(schema: &mut serde_json::Value) {
                     map.values_mut().for_each(close_objects);
                 }
             }
-            "anyOf" | "oneOf" | "allOf" | "prefixItems" => {
+            // Parts of one object, or alternatives beside properties of their own: both name
+            // only some of the object's properties.
+            "allOf" | "anyOf" | "oneOf" if keyword == "allOf" || has_properties => {
+                if let Some(list) = value.as_array_mut() {
+                    list.iter_mut()
+                        .for_each(|part| close_objects_below(part, false));
+                }
+            }
+            "anyOf" | "oneOf" | "prefixItems" => {
                 if let Some(list) = value.as_array_mut() {
                     list.iter_mut().for_each(close_objects);
                 }

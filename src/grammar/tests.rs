@@ -221,8 +221,8 @@ fn objects_listing_properties_allow_no_others_unless_the_schema_says_so() {
             "list": {"type": "array", "items": {"properties": {"b": {}}}},
             "open": {"properties": {"c": {}}, "additionalProperties": true},
         },
-        "anyOf": [{"properties": {"d": {}}}],
-        "$defs": {"node": {"properties": {"e": {}}}},
+        "$defs": {"node": {"properties": {"e": {}}}, "mixed": {"properties": {"f": {}}, "anyOf": [{"properties": {"g": {}}}]},
+                  "union": {"anyOf": [{"properties": {"h": {}}}, {"properties": {"i": {}}}]}},
         "enum": [{"properties": {}}],
     });
     close_objects(&mut schema);
@@ -231,7 +231,11 @@ fn objects_listing_properties_allow_no_others_unless_the_schema_says_so() {
     assert_eq!(closed("/additionalProperties"), no);
     assert_eq!(closed("/properties/properties/additionalProperties"), no);
     assert_eq!(closed("/properties/list/items/additionalProperties"), no);
-    assert_eq!(closed("/anyOf/0/additionalProperties"), no);
+    // Alternatives beside properties name some of them: neither they nor the object are closed;
+    // the alternatives of a plain anyOf (a tagged union) are.
+    assert_eq!(closed("/$defs/mixed/anyOf/0/additionalProperties"), None);
+    assert_eq!(closed("/$defs/mixed/additionalProperties"), None);
+    assert_eq!(closed("/$defs/union/anyOf/1/additionalProperties"), no);
     assert_eq!(closed("/$defs/node/additionalProperties"), no);
     assert_eq!(
         closed("/properties/open/additionalProperties"),
@@ -240,4 +244,25 @@ fn objects_listing_properties_allow_no_others_unless_the_schema_says_so() {
     // A property named "properties" is a property, and an enum's values are values: untouched.
     assert_eq!(closed("/properties/additionalProperties"), None);
     assert_eq!(closed("/enum/0/additionalProperties"), None);
+}
+
+#[test]
+fn the_parts_of_an_all_of_stay_open_and_the_schema_matches_their_union() {
+    let (vocab, _, _) = vocabulary();
+    let schema = serde_json::json!({
+        "allOf": [
+            {"type": "object", "properties": {"a": {"type": "integer", "properties": {}}}, "required": ["a"]},
+            {"type": "object", "properties": {"b": {"type": "object", "properties": {"c": {}}}}, "required": ["b"]},
+        ],
+    });
+    let mut closed = schema.clone();
+    close_objects(&mut closed);
+    assert_eq!(closed.pointer("/allOf/0/additionalProperties"), None);
+    // Below a part, objects are closed as anywhere else.
+    assert_eq!(
+        closed.pointer("/allOf/1/properties/b/additionalProperties"),
+        Some(&serde_json::Value::Bool(false))
+    );
+    // Closing each part would have made {a} ∧ {b} empty: it compiles.
+    Grammar::compile(&vocab, &GrammarSpec::JsonSchema(schema.to_string())).unwrap();
 }

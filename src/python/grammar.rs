@@ -162,8 +162,8 @@ pub struct PyPendingMasks {
 impl PyPendingMasks {
     /// Blocks (the GIL released) until every mask is ready: a uint32 array ``[rows, ceil(vocab /
     /// 32)]`` (bit ``t % 32`` of word ``t / 32`` set when token ``t`` may come), and each row's
-    /// error (None, or why its grammar failed: its mask is then all zero), and the seconds the
-    /// masks took on the pool. Once only.
+    /// error (None, or why its grammar failed: its mask is then all zero), and the seconds spent
+    /// computing them (summed over rows). Once only.
     #[allow(clippy::type_complexity)]
     fn wait<'py>(
         &self,

@@ -169,7 +169,7 @@ def test_bench_all_runs_every_benchmark_with_its_defaults(monkeypatch: pytest.Mo
         if name != "all":
             monkeypatch.setattr(importlib.import_module(module_name), "run", recorder(name))
     assert lab_main(["bench", "all", "--quick"]) == 0
-    assert list(calls) == ["blocks", "attention", "linear", "scheduler", "serve", "model", "sampling", "http", "tiers",
+    assert list(calls) == ["blocks", "attention", "linear", "scheduler", "serve", "model", "sampling", "grammar", "http", "tiers",
                           "kv-groups", "cluster"]
     assert calls["attention"].quick and calls["linear"].quick and calls["serve"].quick  # type: ignore[attr-defined]
     assert calls["tiers"].quick and calls["cluster"].quick  # type: ignore[attr-defined]

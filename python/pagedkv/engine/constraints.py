@@ -42,7 +42,7 @@ def matchers_of(grammar: Grammar, n: int, continued_from: Sequence[int] = ()) ->
 
 class GrammarStats:
     """Masks computed since the engine started: steps with a constrained row, rows masked, the
-    seconds the masks took on the pool, and the seconds the step waited for them (what the
+    seconds spent computing them (summed over rows: their CPU cost), and the seconds the step waited for them (what the
     forward pass did not hide)."""
 
     def __init__(self) -> None:

@@ -522,7 +522,7 @@ class EngineCore:
         """The scheduler's cumulative stats, current (they include every completed step), with
         the disk tier's (``disk_*``) when it has one, and the grammars' (``grammar_*``: compiles,
         their seconds, cache hits, rejected constraints; masked steps and rows, the masks' seconds
-        on the pool and the seconds steps waited for them)."""
+        computed (summed over rows) and the seconds steps waited for them)."""
         return self.scheduler.stats() | self.grammars.stats() | self._grammar_stats.snapshot()
 
     def kv_groups(self) -> list[KvGroup]:

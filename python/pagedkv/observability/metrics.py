@@ -157,7 +157,7 @@ GRAMMAR_COUNTERS: Mapping[str, tuple[str, str]] = {
     "grammar_rejected": ("grammar_rejected", "Constraints refused: they do not compile or match nothing (a 400)."),
     "grammar_mask_steps": ("grammar_mask_steps", "Steps that computed grammar masks."),
     "grammar_mask_rows": ("grammar_mask_rows", "Grammar masks computed (one per constrained row per step)."),
-    "grammar_mask_seconds": ("grammar_mask_seconds", "Seconds the grammar masks took on the worker pool."),
+    "grammar_mask_seconds": ("grammar_mask_seconds", "Seconds spent computing grammar masks, summed over rows (CPU time)."),
     "grammar_mask_wait_seconds": ("grammar_mask_wait_seconds",
                                   "Seconds steps waited for grammar masks after the forward pass (the part not hidden)."),
 }
