@@ -5,6 +5,8 @@ The work is the Rust kernel ``pagedkv._core.sample_rows`` (``src/compute/samplin
 on the worker pool: numpy needed a full sort per row for top-p (191 ms for 16 × 49,152 logits)
 and ~29 ms for plain temperature. What a row goes through, in order:
 
+0. a grammar's mask (:class:`RowMasks`, a constrained request's: ``structured_outputs``): the
+   tokens it does not allow become -inf, for everything below, logprobs included;
 1. penalties on the logits: repetition (HF/vLLM: a positive logit of a token in the prompt or the
    output divided by it, a negative one multiplied), then frequency × the token's output count and
    presence × (count > 0) subtracted (OpenAI), then the request's ``logit_bias`` added (OpenAI's);
@@ -16,7 +18,8 @@ and ~29 ms for plain temperature. What a row goes through, in order:
    order, so a seeded request gives the same tokens whatever else shares its batch.
 
 Logprobs (``logprobs=True``) are the log-softmax of the model's raw logits, before penalties,
-temperature and filters (what vLLM reports by default): the chosen token's, and the
+temperature and filters (what vLLM reports by default), masked by a grammar if the row has one
+(an alternative the grammar forbids is never listed): the chosen token's, and the
 ``top_logprobs`` most likely with theirs.
 
 Non-finite logits: a row holding +inf draws uniformly among its +inf tokens (the limit of the
