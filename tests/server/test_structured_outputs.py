@@ -10,15 +10,13 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from collections.abc import Iterator
 from typing import Literal
 
 import httpx
 import jsonschema
-import openai
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
-from test_server import MODEL, Server
+from served import MODEL, Server
 
 from pagedkv.grammar import MAX_GRAMMAR_CHARS
 
@@ -34,20 +32,6 @@ class City(BaseModel):
 
 
 CITY_SCHEMA = City.model_json_schema()
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory) -> Iterator[Server]:
-    running = Server(tmp_path_factory.mktemp("structured"), "--max-num-seqs", "32", "--max-num-batched-tokens", "512")
-    try:
-        yield running
-    finally:
-        running.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return server.client()
 
 
 def chat(server: Server, **body) -> httpx.Response:

@@ -8,14 +8,12 @@ and every bad request a 400."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 
 import httpx
 import jsonschema
-import openai
 import pytest
 from pydantic import BaseModel, ConfigDict, Field
-from test_server import MODEL, TEMPLATE, Server
+from served import MODEL, TEMPLATE
 
 from pagedkv.grammar import GrammarCompiler, StructuredOutputs
 from pagedkv.server.tools import (
@@ -138,20 +136,6 @@ def test_the_conversation_a_template_sees():
 
 
 # ---- through the server ---------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory) -> Iterator[Server]:
-    running = Server(tmp_path_factory.mktemp("tools"), "--max-num-seqs", "32", "--max-num-batched-tokens", "512")
-    try:
-        yield running
-    finally:
-        running.stop()
-
-
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return server.client()
 
 
 def check_calls(calls, names: set[str]) -> None:
