@@ -188,6 +188,8 @@ def test_the_grammar_cache_compiles_each_distinct_constraint_once_and_stays_boun
 @pytest.mark.parametrize("bad", [
     {}, {"json": SCHEMA, "regex": "a"}, {"json_object": True, "choice": ["a"]}, {"choice": []}, {"choice": "ab"},
     {"regex": ""}, {"json": "{not json"}, {"json": [1, 2]}, {"json": "x" * 200_000}, {"json_object": 1},
+    {"json": '{"a":' * 5000 + "1" + "}" * 5000}, {"json": {"nan": float("nan")}},
+    {"regex": "a", "continued_from": (1, -2)}, {"regex": "a", "continued_from": [True]},
 ])
 def test_structured_outputs_refuse_values_asking_for_none_or_two_or_malformed(bad):
     with pytest.raises(InvalidArgumentError):

@@ -132,6 +132,8 @@ def _canonical_schema(schema: object) -> str:
             schema = json.loads(schema)
         except ValueError as error:
             raise InvalidArgumentError(f"the JSON schema is not JSON: {error}") from None
+        except RecursionError:
+            raise InvalidArgumentError("the JSON schema nests too deep") from None
     if schema is True:
         schema = {}
     if not isinstance(schema, Mapping):
