@@ -131,13 +131,17 @@ def build_app(engine: Engine | EngineClient, model_name: str, *, default_max_tok
 
     @app.post("/v1/responses")
     async def responses(http: Request, body: ResponsesRequest) -> Response:
-        """OpenAI's Responses API, text only, nothing stored (:mod:`pagedkv.server.responses`)."""
+        """OpenAI's Responses API, text and function calls, nothing stored (:mod:`pagedkv.server.responses`)."""
         check_model(body.model)
         ignored.record(body.check(), http.url.path)
-        params = body.params(client.default_params, default_max_tokens)
+        constraint = body.constraint()
+        params = body.params(client.default_params, default_max_tokens, constraint.structured_outputs)
+        messages = body.messages()
+        await compile_constraint(getattr(client, "grammars", None), constraint)
         trace = {k: v for k in _TRACE_HEADERS if (v := http.headers.get(k)) is not None}
-        generation = await Generation.submit(client, encoder, [body.messages()], params, chat=True, cache_salt=None,
-                                             trace_headers=trace or None, prefix="resp")
+        generation = await Generation.submit(client, encoder, [messages], params, chat=True, cache_salt=None,
+                                             trace_headers=trace or None, prefix="resp", functions=constraint.functions,
+                                             tools=constraint.tools)
         if body.stream:
             return StreamingResponse(stream_events(body, generation, model_name), media_type="text/event-stream")
         outputs = await _until_disconnect(http, generation)

@@ -31,7 +31,7 @@ from pagedkv.server.fields import FieldError
 from pagedkv.server.protocol import ChatCompletionRequest, CompletionRequest
 from pagedkv.server.tools import Function, ToolUse
 
-__all__ = ["Constraint", "compile_constraint", "request_constraint"]
+__all__ = ["Constraint", "combined_constraint", "compile_constraint", "format_constraint", "request_constraint"]
 
 # The legacy vLLM fields and the StructuredOutputs field each one is an alias of.
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar",
@@ -59,6 +59,16 @@ def request_constraint(request: CompletionRequest | ChatCompletionRequest) -> Co
         raise FieldError(f"{first} and {second} both constrain the output: give one of them", second)
     text = _with_whitespace(request, sources[0] if sources else None)
     functions, tools = _tool_use(request)
+    return combined_constraint(text, functions, tools, "response_format")
+
+
+def combined_constraint(text: tuple[str, dict[str, Any]] | None, functions: tuple[Function, ...],
+                        tools: ToolUse | None, format_param: str) -> Constraint:
+    """The constraint of a request asking for ``text`` (the field asking for a constraint on the
+    text and its StructuredOutputs fields; None: none) and offering ``functions`` to use as
+    ``tools`` says. With tools, the only text constraint allowed is the output format (the
+    request's ``format_param``), the answer "auto" gives instead of calls; any other is a
+    :class:`FieldError`."""
     if tools is None:
         if text is None:
             return Constraint()
@@ -67,10 +77,23 @@ def request_constraint(request: CompletionRequest | ChatCompletionRequest) -> Co
     answer = None
     if text is not None:
         param, fields = text
-        if param != "response_format":
-            raise FieldError(f"tools and {param} both constrain the output: give one of them (or response_format)", param)
+        if param != format_param:
+            raise FieldError(f"tools and {param} both constrain the output: give one of them (or {format_param})", param)
         answer = _schema_object(param, fields["json"]) if "json" in fields else {"type": "object"}
     return Constraint(_spec("tools", grammar=tools.grammar(answer)), "tools", tools, functions)
+
+
+def format_constraint(kind: str, schema: dict[str, Any] | None, param: str, schema_field: str) -> dict[str, Any] | None:
+    """The StructuredOutputs fields of an OpenAI output format of type ``kind`` ("text": none,
+    "json_object", "json_schema" with its ``schema``): chat's ``response_format``, the Responses
+    API's ``text.format`` (``param``; ``schema_field`` where it holds the schema)."""
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        if schema is None:
+            raise FieldError(f"{param} of type json_schema needs {schema_field}", param)
+        return {"json": schema}
+    return None
 
 
 async def compile_constraint(grammars: GrammarCompiler | None, constraint: Constraint) -> None:
@@ -98,12 +121,11 @@ def _text_constraints(request: CompletionRequest | ChatCompletionRequest) -> lis
     """Each field of ``request`` asking for a constraint on the text, with its StructuredOutputs fields."""
     sources: list[tuple[str, dict[str, Any]]] = []
     response_format = request.response_format
-    if response_format is not None and response_format.type == "json_object":
-        sources.append(("response_format", {"json_object": True}))
-    elif response_format is not None and response_format.type == "json_schema":
-        if response_format.json_schema is None or response_format.json_schema.schema_ is None:
-            raise FieldError("response_format of type json_schema needs json_schema.schema", "response_format")
-        sources.append(("response_format", {"json": response_format.json_schema.schema_}))
+    if response_format is not None:
+        schema = None if response_format.json_schema is None else response_format.json_schema.schema_
+        fields = format_constraint(response_format.type, schema, "response_format", "json_schema.schema")
+        if fields is not None:
+            sources.append(("response_format", fields))
     if request.structured_outputs is not None:
         constraint = request.structured_outputs.constraint()
         if not constraint:

@@ -5,9 +5,10 @@ What chat and completions honour is declared by their request models (:mod:`page
 and never reaches this table: ``response_format``, vLLM's ``structured_outputs`` and the legacy
 ``guided_json``, ``guided_regex``, ``guided_choice``, ``guided_grammar``, ``guided_json_object`` and
 ``guided_whitespace_pattern`` (both endpoints), ``tools``, ``tool_choice`` and
-``parallel_tool_calls`` (chat): :mod:`pagedkv.server.constraints`. The table still lists them for
-the endpoints that do not (``/v1/responses``, ``/tokenize``, ``tools`` on completions), where they
-stay refused.
+``parallel_tool_calls`` (chat; ``/v1/responses`` declares its own ``text.format`` and tools):
+:mod:`pagedkv.server.constraints`. The table still lists them for the endpoints that do not
+(``response_format``, ``structured_outputs`` and ``guided_*`` on ``/v1/responses``, ``/tokenize``,
+``tools`` on completions), where they stay refused.
 
 Invariants:
 

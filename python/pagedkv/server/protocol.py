@@ -39,7 +39,7 @@ from pagedkv.sampling import SamplingParams
 from pagedkv.server.fields import NotSupportedError, check_unhonoured
 
 __all__ = [
-    "ChatCompletionRequest", "ChatMessage", "CompletionRequest", "DetokenizeRequest", "FunctionDefinition",
+    "ChatCompletionRequest", "ChatMessage", "ClosedObject", "CompletionRequest", "DetokenizeRequest", "FunctionDefinition",
     "JsonSchemaFormat", "NamedToolChoice", "RequestBody", "ResponseFormat", "StreamOptions", "StructuredOutputsRequest",
     "TokenizeRequest", "ToolDefinition", "sampling_params",
 ]
@@ -57,14 +57,14 @@ class RequestBody(BaseModel):
     model_config = ConfigDict(extra="allow", strict=True)
 
 
-class _Closed(BaseModel):
+class ClosedObject(BaseModel):
     """A nested object of a constraint: strict types, and an unknown key is refused (a key naming
     a constraint must never be dropped)."""
 
     model_config = ConfigDict(extra="forbid", strict=True, populate_by_name=False)
 
 
-class JsonSchemaFormat(_Closed):
+class JsonSchemaFormat(ClosedObject):
     """``response_format.json_schema``: the output is JSON valid under ``schema`` (always
     enforced: ``strict`` false asks for no less)."""
 
@@ -74,7 +74,7 @@ class JsonSchemaFormat(_Closed):
     strict: bool | None = None
 
 
-class ResponseFormat(_Closed):
+class ResponseFormat(ClosedObject):
     """OpenAI's ``response_format``: ``text`` (no constraint), ``json_object`` (any JSON
     object), ``json_schema``."""
 
@@ -82,7 +82,7 @@ class ResponseFormat(_Closed):
     json_schema: JsonSchemaFormat | None = None
 
 
-class StructuredOutputsRequest(_Closed):
+class StructuredOutputsRequest(ClosedObject):
     """vLLM's ``structured_outputs``: one of ``json`` (a schema), ``regex``, ``choice``,
     ``grammar`` (Lark, llguidance's dialect) or ``json_object``; with a JSON one,
     ``whitespace_pattern`` (the whitespace allowed between its tokens) or
@@ -103,7 +103,7 @@ class StructuredOutputsRequest(_Closed):
         return {name: value for name, value in given.items() if value is not None}
 
 
-class FunctionDefinition(_Closed):
+class FunctionDefinition(ClosedObject):
     """A function the model may call: ``parameters`` a JSON schema of an object (always
     enforced on its calls' arguments: ``strict`` false asks for no less)."""
 
@@ -113,16 +113,16 @@ class FunctionDefinition(_Closed):
     strict: bool | None = None
 
 
-class ToolDefinition(_Closed):
+class ToolDefinition(ClosedObject):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class _FunctionName(_Closed):
+class _FunctionName(ClosedObject):
     name: str
 
 
-class NamedToolChoice(_Closed):
+class NamedToolChoice(ClosedObject):
     """``tool_choice`` naming the one function to call."""
 
     type: Literal["function"]

@@ -44,7 +44,8 @@ from pagedkv.server.fields import FieldError
 
 __all__ = [
     "TOOL_CALL_CLOSE", "TOOL_CALL_OPEN", "TOOL_RESPONSE_CLOSE", "TOOL_RESPONSE_OPEN", "Function", "ToolCall",
-    "ToolCallFormatError", "ToolCallParser", "ToolUse", "call_text", "prepare_conversation", "tools_prompt",
+    "ToolCallFormatError", "ToolCallParser", "ToolUse", "call_arguments", "call_text", "prepare_conversation",
+    "tools_prompt",
 ]
 
 TOOL_CALL_OPEN = "<tool_call>"
@@ -81,23 +82,29 @@ def _json_rule(schema: Mapping[str, Any]) -> str:
 
 @dataclass(frozen=True)
 class Function:
-    """A function the model may call: ``parameters`` is a JSON schema of an object."""
+    """A function the model may call: ``parameters`` is a JSON schema of an object; ``path`` the
+    request field defining it (what errors about it name: chat's ``tools[0].function``, the
+    Responses API's ``tools[0]``)."""
 
     name: str
     description: str | None
     parameters: Mapping[str, Any]
+    path: str = field(default="tools", compare=False)
 
     @classmethod
-    def of(cls, index: int, name: str, description: str | None, parameters: Mapping[str, Any] | None) -> Function:
-        """Tool ``index``'s function. ``parameters`` must be an object's schema (without one, the
-        function takes no arguments); one giving no ``type`` is given ``"type": "object"``.
-        :class:`FieldError` otherwise (the name is checked by :meth:`ToolUse.of`)."""
+    def of(cls, index: int, name: str, description: str | None, parameters: Mapping[str, Any] | None, *,
+           path: str | None = None) -> Function:
+        """Tool ``index``'s function, defined at ``path`` (default: chat's ``tools[index].function``).
+        ``parameters`` must be an object's schema (without one, the function takes no arguments);
+        one giving no ``type`` is given ``"type": "object"``. :class:`FieldError` otherwise (the
+        name is checked by :meth:`ToolUse.of`)."""
+        path = f"tools[{index}].function" if path is None else path
         schema = dict(parameters) if parameters is not None else {"properties": {}}
         kind = schema.setdefault("type", "object")
         if kind != "object":
             raise FieldError(f"a function's parameters must be the JSON schema of an object, got type {kind!r:.80}",
-                             f"tools[{index}].function.parameters")
-        return cls(name, description, schema)
+                             f"{path}.parameters")
+        return cls(name, description, schema, path)
 
     def definition(self) -> dict[str, Any]:
         """OpenAI's tool definition (what chat templates read in ``tools``)."""
@@ -120,29 +127,29 @@ class ToolUse:
 
     @classmethod
     def of(cls, functions: Sequence[Function], tool_choice: Literal["none", "auto", "required"] | None,
-           named: str | None, parallel: bool) -> ToolUse | None:
+           named: str | None, parallel: bool, *, choice_field: str = "tool_choice") -> ToolUse | None:
         """The use of ``functions`` under ``tool_choice`` (None: "auto" with functions, else
         "none") or the function ``named``, or None when nothing is to be called. Raises
-        :class:`FieldError` for a bad name, two functions of one name, a choice asking for
-        functions that are not offered, or naming one that is not."""
+        :class:`FieldError` for a bad name, two functions of one name, a choice (the request's
+        ``choice_field``) asking for functions that are not offered, or naming one that is not."""
         names = [f.name for f in functions]
-        for i, name in enumerate(names):
+        for i, (function, name) in enumerate(zip(functions, names, strict=True)):
             if not _FUNCTION_NAME.fullmatch(name):
                 raise FieldError(f"a function's name is 1 to 64 letters, digits, '_' or '-', got {name!r:.80}",
-                                 f"tools[{i}].function.name")
+                                 f"{function.path}.name")
             if name in names[:i]:
-                raise FieldError(f"two functions are named {name!r}", f"tools[{i}].function.name")
+                raise FieldError(f"two functions are named {name!r}", f"{function.path}.name")
         if named is not None:
             if named not in names:
                 offered = ", ".join(names) or "no tools are given"
-                raise FieldError(f"tool_choice names the function {named!r}, which is not among the tools ({offered})",
-                                 "tool_choice")
+                raise FieldError(f"{choice_field} names the function {named!r}, which is not among the tools ({offered})",
+                                 choice_field)
             return cls(tuple(f for f in functions if f.name == named), "named", False)
         choice = tool_choice or ("auto" if functions else "none")
         if choice == "none" or (choice == "auto" and not functions):
             return None
         if not functions:
-            raise FieldError(f"tool_choice {choice!r} needs tools, and none are given", "tool_choice")
+            raise FieldError(f"{choice_field} {choice!r} needs tools, and none are given", choice_field)
         return cls(tuple(functions), choice, parallel)
 
     @property
@@ -406,14 +413,20 @@ def _with_parsed_calls(index: int, message: Mapping[str, Any]) -> dict[str, Any]
         function = call.get("function") if isinstance(call, Mapping) else None
         if not isinstance(function, Mapping) or not isinstance(function.get("name"), str):
             raise FieldError("a tool call needs function.name, a string", where)
-        arguments = function.get("arguments", "{}")
-        if isinstance(arguments, str):
-            try:
-                arguments = json.loads(arguments)
-            except ValueError as error:
-                raise FieldError(f"a tool call's arguments must be JSON: {error}", f"{where}.function.arguments") from None
-        if not isinstance(arguments, Mapping):
-            raise FieldError("a tool call's arguments must be a JSON object", f"{where}.function.arguments")
-        parsed.append({**call, "function": {**function, "arguments": dict(arguments)}})
+        arguments = call_arguments(function.get("arguments", "{}"), f"{where}.function.arguments")
+        parsed.append({**call, "function": {**function, "arguments": arguments}})
     copied["tool_calls"] = parsed
     return copied
+
+
+def call_arguments(arguments: Any, param: str) -> dict[str, Any]:
+    """A past call's ``arguments`` (JSON text on the wire, or already an object) as an object;
+    :class:`FieldError` naming ``param`` if they are not a JSON object."""
+    if isinstance(arguments, str):
+        try:
+            arguments = json.loads(arguments)
+        except ValueError as error:
+            raise FieldError(f"a tool call's arguments must be JSON: {error}", param) from None
+    if not isinstance(arguments, Mapping):
+        raise FieldError("a tool call's arguments must be a JSON object", param)
+    return dict(arguments)
