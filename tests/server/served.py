@@ -1,6 +1,7 @@
 """`python -m pagedkv serve` as a subprocess on 127.0.0.1 for the server tests: the built-in tiny
 model (random weights, byte tokenizer) under the name :data:`MODEL`, given the chat template
-:data:`TEMPLATE`. The fixtures that start one per test module are in ``conftest.py``."""
+:data:`TEMPLATE`; :class:`City`, the answer the SDK parse tests ask for. The fixtures that start
+one per test module are in ``conftest.py``."""
 
 from __future__ import annotations
 
@@ -10,14 +11,26 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Literal
 
 import httpx
 import openai
+from pydantic import BaseModel, ConfigDict, Field
 
 MODEL = "tiny-served"
 TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
             "{% if add_generation_prompt %}<assistant>{% endif %}")
 STARTUP_SECONDS = 60
+
+
+class City(BaseModel):
+    """The pydantic answer the structured-output tests ask the SDKs to parse (bounded, closed)."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field(max_length=12)
+    population: int = Field(ge=0, le=10_000_000)
+    kind: Literal["town", "city", "village"]
+    coastal: bool
 
 
 class Server:

@@ -8,13 +8,11 @@ the constrained output is valid anyway."""
 from __future__ import annotations
 
 import json
-from typing import Literal
 
 import httpx
 import jsonschema
 import pytest
-from pydantic import BaseModel, ConfigDict, Field
-from served import MODEL
+from served import MODEL, City
 
 from pagedkv.server.tools import TOOL_CALL_OPEN
 
@@ -27,14 +25,6 @@ TOOLS = [{"type": "function", "name": "get_weather", "description": "The forecas
          {"type": "function", "name": "search", "parameters": SEARCH, "strict": False}]
 SCHEMAS = {"get_weather": WEATHER, "search": SEARCH}
 QUESTION = "Weather in Oslo?"
-
-
-class City(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    name: str = Field(max_length=12)
-    population: int = Field(ge=0, le=10_000_000)
-    kind: Literal["town", "city", "village"]
-    coastal: bool
 
 
 def calls_of(response) -> list:

@@ -10,25 +10,15 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-from typing import Literal
 
 import httpx
 import jsonschema
 import pytest
-from pydantic import BaseModel, ConfigDict, Field
-from served import MODEL, Server
+from served import MODEL, City, Server
 
 from pagedkv.grammar import MAX_GRAMMAR_CHARS
 
 USER = [{"role": "user", "content": "Describe a city."}]
-
-
-class City(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    name: str = Field(max_length=12)
-    population: int = Field(ge=0, le=10_000_000)
-    kind: Literal["town", "city", "village"]
-    coastal: bool
 
 
 CITY_SCHEMA = City.model_json_schema()
