@@ -49,7 +49,7 @@ from pagedkv.server.errors import classify
 from pagedkv.server.fields import NotSupportedError, check_unhonoured
 from pagedkv.server.formats import SYSTEM_FINGERPRINT
 from pagedkv.server.generation import Generation, finish_reason
-from pagedkv.server.protocol import ChatMessage, ClosedObject, RequestBody
+from pagedkv.server.protocol import ChatMessage, ClosedObject, FunctionDefinition, RequestBody
 from pagedkv.server.tools import Function, ToolUse, call_arguments
 
 __all__ = [
@@ -79,15 +79,12 @@ class TextConfig(ClosedObject):
     verbosity: Literal["low", "medium", "high"] | None = None
 
 
-class FunctionTool(ClosedObject):
-    """A function the model may call, in the Responses API's flat shape (chat nests the same
-    fields under ``function``)."""
+class FunctionTool(FunctionDefinition):
+    """A function the model may call, in the Responses API's flat shape: chat's
+    :class:`~pagedkv.server.protocol.FunctionDefinition` with its ``type`` beside it (chat nests
+    the same fields under ``function``)."""
 
     type: Literal["function"]
-    name: str
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
 
 
 class FunctionChoice(ClosedObject):
